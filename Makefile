@@ -1,0 +1,31 @@
+# One-command entry points. The venv pins torch==2.13.0 (constraints.txt) because on these
+# machines an unpinned torch resolves to a multi-GB CUDA build; Kiln itself supports 2.11-2.14.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+CONSTRAINTS ?= constraints.txt
+RECIPE ?= recipes/tiny.toml
+
+.PHONY: setup demo test test-slow bench clean
+
+$(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -c $(CONSTRAINTS) -e '.[test]'
+	touch $@
+
+setup: $(VENV)/.installed
+
+demo: setup
+	$(VENV)/bin/kiln run $(RECIPE)
+
+test: setup
+	$(PY) -m pytest -q -m "not slow"
+
+test-slow: setup
+	$(PY) -m pytest -q -m slow
+
+bench: setup
+	$(PY) bench/train_step.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

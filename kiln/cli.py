@@ -1,0 +1,151 @@
+"""The `kiln` command. Each verb is a thin call into the package."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from kiln.errors import ConfigError, DataError
+
+
+def _recipe_args(p: argparse.ArgumentParser, stage_verb: bool = True) -> None:
+    p.add_argument("recipe", nargs="?", default="recipes/tiny.toml", help="TOML recipe (default: recipes/tiny.toml)")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=3e-4 model.n_layers=6")
+    if stage_verb:
+        p.add_argument("--force", action="store_true", help="rebuild even if the stage is already done")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kiln", description="Train language models end to end.")
+    verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
+
+    p = verbs.add_parser("run", help="run the stages a recipe names, skipping finished ones")
+    _recipe_args(p)
+    p.add_argument("--stages", help="comma-separated subset of stages to run")
+
+    p = verbs.add_parser("corpus", help="build the built-in corpus of real text")
+    _recipe_args(p)
+
+    p = verbs.add_parser("tokenizer", help="train a byte-level BPE tokenizer")
+    tok = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    _recipe_args(tok.add_parser("train", help="train on the run's corpus"))
+
+    p = verbs.add_parser("pack", help="tokenize the corpus into memory-mapped token shards")
+    _recipe_args(p)
+
+    p = verbs.add_parser("pretrain", help="pretrain the model on the packed shards")
+    _recipe_args(p)
+    p.add_argument("--resume", default="auto", help="auto (newest complete checkpoint), none, or a checkpoint path")
+    p.add_argument("--init-from", help="start a new run from this checkpoint's weights")
+
+    p = verbs.add_parser("generate", help="sample text from a checkpoint")
+    p.add_argument("checkpoint", help="checkpoint folder, checkpoints root, or stage folder")
+    p.add_argument("--prompt", default="def ")
+    p.add_argument("--tokenizer", help="tokenizer.json (default: found next to the checkpoint)")
+    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-k", type=int, default=50)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--num-samples", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+
+    p = verbs.add_parser("export", help="export a checkpoint to another format")
+    fmt = p.add_subparsers(dest="format", required=True, metavar="FORMAT")
+    e = fmt.add_parser("hf", help="Hugging Face folder (LlamaForCausalLM) that transformers and vLLM load")
+    e.add_argument("checkpoint")
+    e.add_argument("out")
+    e.add_argument("--tokenizer", help="tokenizer.json (default: found next to the checkpoint)")
+
+    p = verbs.add_parser("import", help="import a checkpoint from another format")
+    fmt = p.add_subparsers(dest="format", required=True, metavar="FORMAT")
+    i = fmt.add_parser("hf", help="local Llama / Mistral / Qwen2 folder into a Kiln checkpoint")
+    i.add_argument("folder")
+    i.add_argument("out")
+    return parser
+
+
+def find_tokenizer(path: str | Path) -> Path:
+    """tokenizer.json in the checkpoint folder or in a run folder above it."""
+    path = Path(path).resolve()
+    for folder in [path, *path.parents]:
+        for candidate in (folder / "tokenizer.json", folder / "tokenizer" / "tokenizer.json"):
+            if candidate.is_file():
+                return candidate
+    raise DataError(f"{path}: no tokenizer.json next to the checkpoint or in its run folder; pass --tokenizer")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return _dispatch(args)
+    except (ConfigError, DataError, FileNotFoundError) as err:
+        print(f"kiln: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("kiln: interrupted", file=sys.stderr)
+        return 130
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    from kiln.config import load_recipe
+    from kiln.pipeline import run_recipe
+
+    stage_of_verb = {"corpus": "corpus", "tokenizer": "tokenizer", "pack": "pack", "pretrain": "pretrain"}
+    if args.verb == "run":
+        recipe = load_recipe(args.recipe, args.overrides)
+        stages = args.stages.split(",") if args.stages else None
+        results = run_recipe(recipe, stages, force=args.force)
+        print(f"run folder: {recipe.run_dir}")
+        if "pretrain" in results:
+            summary = results["pretrain"]
+            print("pretrain summary: " + json.dumps({k: summary.get(k) for k in
+                  ("steps", "tokens", "final_val_loss", "best_val_loss", "final_val_bpb", "tokens_per_s", "mfu")}))
+        return 0
+    if args.verb in stage_of_verb:
+        recipe = load_recipe(args.recipe, args.overrides)
+        extra = {"resume": args.resume, "init_from": args.init_from} if args.verb == "pretrain" else {}
+        run_recipe(recipe, [stage_of_verb[args.verb]], force=args.force, **extra)
+        return 0
+    if args.verb == "generate":
+        return _generate(args)
+    if args.verb == "export":
+        from kiln.hf import export_checkpoint_to_hf
+        tokenizer = Path(args.tokenizer) if args.tokenizer else find_tokenizer(args.checkpoint)
+        export_checkpoint_to_hf(args.checkpoint, tokenizer, args.out)
+        print(f"exported {args.checkpoint} -> {args.out}")
+        return 0
+    if args.verb == "import":
+        from kiln.hf import import_hf_to_checkpoint
+        import_hf_to_checkpoint(args.folder, args.out)
+        print(f"imported {args.folder} -> {args.out}")
+        return 0
+    raise AssertionError(args.verb)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from kiln.data.tokenizer import Tokenizer
+    from kiln.infer.config import SampleConfig
+    from kiln.infer.sample import sample_texts
+    from kiln.model import Transformer
+    from kiln.train.checkpoint import load_weights
+
+    cfg = SampleConfig(prompt=args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                       top_k=args.top_k, top_p=args.top_p, num_samples=args.num_samples, seed=args.seed)
+    try:
+        cfg.validate()
+    except ConfigError as err:
+        raise ConfigError("--" + err.key.replace("_", "-"), err.message, "<command line>") from None
+    model_cfg, state, _ = load_weights(args.checkpoint)
+    model = Transformer(model_cfg)
+    model.load_state_dict(state)
+    model.eval()
+    tokenizer = Tokenizer.load(args.tokenizer or find_tokenizer(args.checkpoint))
+    for text in sample_texts(model, tokenizer, cfg):
+        print(args.prompt + text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

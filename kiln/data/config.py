@@ -1,0 +1,64 @@
+"""Configs of the data stages: corpus building, tokenizer training and packing."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kiln.errors import ConfigError
+
+BUILTIN_SOURCES = ("python_stdlib", "python_docs", "debian_docs")
+
+
+@dataclass
+class CorpusConfig:
+    sources: list[str] = field(default_factory=lambda: list(BUILTIN_SOURCES))
+    max_bytes_per_source: int = 6_000_000  # keeps the CPU demo within its time budget
+    min_chars: int = 64                    # shorter documents carry almost no signal
+    max_chars: int = 32_000                # longer files are split at line boundaries
+    seed: int = 0
+
+    def validate(self) -> None:
+        if not self.sources:
+            raise ConfigError("sources", "must name at least one source")
+        for name in self.sources:
+            if name not in BUILTIN_SOURCES:
+                raise ConfigError("sources", f"unknown source {name!r}; known: {', '.join(BUILTIN_SOURCES)}")
+        if self.max_bytes_per_source <= 0:
+            raise ConfigError("max_bytes_per_source", f"must be positive, got {self.max_bytes_per_source}")
+        if not 0 < self.min_chars < self.max_chars:
+            raise ConfigError("min_chars", f"must satisfy 0 < min_chars < max_chars={self.max_chars}")
+
+
+@dataclass
+class TokenizerConfig:
+    vocab_size: int = 8192
+    min_frequency: int = 2
+    heldout_fraction: float = 0.02   # documents kept out of training to measure bytes per token
+    max_train_bytes: int = 0         # 0: train on the whole corpus
+
+    def validate(self) -> None:
+        # 256 byte symbols plus the reserved special tokens must fit before any merge.
+        if self.vocab_size < 512:
+            raise ConfigError("vocab_size", f"must be at least 512, got {self.vocab_size}")
+        if self.min_frequency < 1:
+            raise ConfigError("min_frequency", f"must be >= 1, got {self.min_frequency}")
+        if not 0 < self.heldout_fraction < 0.5:
+            raise ConfigError("heldout_fraction", f"must be in (0, 0.5), got {self.heldout_fraction}")
+
+
+@dataclass
+class PackConfig:
+    val_fraction: float = 0.01       # documents (by stable hash of id) held out for validation
+    mixture: dict[str, float] = field(default_factory=dict)  # source -> weight; empty: by token count
+    shard_tokens: int = 16_777_216   # tokens per shard file
+
+    def validate(self) -> None:
+        if not 0 < self.val_fraction < 0.5:
+            raise ConfigError("val_fraction", f"must be in (0, 0.5), got {self.val_fraction}")
+        for name, weight in self.mixture.items():
+            if weight < 0:
+                raise ConfigError(f"mixture.{name}", f"must be >= 0, got {weight}")
+        if self.mixture and sum(self.mixture.values()) <= 0:
+            raise ConfigError("mixture", "weights must not all be zero")
+        if self.shard_tokens <= 0:
+            raise ConfigError("shard_tokens", f"must be positive, got {self.shard_tokens}")

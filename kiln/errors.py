@@ -1,0 +1,25 @@
+"""Errors that Kiln shows to users as one line naming what is wrong and where."""
+
+
+class ConfigError(ValueError):
+    """A recipe or override value is unknown, of the wrong type, or impossible.
+
+    Components raise it with the field name relative to their own section
+    (``ConfigError("n_heads", "must divide dim")``); the recipe loader prefixes the
+    section and the recipe file so the message names the full dotted key.
+    """
+
+    def __init__(self, key: str, message: str, source: str | None = None):
+        self.key = key
+        self.message = message
+        self.source = source
+        where = f"{source}: " if source else ""
+        super().__init__(f"{where}{key}: {message}")
+
+    def within(self, section: str, source: str | None = None) -> "ConfigError":
+        key = f"{section}.{self.key}" if section else self.key
+        return ConfigError(key, self.message, source or self.source)
+
+
+class DataError(ValueError):
+    """Input data is malformed; the message names the file (and line where known)."""

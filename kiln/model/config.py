@@ -1,0 +1,92 @@
+"""Shape and options of the Transformer, with presets from a CPU toy to Llama-70B."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from kiln.errors import ConfigError
+
+
+@dataclass
+class ModelConfig:
+    preset: str = ""             # start from PRESETS[preset]; other keys in the recipe override it
+    vocab_size: int = 0          # 0: take the trained tokenizer's size
+    dim: int = 256
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 0          # 0: same as n_heads (MHA); 1: MQA; in between: GQA
+    ffn_hidden: int = 0          # 0: derived from dim (see ffn_hidden_size)
+    ffn_multiplier: float = 1.0  # Llama-3 style scaling of the derived SwiGLU width
+    multiple_of: int = 64        # round the derived FFN width up to this (matmul-friendly)
+    ffn: str = "swiglu"          # swiglu | gelu
+    norm: str = "rmsnorm"        # rmsnorm | layernorm
+    norm_eps: float = 1e-5
+    pos: str = "rope"            # rope | learned | sinusoidal
+    rope_theta: float = 10000.0
+    max_seq_len: int = 256
+    tie_embeddings: bool = False
+    qkv_bias: bool = False       # Qwen2 has biases on q, k, v
+    init_std: float = 0.02
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def ffn_hidden_size(self) -> int:
+        if self.ffn_hidden:
+            return self.ffn_hidden
+        if self.ffn == "gelu":
+            return 4 * self.dim
+        # SwiGLU has three matrices instead of two, so 2/3 of 4*dim keeps the parameter
+        # count of a 4*dim GELU MLP (Shazeer 2020); then round up for matmul efficiency.
+        hidden = int(self.ffn_multiplier * int(2 * 4 * self.dim / 3))
+        return self.multiple_of * -(-hidden // self.multiple_of)
+
+    def validate(self) -> None:
+        for key in ("dim", "n_layers", "n_heads", "max_seq_len", "multiple_of"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(key, f"must be positive, got {getattr(self, key)}")
+        for key in ("vocab_size", "n_kv_heads", "ffn_hidden"):
+            if getattr(self, key) < 0:
+                raise ConfigError(key, f"must be >= 0, got {getattr(self, key)}")
+        if self.dim % self.n_heads:
+            raise ConfigError("n_heads", f"must divide dim={self.dim}, got {self.n_heads}")
+        if self.head_dim % 2 and self.pos == "rope":
+            raise ConfigError("n_heads", f"RoPE needs an even head_dim, got dim/n_heads={self.head_dim}")
+        if self.n_heads % self.kv_heads:
+            raise ConfigError("n_kv_heads", f"must divide n_heads={self.n_heads}, got {self.n_kv_heads}")
+        choices = {"ffn": ("swiglu", "gelu"), "norm": ("rmsnorm", "layernorm"),
+                   "pos": ("rope", "learned", "sinusoidal")}
+        for key, allowed in choices.items():
+            if getattr(self, key) not in allowed:
+                raise ConfigError(key, f"must be one of {', '.join(allowed)}, got {getattr(self, key)!r}")
+        if self.preset and self.preset not in PRESETS:
+            raise ConfigError("preset", f"unknown preset {self.preset!r}; known: {', '.join(PRESETS)}")
+        if self.norm_eps <= 0 or self.rope_theta <= 0 or self.init_std <= 0:
+            raise ConfigError("norm_eps" if self.norm_eps <= 0 else "rope_theta" if self.rope_theta <= 0
+                              else "init_std", "must be positive")
+
+
+# Shapes follow the published models: GPT-2 small for 125M, Llama 3.2 1B, Llama 3 8B and 70B.
+PRESETS: dict[str, ModelConfig] = {
+    # Fits a 2-core CPU: ~4M non-embedding parameters train at a few thousand tokens/s in bf16.
+    "tiny": ModelConfig(dim=256, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=256),
+    "125m": ModelConfig(dim=768, n_layers=12, n_heads=12, max_seq_len=2048),
+    "1b": ModelConfig(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_hidden=8192,
+                      rope_theta=500000.0, max_seq_len=8192, tie_embeddings=True),
+    "8b": ModelConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden=14336,
+                      rope_theta=500000.0, max_seq_len=8192),
+    "70b": ModelConfig(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_hidden=28672,
+                       rope_theta=500000.0, max_seq_len=8192),
+}
+
+
+def preset(name: str, **overrides) -> ModelConfig:
+    if name not in PRESETS:
+        raise ConfigError("preset", f"unknown preset {name!r}; known: {', '.join(PRESETS)}")
+    return replace(PRESETS[name], preset=name, **overrides)

@@ -1,0 +1,137 @@
+"""`kiln run`: the stages a recipe names, in order, each into runs/<name>/<stage>/.
+
+A finished stage leaves a DONE marker holding a fingerprint of every config section that shaped
+its output (its own and its upstream stages'). A rerun skips a stage whose marker matches; a stage
+whose inputs changed is rebuilt from scratch, and so, through the fingerprints, is everything
+downstream of it. Pretraining without a marker resumes from its newest complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from kiln.config import STAGES, Recipe, recipe_to_dict
+
+# Which recipe sections determine each stage's output, upstream included.
+STAGE_INPUTS = {
+    "corpus": ("corpus",),
+    "tokenizer": ("corpus", "tokenizer"),
+    "pack": ("corpus", "tokenizer", "pack"),
+    "pretrain": ("corpus", "tokenizer", "pack", "model", "train"),
+    "sample": ("corpus", "tokenizer", "pack", "model", "train", "sample"),
+}
+MARKER = "DONE"
+
+
+def fingerprint(recipe: Recipe, stage: str) -> str:
+    parts = {name: dataclasses.asdict(getattr(recipe, name)) for name in STAGE_INPUTS[stage]}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def stage_dir(recipe: Recipe, stage: str) -> Path:
+    return recipe.run_dir / stage
+
+
+def is_done(recipe: Recipe, stage: str) -> bool:
+    marker = stage_dir(recipe, stage) / MARKER
+    if not marker.exists():
+        return False
+    try:
+        return json.loads(marker.read_text())["fingerprint"] == fingerprint(recipe, stage)
+    except (ValueError, KeyError):
+        return False
+
+
+def run_recipe(recipe: Recipe, stages: list[str] | None = None, force: bool = False,
+               resume: str = "auto", init_from: str | None = None) -> dict[str, Any]:
+    """Run ``stages`` (default: the recipe's) in pipeline order; return each stage's stats."""
+    wanted = stages if stages is not None else recipe.run.stages
+    results: dict[str, Any] = {}
+    recipe.run_dir.mkdir(parents=True, exist_ok=True)
+    (recipe.run_dir / "recipe.json").write_text(json.dumps(recipe_to_dict(recipe), indent=2))
+    for stage in (s for s in STAGES if s in wanted):
+        out = stage_dir(recipe, stage)
+        if not force and is_done(recipe, stage):
+            print(f"[{stage}] done already in {out}, skipping")
+            results[stage] = json.loads((out / MARKER).read_text()).get("stats", {})
+            continue
+        marker = out / MARKER
+        if out.exists() and (marker.exists() or stage != "pretrain" or force):
+            # Stale or partial output of a stage that cannot resume: rebuild from scratch.
+            shutil.rmtree(out)
+        out.mkdir(parents=True, exist_ok=True)
+        print(f"[{stage}] -> {out}")
+        started = time.time()
+        stats = STAGE_RUNNERS[stage](recipe, out, resume=resume, init_from=init_from)
+        seconds = round(time.time() - started, 1)
+        print(f"[{stage}] finished in {seconds} s")
+        marker.write_text(json.dumps({"fingerprint": fingerprint(recipe, stage), "seconds": seconds,
+                                      "stats": stats}, indent=2, default=str))
+        results[stage] = stats
+    return results
+
+
+def _corpus(recipe: Recipe, out: Path, **_) -> dict:
+    from kiln.data.corpus import build_corpus
+    return build_corpus(recipe.corpus, out)
+
+
+def _tokenizer(recipe: Recipe, out: Path, **_) -> dict:
+    from kiln.data.tokenizer import train_tokenizer_from_corpus
+    stats = train_tokenizer_from_corpus(stage_dir(recipe, "corpus"), recipe.tokenizer, out)
+    print(f"[tokenizer] held-out compression: {stats['bytes_per_token']:.2f} bytes/token")
+    return stats
+
+
+def _pack(recipe: Recipe, out: Path, **_) -> dict:
+    from kiln.data.pack import pack
+    return pack(stage_dir(recipe, "corpus"), stage_dir(recipe, "tokenizer") / "tokenizer.json",
+                recipe.pack, out)
+
+
+def resolved_model_config(recipe: Recipe):
+    """The model config with ``vocab_size = 0`` replaced by the packed data's vocabulary size."""
+    if recipe.model.vocab_size:
+        return recipe.model
+    mixture = json.loads((stage_dir(recipe, "pack") / "mixture.json").read_text())
+    return dataclasses.replace(recipe.model, vocab_size=int(mixture["vocab_size"]))
+
+
+def _pretrain(recipe: Recipe, out: Path, resume: str = "auto", init_from: str | None = None, **_) -> dict:
+    from kiln.train.trainer import Trainer
+    trainer = Trainer(resolved_model_config(recipe), recipe.train, stage_dir(recipe, "pack"), out,
+                      recipe_dict=recipe_to_dict(recipe), resume=resume, init_from=init_from)
+    return trainer.fit()
+
+
+def _sample(recipe: Recipe, out: Path, **_) -> dict:
+    from kiln.data.tokenizer import Tokenizer
+    from kiln.infer.sample import sample_texts
+    from kiln.model import Transformer
+    from kiln.train.checkpoint import load_weights
+
+    checkpoints = stage_dir(recipe, "pretrain") / "checkpoints"
+    best = checkpoints / "best"
+    source = checkpoints / best.read_text().strip() if best.exists() else checkpoints
+    model_cfg, state, manifest = load_weights(source)
+    model = Transformer(model_cfg)
+    model.load_state_dict(state)
+    model.eval()
+    tokenizer = Tokenizer.load(stage_dir(recipe, "tokenizer"))
+    texts = sample_texts(model, tokenizer, recipe.sample)
+    with open(out / "samples.txt", "w", encoding="utf-8") as f:
+        for i, text in enumerate(texts):
+            f.write(f"--- sample {i} (step {manifest.get('step')}) ---\n{recipe.sample.prompt}{text}\n")
+    for i, text in enumerate(texts):
+        print(f"--- sample {i} (checkpoint step {manifest.get('step')}) ---\n{recipe.sample.prompt}{text}")
+    return {"checkpoint_step": manifest.get("step"), "samples": len(texts), "file": str(out / "samples.txt")}
+
+
+STAGE_RUNNERS = {"corpus": _corpus, "tokenizer": _tokenizer, "pack": _pack,
+                 "pretrain": _pretrain, "sample": _sample}

@@ -1,0 +1,68 @@
+"""Config of the training loop shared by every training stage."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kiln.errors import ConfigError
+
+
+@dataclass
+class TrainConfig:
+    seq_len: int = 256
+    micro_batch_size: int = 8
+    global_batch_tokens: int = 16384     # tokens per optimizer step, across ranks and accumulation
+    max_steps: int = 300
+    optimizer: str = "adamw"             # adamw | lion | adafactor
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1            # final lr = lr * min_lr_ratio
+    warmup_steps: int = 30
+    schedule: str = "cosine"             # cosine | wsd | constant
+    decay_fraction: float = 0.2          # wsd: share of steps spent decaying at the end
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1            # applied to matrices only
+    grad_clip: float = 1.0               # 0: off
+    precision: str = "bf16"              # fp32 | bf16 | fp16
+    activation_checkpointing: bool = False
+    compile: bool = False
+    seed: int = 1337
+    log_every: int = 10
+    eval_every: int = 50
+    eval_batches: int = 8
+    ckpt_every: int = 100
+    keep_last: int = 2
+    keep_best: bool = True
+    early_stop_patience: int = 0         # evaluations without improvement before stopping; 0: off
+    peak_flops: float = 0.0              # per device, for MFU; 0: detect (measured matmul on CPU)
+    threads: int = 0                     # torch intra-op threads; 0: leave torch's default
+
+    def validate(self) -> None:
+        for key in ("seq_len", "micro_batch_size", "global_batch_tokens", "max_steps", "log_every",
+                    "eval_every", "eval_batches", "ckpt_every", "keep_last"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(key, f"must be positive, got {getattr(self, key)}")
+        if self.global_batch_tokens % (self.seq_len * self.micro_batch_size):
+            raise ConfigError("global_batch_tokens",
+                              f"must be a multiple of seq_len*micro_batch_size="
+                              f"{self.seq_len * self.micro_batch_size}, got {self.global_batch_tokens}")
+        choices = {"optimizer": ("adamw", "lion", "adafactor"), "schedule": ("cosine", "wsd", "constant"),
+                   "precision": ("fp32", "bf16", "fp16")}
+        for key, allowed in choices.items():
+            if getattr(self, key) not in allowed:
+                raise ConfigError(key, f"must be one of {', '.join(allowed)}, got {getattr(self, key)!r}")
+        if self.lr <= 0:
+            raise ConfigError("lr", f"must be positive, got {self.lr}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError("min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
+        if not 0 <= self.warmup_steps < self.max_steps:
+            raise ConfigError("warmup_steps", f"must be in [0, max_steps={self.max_steps}), got {self.warmup_steps}")
+        if not 0 < self.decay_fraction <= 1:
+            raise ConfigError("decay_fraction", f"must be in (0, 1], got {self.decay_fraction}")
+        for key in ("beta1", "beta2"):
+            if not 0 <= getattr(self, key) < 1:
+                raise ConfigError(key, f"must be in [0, 1), got {getattr(self, key)}")
+        for key in ("weight_decay", "grad_clip", "peak_flops", "early_stop_patience", "threads"):
+            if getattr(self, key) < 0:
+                raise ConfigError(key, f"must be >= 0, got {getattr(self, key)}")

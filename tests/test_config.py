@@ -1,0 +1,79 @@
+from pathlib import Path
+
+import pytest
+
+from kiln.config import Recipe, load_recipe, parse_override
+from kiln.errors import ConfigError
+
+RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+
+
+def write(tmp_path, text):
+    path = tmp_path / "r.toml"
+    path.write_text(text)
+    return path
+
+
+def test_shipped_recipes_load():
+    for path in RECIPES.glob("*.toml"):
+        assert isinstance(load_recipe(path), Recipe)
+
+
+def test_defaults_are_valid():
+    load_recipe(None).validate()
+
+
+def test_preset_then_keys_override(tmp_path):
+    r = load_recipe(write(tmp_path, '[model]\npreset = "125m"\nn_layers = 2\n'))
+    assert (r.model.dim, r.model.n_layers, r.model.preset) == (768, 2, "125m")
+
+
+def test_dotted_overrides_parse_toml_values(tmp_path):
+    r = load_recipe(write(tmp_path, "[train]\nlr = 1e-3\n"),
+                    ["train.lr=3e-4", "model.preset=tiny", "train.compile=true", 'corpus.sources=["python_docs"]'])
+    assert r.train.lr == 3e-4 and r.model.preset == "tiny" and r.train.compile is True
+    assert r.corpus.sources == ["python_docs"]
+
+
+def test_int_accepted_for_float_but_not_reverse(tmp_path):
+    assert load_recipe(None, ["train.lr=1"]).train.lr == 1.0
+    with pytest.raises(ConfigError, match=r"train.max_steps: expected an integer"):
+        load_recipe(None, ["train.max_steps=1.5"])
+
+
+def test_mixture_table(tmp_path):
+    r = load_recipe(write(tmp_path, "[pack.mixture]\npython_stdlib = 2\ndebian_docs = 1\n"))
+    assert r.pack.mixture == {"python_stdlib": 2.0, "debian_docs": 1.0}
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("[model]\nn_heads = 5\n", r"r.toml: model.n_heads: must divide dim=256"),
+    ("[model]\nn_kv_heads = 3\n", r"r.toml: model.n_kv_heads: must divide n_heads=4"),
+    ("[model]\nwidth = 3\n", r"r.toml: model.width: unknown key"),
+    ("[modle]\ndim = 3\n", r"r.toml: modle: unknown section"),
+    ("[train]\nlr = \"fast\"\n", r"r.toml: train.lr: expected a number, got a string"),
+    ("[train]\ncompile = 1\n", r"r.toml: train.compile: expected true or false"),
+    ("[train]\nprecision = \"fp8\"\n", r"r.toml: train.precision: must be one of fp32, bf16, fp16"),
+    ("[train]\nglobal_batch_tokens = 1000\n", r"r.toml: train.global_batch_tokens: must be a multiple"),
+    ("[model]\npreset = \"huge\"\n", r"r.toml: model.preset: unknown preset 'huge'"),
+    ("[corpus]\nsources = [\"web\"]\n", r"r.toml: corpus.sources: unknown source 'web'"),
+    ("[pack.mixture]\npython_stdlib = -1\n", r"r.toml: pack.mixture.python_stdlib: must be >= 0"),
+    ("[run]\nstages = [\"fly\"]\n", r"r.toml: run.stages: unknown stage 'fly'"),
+    ("[train\n", r"r.toml: recipe: invalid TOML"),
+])
+def test_bad_recipes_name_key_and_file(tmp_path, text, expected):
+    with pytest.raises(ConfigError, match=expected) as info:
+        load_recipe(write(tmp_path, text))
+    assert "\n" not in str(info.value)
+
+
+def test_bad_override_names_key():
+    with pytest.raises(ConfigError, match=r"train.warmup_steps: must be in \[0, max_steps=10\)"):
+        load_recipe(None, ["train.max_steps=10", "train.warmup_steps=10"])
+    with pytest.raises(ConfigError, match="override must look like"):
+        parse_override("lr=3")
+
+
+def test_missing_recipe_file(tmp_path):
+    with pytest.raises(ConfigError, match="nope.toml: recipe: file not found"):
+        load_recipe(tmp_path / "nope.toml")
