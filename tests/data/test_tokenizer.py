@@ -1,0 +1,139 @@
+import hashlib
+import json
+import random
+
+import pytest
+
+from kiln.data.config import TokenizerConfig
+from kiln.data.corpus import stable_unit
+from kiln.data.tokenizer import SPECIAL_TOKENS, Tokenizer, train_tokenizer, train_tokenizer_from_corpus
+from kiln.errors import ConfigError, DataError
+
+SYLLABLES = ["ka", "lo", "mi", "ter", "on", "sa", "ri", "ven", "du", "pel", "ax", "qu", "is", "th", "ee"]
+
+
+def synthetic_texts(n, seed=0):
+    """Word-like prose and a little code, enough for BPE to learn a few hundred merges."""
+    rng = random.Random(seed)
+    words = ["".join(rng.choice(SYLLABLES) for _ in range(rng.randint(1, 3))) for _ in range(300)]
+    texts = []
+    for i in range(n):
+        prose = " ".join(rng.choice(words) for _ in range(120))
+        code = f"def f{i}(x):\n    return x * {rng.randint(0, 999)}\n"
+        texts.append(prose + ".\n\n" + code)
+    return texts
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tok")
+    stats = train_tokenizer(synthetic_texts(200), TokenizerConfig(vocab_size=600), out,
+                            heldout=synthetic_texts(10, seed=1))
+    return out, stats
+
+
+def test_special_tokens_come_first_and_vocab_is_exact(trained):
+    out, stats = trained
+    tok = Tokenizer.load(out)
+    assert [tok.token_id(s) for s in SPECIAL_TOKENS] == list(range(len(SPECIAL_TOKENS)))
+    assert tok.eot_id == tok.token_id("<|endoftext|>") == 0
+    for name in ("<|pad|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>", "<|reserved_0|>"):
+        assert name in SPECIAL_TOKENS
+    assert tok.vocab_size == stats["vocab_size"] == 600
+    assert tok.sha256 == hashlib.sha256((out / "tokenizer.json").read_bytes()).hexdigest() == stats["tokenizer_sha256"]
+    assert stats["heldout_tokens"] > 0 and stats["bytes_per_token"] == pytest.approx(
+        stats["heldout_bytes"] / stats["heldout_tokens"], abs=1e-4)
+    assert stats["bytes_per_token"] > 1.5  # merges learned: far fewer tokens than bytes
+    with pytest.raises(DataError, match="no token '<|nope|>'"):
+        tok.token_id("<|nope|>")
+
+
+@pytest.mark.parametrize("text", [
+    "日本語と中文的文本，混合 English.",
+    "emoji 🎉 flags 🏳️‍🌈 family 👨‍👩‍👧 skin 👍🏽",
+    "tabs\tand\r\nwindows\rlines   trailing   \n\n\n",
+    "\x00 control \x7f chars and 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 astral",
+    "",
+])
+def test_round_trip_is_exact(trained, text):
+    tok = Tokenizer.load(trained[0])
+    assert tok.decode(tok.encode(text)) == text
+
+
+def test_round_trip_random_unicode(trained):
+    tok = Tokenizer.load(trained[0])
+    rng = random.Random(0)
+    # Every code point except surrogates (which UTF-8 cannot encode).
+    points = [c for c in range(0x110000) if not 0xD800 <= c <= 0xDFFF]
+    texts = ["".join(chr(rng.choice(points)) for _ in range(rng.randint(1, 60))) for _ in range(200)]
+    assert [tok.decode(ids) for ids in tok.encode_batch(texts)] == texts
+
+
+def test_special_token_text_in_documents(trained):
+    tok = Tokenizer.load(trained[0])
+    text = "a <|endoftext|> b"
+    assert tok.eot_id in tok.encode(text)
+    literal = tok.encode(text, parse_special=False)
+    assert tok.eot_id not in literal and tok.decode(literal) == text
+    assert tok.encode_batch([text], parse_special=False) == [literal]
+    assert tok.eot_id in tok.encode(text)  # the flag does not stick
+
+
+def test_transformers_loads_it_and_agrees(trained):
+    transformers = pytest.importorskip("transformers")
+    path = trained[0] / "tokenizer.json"
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_file=str(path))
+    tok = Tokenizer.load(path)
+    text = "def f(x):\n    return x  # 你好 🎉"
+    assert hf.encode(text, add_special_tokens=False) == tok.encode(text)
+    assert hf.decode(tok.encode(text)) == text
+    assert hf.convert_tokens_to_ids("<|assistant|>") == tok.token_id("<|assistant|>")
+
+
+def test_training_is_deterministic_and_respects_max_train_bytes(tmp_path, trained):
+    texts = synthetic_texts(200)
+    again = train_tokenizer(texts, TokenizerConfig(vocab_size=600), tmp_path / "again", heldout=[])
+    assert again["tokenizer_sha256"] == trained[1]["tokenizer_sha256"]
+    limit = 20_000
+    capped = train_tokenizer(texts, TokenizerConfig(vocab_size=600, max_train_bytes=limit), tmp_path / "cap",
+                             heldout=[])
+    assert 0 < capped["train_bytes"] <= limit
+    assert capped["train_documents"] < len(texts)
+    assert json.loads((tmp_path / "cap" / "stats.json").read_text())["train_bytes"] == capped["train_bytes"]
+
+
+def test_heldout_documents_are_not_trained_on(tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    texts = synthetic_texts(300)
+    cfg = TokenizerConfig(vocab_size=700, heldout_fraction=0.1)
+    secret = "zqxwv"  # a word that occurs only in held-out documents, hundreds of times
+    records, heldout_ids = [], []
+    for i, text in enumerate(texts):
+        doc_id = f"src/doc{i}"
+        if stable_unit(doc_id) < cfg.heldout_fraction:
+            heldout_ids.append(doc_id)
+            text += (" " + secret) * 200
+        records.append({"id": doc_id, "text": text, "source": "src" if i % 2 else "other", "meta": {}})
+    assert heldout_ids
+    (corpus / "docs-00000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    stats = train_tokenizer_from_corpus(corpus, cfg, tmp_path / "tok")
+    assert stats["heldout_documents"] == len(heldout_ids)
+    assert stats["train_documents"] == len(texts) - len(heldout_ids)
+    assert set(stats["heldout_by_source"]) <= {"src", "other"}
+    tok = Tokenizer.load(tmp_path / "tok")
+    # Trained on, the word would have become one token (it is frequent enough to be merged).
+    assert len(tok.encode(" " + secret)) > 1
+    assert " " + secret not in tok.hf.get_vocab() and "Ġ" + secret not in tok.hf.get_vocab()
+
+
+def test_bad_inputs(tmp_path):
+    with pytest.raises(DataError, match="not found"):
+        Tokenizer.load(tmp_path)
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    with pytest.raises(DataError, match="not a valid tokenizer.json"):
+        Tokenizer.load(tmp_path / "tokenizer.json")
+    with pytest.raises(ConfigError, match="vocab_size"):
+        train_tokenizer(["x"], TokenizerConfig(vocab_size=100), tmp_path / "t", heldout=[])
+    with pytest.raises(DataError, match="no \\*.jsonl"):
+        train_tokenizer_from_corpus(tmp_path / "missing", TokenizerConfig(), tmp_path / "t")
