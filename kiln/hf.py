@@ -1,0 +1,279 @@
+"""Hugging Face checkpoints in and out: config.json + safetensors + tokenizer.
+
+Export writes a folder that `transformers` (LlamaForCausalLM, or Qwen2ForCausalLM when the model has
+q/k/v biases) and vLLM load as is. Import reads Llama, Mistral and Qwen2 folders.
+
+Weight layout: Kiln's RoPE pairs dimension i with i + head_dim/2 ("rotate half"), the layout HF Llama
+checkpoints are already stored in, so q/k rows are copied unchanged both ways. (Meta's original
+consolidated.*.pth checkpoints pair adjacent dimensions and need a row permutation; Kiln does not
+read that format.) The only reshaping is splitting Kiln's fused projections: `wqkv` = [q; k; v] and
+`w13` = [gate; up].
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from kiln.errors import ConfigError, DataError
+from kiln.model.config import ModelConfig
+
+EOT = "<|endoftext|>"
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+# ---- name mapping -------------------------------------------------------------------------------
+
+def kiln_to_hf_state(cfg: ModelConfig, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    q_rows, kv_rows = cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    hidden = cfg.ffn_hidden_size
+    # .contiguous() copies the row slices: safetensors refuses views into a larger tensor.
+    out = {"model.embed_tokens.weight": state_dict["tok_embeddings.weight"],
+           "model.norm.weight": state_dict["norm.weight"]}
+    if not cfg.tie_embeddings:
+        out["lm_head.weight"] = state_dict["output.weight"]
+    for i in range(cfg.n_layers):
+        src, dst = f"layers.{i}.", f"model.layers.{i}."
+        suffixes = ("weight", "bias") if cfg.qkv_bias else ("weight",)
+        for suffix in suffixes:
+            q, k, v = state_dict[f"{src}attn.wqkv.{suffix}"].split([q_rows, kv_rows, kv_rows])
+            for name, t in (("q_proj", q), ("k_proj", k), ("v_proj", v)):
+                out[f"{dst}self_attn.{name}.{suffix}"] = t.contiguous()
+        gate, up = state_dict[f"{src}ffn.w13.weight"].split([hidden, hidden])
+        out.update({
+            f"{dst}self_attn.o_proj.weight": state_dict[f"{src}attn.wo.weight"],
+            f"{dst}mlp.gate_proj.weight": gate.contiguous(),
+            f"{dst}mlp.up_proj.weight": up.contiguous(),
+            f"{dst}mlp.down_proj.weight": state_dict[f"{src}ffn.w2.weight"],
+            f"{dst}input_layernorm.weight": state_dict[f"{src}attn_norm.weight"],
+            f"{dst}post_attention_layernorm.weight": state_dict[f"{src}ffn_norm.weight"],
+        })
+    return {name: t.detach().contiguous() for name, t in out.items()}
+
+
+def hf_to_kiln_state(cfg: ModelConfig, tensors: dict[str, torch.Tensor], where: str) -> dict[str, torch.Tensor]:
+    used = set()
+
+    def take(name: str) -> torch.Tensor:
+        if name not in tensors:
+            raise DataError(f"{where}: missing tensor {name!r}")
+        used.add(name)
+        return tensors[name]
+
+    out = {"tok_embeddings.weight": take("model.embed_tokens.weight"), "norm.weight": take("model.norm.weight")}
+    if not cfg.tie_embeddings:
+        out["output.weight"] = take("lm_head.weight")
+    for i in range(cfg.n_layers):
+        src, dst = f"model.layers.{i}.", f"layers.{i}."
+        suffixes = ("weight", "bias") if cfg.qkv_bias else ("weight",)
+        for suffix in suffixes:
+            out[f"{dst}attn.wqkv.{suffix}"] = torch.cat(
+                [take(f"{src}self_attn.{p}.{suffix}") for p in ("q_proj", "k_proj", "v_proj")])
+        out[f"{dst}attn.wo.weight"] = take(f"{src}self_attn.o_proj.weight")
+        out[f"{dst}ffn.w13.weight"] = torch.cat([take(f"{src}mlp.gate_proj.weight"), take(f"{src}mlp.up_proj.weight")])
+        out[f"{dst}ffn.w2.weight"] = take(f"{src}mlp.down_proj.weight")
+        out[f"{dst}attn_norm.weight"] = take(f"{src}input_layernorm.weight")
+        out[f"{dst}ffn_norm.weight"] = take(f"{src}post_attention_layernorm.weight")
+    # A tied checkpoint may still store lm_head; old ones store the RoPE frequencies. Anything else
+    # means a layer Kiln would silently drop (o_proj or MLP biases, extra norms), so refuse it.
+    ignorable = {"lm_head.weight"} if cfg.tie_embeddings else set()
+    extra = sorted(n for n in tensors if n not in used and n not in ignorable and not n.endswith("rotary_emb.inv_freq"))
+    if extra:
+        raise DataError(f"{where}: tensors Kiln's Transformer has no place for: {', '.join(extra[:5])}"
+                        + (f" (+{len(extra) - 5} more)" if len(extra) > 5 else ""))
+    return out
+
+
+# ---- export -------------------------------------------------------------------------------------
+
+def _check_exportable(cfg: ModelConfig) -> None:
+    needs = {"pos": "rope", "norm": "rmsnorm", "ffn": "swiglu"}
+    for key, value in needs.items():
+        if getattr(cfg, key) != value:
+            raise ConfigError(key, f"HF export supports Llama-style models only ({key}={value!r}), "
+                                   f"got {getattr(cfg, key)!r}")
+
+
+def _tokenizer_file(tokenizer_path) -> Path:
+    path = Path(tokenizer_path)
+    if path.is_dir():
+        path = path / "tokenizer.json"
+    if not path.is_file():
+        raise DataError(f"{path}: tokenizer file not found")
+    return path
+
+
+def export_hf(model_cfg: ModelConfig, state_dict: dict[str, torch.Tensor], tokenizer_path, out_dir) -> Path:
+    """Write a transformers-loadable folder. tokenizer_path (tokenizer.json or a folder holding it)
+    may be None to export weights only. Tensors keep the dtype they have in state_dict."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    _check_exportable(model_cfg)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = kiln_to_hf_state(model_cfg, state_dict)
+    dtype = tensors["model.embed_tokens.weight"].dtype
+
+    special_ids = {}
+    if tokenizer_path is not None:
+        tok_file = _tokenizer_file(tokenizer_path)
+        tok = HFTokenizer.from_file(str(tok_file))
+        if tok.get_vocab_size(with_added_tokens=True) > model_cfg.vocab_size:
+            raise ConfigError("vocab_size", f"model has {model_cfg.vocab_size} embeddings but {tok_file} has "
+                                            f"{tok.get_vocab_size(with_added_tokens=True)} tokens")
+        eot = tok.token_to_id(EOT)
+        if eot is None:
+            raise DataError(f"{tok_file}: tokenizer has no {EOT!r} token")
+        # Packed pretraining puts <|endoftext|> between documents, so it both ends one and opens the
+        # next: it is the model's bos and eos (as in GPT-2).
+        special_ids = {"bos_token_id": eot, "eos_token_id": eot}
+        shutil.copyfile(tok_file, out / "tokenizer.json")
+        tok_config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOT,
+                      "model_max_length": model_cfg.max_seq_len, "clean_up_tokenization_spaces": False}
+        if tok.token_to_id("<|pad|>") is not None:
+            tok_config["pad_token"] = "<|pad|>"
+        (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
+
+    model_type = "qwen2" if model_cfg.qkv_bias else "llama"  # Llama's attention_bias would add an o_proj bias
+    config = {
+        "architectures": [ARCHITECTURES[model_type]], "model_type": model_type,
+        "vocab_size": model_cfg.vocab_size, "hidden_size": model_cfg.dim,
+        "intermediate_size": model_cfg.ffn_hidden_size, "num_hidden_layers": model_cfg.n_layers,
+        "num_attention_heads": model_cfg.n_heads, "num_key_value_heads": model_cfg.kv_heads,
+        "head_dim": model_cfg.head_dim, "hidden_act": "silu",
+        "max_position_embeddings": model_cfg.max_seq_len, "rms_norm_eps": model_cfg.norm_eps,
+        # rope_theta at top level is what transformers 4.x and vLLM read; 5.x reads rope_parameters.
+        "rope_theta": model_cfg.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": model_cfg.rope_theta},
+        "tie_word_embeddings": model_cfg.tie_embeddings, "initializer_range": model_cfg.init_std,
+        "torch_dtype": DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch.")),
+        "use_cache": True, **special_ids,
+    }
+    if model_type == "llama":
+        config.update(attention_bias=False, mlp_bias=False)
+    else:
+        config.update(use_sliding_window=False, sliding_window=None, max_window_layers=model_cfg.n_layers)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out / "generation_config.json").write_text(json.dumps({"_from_model_config": True, **special_ids}, indent=2) + "\n")
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+# ---- import -------------------------------------------------------------------------------------
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise DataError(f"{path}: not found") from None
+    except json.JSONDecodeError as err:
+        raise DataError(f"{path}:{err.lineno}: invalid JSON ({err.msg})") from None
+
+
+def config_from_hf(hf: dict, where: str) -> ModelConfig:
+    """Map a Llama/Mistral/Qwen2 config.json to a ModelConfig, refusing what Kiln cannot represent."""
+    model_type = hf.get("model_type")
+    if model_type not in ARCHITECTURES:
+        raise DataError(f"{where}: model_type {model_type!r} is not supported; Kiln imports {', '.join(ARCHITECTURES)}")
+
+    def refuse(key: str, why: str):
+        raise DataError(f"{where}: {key}={hf.get(key)!r}: {why}")
+
+    if hf.get("hidden_act", "silu") != "silu":
+        refuse("hidden_act", "only SwiGLU (silu) MLPs are supported")
+    if hf.get("attention_bias") and model_type != "qwen2":
+        refuse("attention_bias", "Kiln has biases on q/k/v only, not on the output projection")
+    if hf.get("mlp_bias"):
+        refuse("mlp_bias", "MLP biases are not supported")
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        key = "rope_parameters" if "rope_parameters" in hf else "rope_scaling"
+        refuse(key, "only plain RoPE is supported (no scaling)")
+    dim, n_heads = hf["hidden_size"], hf["num_attention_heads"]
+    if hf.get("head_dim") not in (None, dim // n_heads):
+        refuse("head_dim", f"Kiln derives head_dim = hidden_size / num_attention_heads = {dim // n_heads}")
+    max_seq_len = hf.get("max_position_embeddings", 2048)
+    # Sliding-window attention equals full causal attention for sequences no longer than the window,
+    # so the window caps the context instead of being an unsupported feature.
+    window = hf.get("sliding_window")
+    if window and (model_type == "mistral" or hf.get("use_sliding_window")):
+        max_seq_len = min(max_seq_len, window)
+    cfg = ModelConfig(
+        vocab_size=hf["vocab_size"], dim=dim, n_layers=hf["num_hidden_layers"], n_heads=n_heads,
+        n_kv_heads=hf.get("num_key_value_heads") or n_heads, ffn_hidden=hf["intermediate_size"],
+        norm_eps=hf.get("rms_norm_eps", 1e-6),
+        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+        max_seq_len=max_seq_len, tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        qkv_bias=model_type == "qwen2", init_std=hf.get("initializer_range", 0.02),
+    )
+    cfg.validate()
+    return cfg
+
+
+def _load_safetensors(folder: Path) -> dict[str, torch.Tensor]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(_read_json(index).get("weight_map", {}).values()))
+        if not files:
+            raise DataError(f"{index}: weight_map is empty")
+    elif (folder / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        has_bin = any(folder.glob("pytorch_model*.bin"))
+        raise DataError(f"{folder}: no model.safetensors or model.safetensors.index.json"
+                        + (" (pytorch_model.bin is not read: convert it to safetensors)" if has_bin else ""))
+    tensors = {}
+    for name in files:
+        path = folder / name
+        if not path.is_file():
+            raise DataError(f"{index}: shard {name} listed in weight_map is missing")
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                tensors[key] = f.get_tensor(key)
+    return tensors
+
+
+def import_hf(folder) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """(ModelConfig, Kiln state_dict) of a local Llama, Mistral or Qwen2 folder, in the checkpoint's dtype."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise DataError(f"{folder}: not a folder")
+    config_path = folder / "config.json"
+    hf = _read_json(config_path)
+    try:
+        cfg = config_from_hf(hf, str(config_path))
+    except KeyError as err:
+        raise DataError(f"{config_path}: missing key {err.args[0]!r}") from None
+    except ConfigError as err:
+        raise DataError(f"{config_path}: {err}") from None
+    state = hf_to_kiln_state(cfg, _load_safetensors(folder), str(folder))
+    return cfg, state
+
+
+# ---- checkpoint glue (the `kiln export hf` / `kiln import hf` verbs) ----------------------------
+
+def import_hf_to_checkpoint(folder, out_dir) -> Path:
+    """Convert an HF folder into a Kiln weights checkpoint at out_dir; its tokenizer.json is copied
+    alongside when present, so `kiln generate` can use the result directly."""
+    from kiln.train.checkpoint import save_weights
+
+    cfg, state = import_hf(folder)
+    out = save_weights(out_dir, cfg, state, manifest_extra={"step": 0, "source": {"hf": str(Path(folder).resolve())}})
+    tokenizer = Path(folder) / "tokenizer.json"
+    if tokenizer.is_file():
+        shutil.copyfile(tokenizer, Path(out) / "tokenizer.json")
+    return Path(out)
+
+
+def export_checkpoint_to_hf(ckpt_path, tokenizer_path, out_dir) -> Path:
+    """Export a Kiln checkpoint (folder, checkpoints root or stage folder) to an HF folder."""
+    from kiln.train.checkpoint import load_weights
+
+    cfg, state, _manifest = load_weights(ckpt_path)
+    return export_hf(cfg, state, tokenizer_path, out_dir)

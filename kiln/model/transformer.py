@@ -1,0 +1,256 @@
+"""The decoder-only Transformer: one readable file, no parallelism inside.
+
+Layout (pre-norm, as in GPT-2/Llama):  x = x + attn(norm(x));  x = x + ffn(norm(x)).
+
+Conventions chosen so that the weights map one-to-one onto Hugging Face Llama/Qwen2 checkpoints:
+- RoPE uses the "rotate half" pairing (dimension i is rotated with i + head_dim/2), which is the layout
+  HF Llama checkpoints are stored in. Exporting or importing q/k weights therefore needs no row
+  permutation; only original Meta-format (interleaved-pair) weights would, and Kiln does not read those.
+- q, k and v live in one fused projection `wqkv` (rows: all q heads, then k heads, then v heads) and
+  the SwiGLU gate and up projections in one `w13` (rows: gate, then up). One wide matmul instead of
+  three (or two) narrow ones saves kernel launches and re-reads of the input, which matters on CPU
+  where this model is first trained; kiln.hf splits them on export and concatenates them on import.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from kiln.errors import ConfigError
+from kiln.model.config import ModelConfig
+
+
+def rope_tables(head_dim: int, max_seq_len: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of shape [max_seq_len, head_dim] for rotate-half RoPE (Su et al. 2021)."""
+    # Built in float64 so the tables are exact to fp32 precision even for long contexts and
+    # large theta; the angles t * theta^(-2i/d) lose digits in fp32 once t is in the thousands.
+    inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float64) / head_dim)
+    positions = torch.arange(max_seq_len, device=device, dtype=torch.float64)
+    angles = torch.outer(positions, inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)  # dimension i and i + head_dim/2 share an angle
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate each (x[i], x[i + d/2]) pair of the last dimension by its position's angle."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated_half = torch.cat([-x2, x1], dim=-1)
+    return x * cos + rotated_half * sin
+
+
+def sinusoidal_table(dim: int, max_seq_len: int, device=None) -> torch.Tensor:
+    """The fixed absolute position encoding of Vaswani et al. 2017: [max_seq_len, dim]."""
+    inv_freq = 10000.0 ** (-torch.arange(0, dim, 2, device=device, dtype=torch.float64) / dim)
+    angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float64), inv_freq)
+    table = torch.stack([angles.sin(), angles.cos()], dim=-1).flatten(-2)  # sin, cos interleaved
+    return table[:, :dim].float()
+
+
+def make_norm(cfg: ModelConfig) -> nn.Module:
+    if cfg.norm == "rmsnorm":
+        return nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)  # one fused kernel (F.rms_norm)
+    return nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_dim
+        self.use_rope = cfg.pos == "rope"
+        qkv_out = (self.n_heads + 2 * self.n_kv_heads) * self.head_dim
+        self.wqkv = nn.Linear(cfg.dim, qkv_out, bias=cfg.qkv_bias)
+        self.wo = nn.Linear(self.n_heads * self.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        qkv = self.wqkv(x).view(batch, seq, self.n_heads + 2 * self.n_kv_heads, self.head_dim)
+        # q and k heads are adjacent in the fused output, so one RoPE call rotates both.
+        qk, v = qkv.split([self.n_heads + self.n_kv_heads, self.n_kv_heads], dim=2)
+        if self.use_rope:
+            qk = apply_rope(qk, cos, sin)
+        q, k = qk.split([self.n_heads, self.n_kv_heads], dim=2)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, head_dim]
+        # enable_gqa lets each group of query heads read its shared k/v head in place, instead of
+        # materialising repeated copies of k and v as a repeat_interleave would.
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                             enable_gqa=self.n_kv_heads != self.n_heads)
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, self.n_heads * self.head_dim))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.swiglu = cfg.ffn == "swiglu"
+        hidden = cfg.ffn_hidden_size
+        if self.swiglu:
+            self.w13 = nn.Linear(cfg.dim, 2 * hidden, bias=False)  # gate rows, then up rows
+        else:
+            self.w1 = nn.Linear(cfg.dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.swiglu:
+            gate, up = self.w13(x).chunk(2, dim=-1)
+            return self.w2(F.silu(gate) * up)
+        return self.w2(F.gelu(self.w1(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attn_norm = make_norm(cfg)
+        self.attn = Attention(cfg)
+        self.ffn_norm = make_norm(cfg)
+        self.ffn = FeedForward(cfg)
+
+    def forward(self, x, cos=None, sin=None):
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        return x + self.ffn(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        cfg.validate()
+        if cfg.vocab_size <= 0:
+            raise ConfigError("vocab_size", f"must be set (> 0) before building a model, got {cfg.vocab_size}")
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        if cfg.pos == "learned":
+            self.pos_embeddings = nn.Embedding(cfg.max_seq_len, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = make_norm(cfg)
+        # With tied embeddings the head reuses tok_embeddings.weight in forward rather than sharing
+        # a Parameter object: a shared Parameter would be split in two by to_empty() on the meta path.
+        self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        # Position tables are derived from the config, so they are not saved (persistent=False).
+        if cfg.pos == "rope":
+            self.register_buffer("rope_cos", torch.empty(cfg.max_seq_len, cfg.head_dim), persistent=False)
+            self.register_buffer("rope_sin", torch.empty(cfg.max_seq_len, cfg.head_dim), persistent=False)
+        elif cfg.pos == "sinusoidal":
+            self.register_buffer("pos_table", torch.empty(cfg.max_seq_len, cfg.dim), persistent=False)
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """(Re)initialise every parameter and buffer; deterministic under torch.manual_seed."""
+        cfg = self.cfg
+        device = self.tok_embeddings.weight.device
+        if cfg.pos == "rope":
+            cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, device=device)
+            self.rope_cos.copy_(cos)
+            self.rope_sin.copy_(sin)
+        elif cfg.pos == "sinusoidal":
+            self.pos_table.copy_(sinusoidal_table(cfg.dim, cfg.max_seq_len, device=device))
+        # Every block adds two residual branches (attention, FFN) to the stream; if each adds unit
+        # variance the stream grows with depth. Scaling the std of the projections that write into the
+        # stream by 1/sqrt(2 * n_layers) keeps its variance roughly depth-independent (GPT-2, sec. 2.3).
+        residual_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
+        nn.init.normal_(self.tok_embeddings.weight, std=cfg.init_std)
+        if cfg.pos == "learned":
+            nn.init.normal_(self.pos_embeddings.weight, std=cfg.init_std)
+        for block in self.layers:
+            for norm in (block.attn_norm, block.ffn_norm):
+                norm.reset_parameters()  # weight 1, bias 0: each block starts as identity-plus-branch
+            nn.init.normal_(block.attn.wqkv.weight, std=cfg.init_std)
+            if block.attn.wqkv.bias is not None:
+                nn.init.zeros_(block.attn.wqkv.bias)
+            nn.init.normal_(block.attn.wo.weight, std=residual_std)
+            ffn = block.ffn
+            nn.init.normal_(ffn.w13.weight if ffn.swiglu else ffn.w1.weight, std=cfg.init_std)
+            nn.init.normal_(ffn.w2.weight, std=residual_std)
+        self.norm.reset_parameters()
+        if self.output is not None:
+            nn.init.normal_(self.output.weight, std=cfg.init_std)
+
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens [B, T] -> logits [B, T, vocab]. position_ids [B, T] (default 0..T-1 in every row)
+        only set the positions used by RoPE or the absolute embeddings; attention stays causal over
+        the whole row."""
+        seq = tokens.shape[1]
+        if seq > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {seq} exceeds model max_seq_len={self.cfg.max_seq_len}")
+        if position_ids is None:
+            positions = slice(0, seq)   # [T, ...] tables broadcast over the batch
+            head_axis = 1               # cos/sin [T, 1, head_dim] against q/k [B, T, heads, head_dim]
+        else:
+            if position_ids.shape != tokens.shape:
+                raise ValueError(f"position_ids shape {tuple(position_ids.shape)} != tokens shape {tuple(tokens.shape)}")
+            positions = position_ids
+            head_axis = 2               # cos/sin [B, T, 1, head_dim]
+        x = self.tok_embeddings(tokens)
+        cos = sin = None
+        if self.cfg.pos == "rope":
+            cos = self.rope_cos[positions].unsqueeze(head_axis)
+            sin = self.rope_sin[positions].unsqueeze(head_axis)
+            if torch.is_autocast_enabled(x.device.type):
+                # Under autocast the projections return low precision; rotating in that dtype (as HF
+                # does) avoids upcasting q and k and keeps the logits comparable with transformers.
+                dtype = torch.get_autocast_dtype(x.device.type)
+                cos, sin = cos.to(dtype), sin.to(dtype)
+        elif self.cfg.pos == "learned":
+            x = x + self.pos_embeddings(position_ids if position_ids is not None else torch.arange(seq, device=x.device))
+        else:
+            x = x + self.pos_table[positions]
+        for block in self.layers:
+            x = block(x, cos, sin)
+        x = self.norm(x)
+        weight = self.tok_embeddings.weight if self.output is None else self.output.weight
+        return F.linear(x, weight)
+
+
+def build_model(cfg: ModelConfig, device="cpu") -> Transformer:
+    """Create the module on the meta device (no memory, no wasted init), then allocate it on `device`
+    and initialise there: the same path a sharded model takes, where parallelism wraps the meta model
+    before any weight exists."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model.to_empty(device=device)
+    model.init_weights()
+    return model
+
+
+def count_params(model_or_cfg, non_embedding: bool = False) -> int:
+    """Number of parameters. non_embedding=True leaves out every vocabulary-sized matrix (token
+    embeddings and the output head) and learned position embeddings (Kaplan et al. 2020), the
+    quantity scaling laws are stated in."""
+    if isinstance(model_or_cfg, nn.Module):
+        model = model_or_cfg
+        total = sum(p.numel() for p in model.parameters())
+        if non_embedding:
+            total -= model.tok_embeddings.weight.numel()
+            if model.output is not None:
+                total -= model.output.weight.numel()
+            if hasattr(model, "pos_embeddings"):
+                total -= model.pos_embeddings.weight.numel()
+        return total
+    cfg = model_or_cfg
+    dim, hidden, head_dim = cfg.dim, cfg.ffn_hidden_size, cfg.head_dim
+    norm = dim if cfg.norm == "rmsnorm" else 2 * dim  # LayerNorm also has a bias
+    qkv_out = (cfg.n_heads + 2 * cfg.kv_heads) * head_dim
+    attn = dim * qkv_out + (qkv_out if cfg.qkv_bias else 0) + cfg.n_heads * head_dim * dim
+    ffn = (3 if cfg.ffn == "swiglu" else 2) * dim * hidden
+    total = cfg.n_layers * (attn + ffn + 2 * norm) + norm
+    if non_embedding:
+        return total
+    total += cfg.vocab_size * dim * (1 if cfg.tie_embeddings else 2)
+    if cfg.pos == "learned":
+        total += cfg.max_seq_len * dim
+    return total
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token: forward + backward = 3x forward, 2 FLOPs per multiply-add.
+
+    6 * N counts the weight matmuls, with N the non-embedding parameters plus the output head (the
+    embedding lookup does no arithmetic, but the head is a dim x vocab matmul even when tied).
+    The attention scores and the weighted sum of values add 2 * 2 * seq_len * dim per token per layer
+    forward, i.e. 12 * n_layers * dim * seq_len for training (PaLM, appendix B). Causal masking could
+    skip half of it; the convention (and MFU comparisons across codebases) counts all of it.
+    """
+    n = count_params(cfg, non_embedding=True) + cfg.vocab_size * cfg.dim
+    return 6.0 * n + 12.0 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len
