@@ -71,6 +71,8 @@ def run_recipe(recipe: Recipe, stages: list[str] | None = None, force: bool = Fa
         stats = STAGE_RUNNERS[stage](recipe, out, resume=resume, init_from=init_from)
         seconds = round(time.time() - started, 1)
         print(f"[{stage}] finished in {seconds} s")
+        if not (out / "stats.json").exists():
+            (out / "stats.json").write_text(json.dumps(stats, indent=2, default=str))
         marker.write_text(json.dumps({"fingerprint": fingerprint(recipe, stage), "seconds": seconds,
                                       "stats": stats}, indent=2, default=str))
         results[stage] = stats

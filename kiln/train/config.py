@@ -37,6 +37,7 @@ class TrainConfig:
     early_stop_patience: int = 0         # evaluations without improvement before stopping; 0: off
     peak_flops: float = 0.0              # per device, for MFU; 0: detect (measured matmul on CPU)
     threads: int = 0                     # torch intra-op threads; 0: leave torch's default
+    tensorboard: bool = False            # also log to <out>/tensorboard when tensorboard is installed
 
     def validate(self) -> None:
         for key in ("seq_len", "micro_batch_size", "global_batch_tokens", "max_steps", "log_every",

@@ -1,0 +1,345 @@
+"""Checkpoints: one folder per step, written under a temporary name and renamed when complete.
+
+Layout of a checkpoints root:
+    step-00000100/
+        model.safetensors   weights (tied tensors stored once; the manifest lists the aliases)
+        train_state.pt      optimizer, grad scaler and loop counters (torch.save, weights_only-loadable)
+        manifest.json       step, tokens_seen, configs, loader and RNG state, sha256 of every file
+    latest                  text file naming the newest complete checkpoint
+    best                    text file naming the checkpoint with the lowest validation loss
+A folder is complete once renamed from `.tmp-step-...`; a crash mid-write leaves only the
+temporary folder, which readers ignore and the next save deletes.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import hashlib
+import json
+import os
+import random
+import shutil
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from kiln.errors import DataError
+from kiln.model.config import ModelConfig
+
+MODEL_FILE = "model.safetensors"
+TRAIN_STATE_FILE = "train_state.pt"
+MANIFEST_FILE = "manifest.json"
+FORMAT_VERSION = 1
+
+
+class CheckpointError(DataError):
+    """A checkpoint is missing, incomplete or corrupted; the message names the file."""
+
+
+def step_dirname(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _fsync(path: Path) -> None:
+    # Data must reach the disk before the rename that publishes it, or a power loss could leave
+    # a "complete" folder holding empty files.
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    _fsync(tmp)
+    os.replace(tmp, path)
+
+
+# ---- model weights -------------------------------------------------------------------------------
+
+def _dedupe_tied(state_dict: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """safetensors refuses tensors that share memory (tied embedding and head): keep one name."""
+    tensors, tied, owner = {}, {}, {}
+    for name, tensor in state_dict.items():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape),
+               tuple(tensor.stride()), tensor.device.type)
+        if key in owner and tensor.numel() > 0:
+            tied[name] = owner[key]
+            continue
+        owner[key] = name
+        tensors[name] = tensor.detach().to("cpu").contiguous()
+    return tensors, tied
+
+
+def model_config_from_dict(d: dict, where: str) -> ModelConfig:
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    unknown = sorted(set(d) - known)
+    if unknown:
+        raise CheckpointError(f"{where}: model_config has unknown keys {unknown} (written by a newer Kiln?)")
+    return ModelConfig(**d)
+
+
+def _write_files(folder: Path, model_cfg: ModelConfig, state_dict: dict, manifest_extra: dict | None,
+                 train_state: dict | None) -> dict:
+    tensors, tied = _dedupe_tied(state_dict)
+    save_file(tensors, str(folder / MODEL_FILE), metadata={"format": "pt"})
+    names = [MODEL_FILE]
+    if train_state is not None:
+        torch.save(train_state, folder / TRAIN_STATE_FILE)
+        names.append(TRAIN_STATE_FILE)
+    files = {}
+    for name in names:
+        _fsync(folder / name)
+        files[name] = {"sha256": sha256_file(folder / name), "bytes": (folder / name).stat().st_size}
+    manifest = {"format": FORMAT_VERSION, **(manifest_extra or {}),
+                "model_config": dataclasses.asdict(model_cfg), "tied": tied, "files": files,
+                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "torch_version": torch.__version__}
+    # The manifest goes last: a folder with a manifest has all its other files in place.
+    _write_text_atomic(folder / MANIFEST_FILE, json.dumps(manifest, indent=1))
+    return manifest
+
+
+def save_weights(folder, model_cfg: ModelConfig, state_dict: dict, manifest_extra: dict | None = None) -> Path:
+    """Write a weights-only checkpoint (model.safetensors + manifest.json) into `folder`."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    _write_files(folder, model_cfg, state_dict, manifest_extra, train_state=None)
+    return folder
+
+
+def read_manifest(folder: Path) -> dict:
+    path = Path(folder) / MANIFEST_FILE
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing (incomplete checkpoint)")
+    try:
+        manifest = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: corrupted manifest ({e})") from None
+    if not isinstance(manifest, dict) or "model_config" not in manifest or "files" not in manifest:
+        raise CheckpointError(f"{path}: not a Kiln checkpoint manifest (no model_config/files)")
+    return manifest
+
+
+def verify(folder: Path, manifest: dict, names=None) -> None:
+    """Check size and sha256 of the checkpoint's files against its manifest."""
+    folder = Path(folder)
+    for name, expected in manifest["files"].items():
+        if names is not None and name not in names:
+            continue
+        path = folder / name
+        if not path.is_file():
+            raise CheckpointError(f"{path}: missing (incomplete checkpoint)")
+        size = path.stat().st_size
+        if size != expected["bytes"]:
+            raise CheckpointError(f"{path}: {size} bytes, manifest says {expected['bytes']} (truncated file)")
+        if sha256_file(path) != expected["sha256"]:
+            raise CheckpointError(f"{path}: sha256 does not match the manifest (corrupted file)")
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """Finished step folders under `root`, oldest first (temporary folders are ignored)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for p in root.iterdir():
+        if p.is_dir() and p.name.startswith("step-") and (p / MANIFEST_FILE).is_file():
+            try:
+                found.append((int(p.name[len("step-"):]), p))
+            except ValueError:
+                continue
+    return [p for _, p in sorted(found)]
+
+
+def resolve_checkpoint(path) -> Path:
+    """A checkpoint folder from a folder, a checkpoints root (via `latest`) or a stage folder."""
+    p = Path(path)
+    if p.is_file() and p.name in (MANIFEST_FILE, MODEL_FILE):
+        p = p.parent
+    if not p.exists():
+        raise CheckpointError(f"{path}: no such checkpoint")
+    if (p / MANIFEST_FILE).is_file():
+        return p
+    if (p / "checkpoints").is_dir():
+        p = p / "checkpoints"
+    if (p / "latest").is_file():
+        name = (p / "latest").read_text().strip()
+        if (p / name / MANIFEST_FILE).is_file():
+            return p / name
+        raise CheckpointError(f"{p / 'latest'}: names {name!r}, which is not a complete checkpoint")
+    found = complete_checkpoints(p)
+    if found:
+        return found[-1]
+    raise CheckpointError(f"{path}: not a checkpoint folder, a checkpoints root, "
+                          f"or a stage folder containing checkpoints/")
+
+
+def _restore_tied(state: dict, tied: dict, where: Path) -> dict:
+    for alias, name in tied.items():
+        if name not in state:
+            raise CheckpointError(f"{where}: tied tensor {alias!r} refers to missing {name!r}")
+        state[alias] = state[name]
+    return state
+
+
+def load_weights(path) -> tuple[ModelConfig, dict[str, torch.Tensor], dict]:
+    """(model config, state dict on CPU, manifest) of a checkpoint; checksums are verified."""
+    folder = resolve_checkpoint(path)
+    manifest = read_manifest(folder)
+    verify(folder, manifest, names=[MODEL_FILE])
+    cfg = model_config_from_dict(manifest["model_config"], str(folder / MANIFEST_FILE))
+    state = _restore_tied(load_file(str(folder / MODEL_FILE)), manifest.get("tied", {}), folder / MODEL_FILE)
+    return cfg, state, manifest
+
+
+# ---- RNG state as JSON ---------------------------------------------------------------------------
+
+def capture_rng_state() -> dict:
+    """Every RNG the process uses, JSON-serialisable (byte states as base64)."""
+    np_state = np.random.get_state()
+    py_state = random.getstate()
+    state = {
+        "torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
+        "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+        "python": [py_state[0], list(py_state[1]), py_state[2]],
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = [base64.b64encode(s.numpy().tobytes()).decode() for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def restore_rng_state(state: dict) -> None:
+    torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(state["torch"])), dtype=torch.uint8))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    version, internal, gauss_next = state["python"]
+    random.setstate((version, tuple(internal), gauss_next))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
+                                      for s in state["cuda"]])
+
+
+# ---- training checkpoints ------------------------------------------------------------------------
+
+class CheckpointManager:
+    """Saves, finds, verifies and prunes the step folders of one run's checkpoints root."""
+
+    def __init__(self, root, keep_last: int = 2, keep_best: bool = True):
+        self.root = Path(root)
+        self.keep_last = keep_last
+        self.keep_best = keep_best
+
+    def _pointer(self, name: str) -> str | None:
+        path = self.root / name
+        return path.read_text().strip() if path.is_file() else None
+
+    @property
+    def best_name(self) -> str | None:
+        return self._pointer("best")
+
+    @property
+    def latest_name(self) -> str | None:
+        return self._pointer("latest")
+
+    def save(self, step: int, model_cfg: ModelConfig, model_state: dict, train_state: dict,
+             manifest_extra: dict, is_best: bool = False) -> Path:
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._remove_leftovers()
+        name = step_dirname(step)
+        tmp = self.root / f".tmp-{name}"
+        tmp.mkdir()
+        _write_files(tmp, model_cfg, model_state, {"step": step, **manifest_extra}, train_state)
+        _fsync(tmp)
+        final = self.root / name
+        if final.exists():  # saving the same step again (e.g. a rerun of the last step): replace it
+            self._discard(final)
+        os.replace(tmp, final)
+        _fsync(self.root)
+        _write_text_atomic(self.root / "latest", name + "\n")
+        if is_best and self.keep_best:
+            _write_text_atomic(self.root / "best", name + "\n")
+        self._prune()
+        return final
+
+    def load(self, folder) -> tuple[dict, dict[str, torch.Tensor], dict]:
+        """(manifest, model state dict, train state) of one verified checkpoint folder."""
+        folder = Path(folder)
+        manifest = read_manifest(folder)
+        verify(folder, manifest)
+        if TRAIN_STATE_FILE not in manifest["files"]:
+            raise CheckpointError(f"{folder}: weights-only checkpoint (no {TRAIN_STATE_FILE}); "
+                                  f"use init_from to start a new run from it")
+        model_state = _restore_tied(load_file(str(folder / MODEL_FILE)), manifest.get("tied", {}), folder)
+        try:
+            train_state = torch.load(folder / TRAIN_STATE_FILE, map_location="cpu", weights_only=True)
+        except Exception as e:  # checksum passed, so this is a format problem, not corruption
+            raise CheckpointError(f"{folder / TRAIN_STATE_FILE}: cannot be loaded ({e})") from None
+        return manifest, model_state, train_state
+
+    def load_newest_valid(self) -> tuple[Path, dict, dict, dict] | None:
+        """The newest checkpoint that verifies; corrupted ones are skipped with a warning."""
+        for folder in reversed(complete_checkpoints(self.root)):
+            try:
+                return (folder, *self.load(folder))
+            except CheckpointError as e:
+                warnings.warn(f"skipping checkpoint {folder.name}: {e}; falling back to an older one",
+                              stacklevel=2)
+        return None
+
+    def rewind(self, step: int, best_step: int = -1) -> None:
+        """Continue the run from `step`: checkpoints after it (corrupted ones that were skipped, or
+        the future of a run resumed from an older checkpoint) are renamed `abandoned-step-*`, kept
+        for inspection but no longer candidates, and `latest`/`best` are pointed back."""
+        for folder in complete_checkpoints(self.root):
+            if int(folder.name[len("step-"):]) > step:
+                target = self.root / f"abandoned-{folder.name}"
+                if target.exists():
+                    shutil.rmtree(target)
+                os.replace(folder, target)
+                warnings.warn(f"{folder} is newer than the resumed step {step}; renamed to {target.name}",
+                              stacklevel=2)
+        _write_text_atomic(self.root / "latest", step_dirname(step) + "\n")
+        best = self.best_name
+        if best is not None and not (self.root / best / MANIFEST_FILE).is_file():
+            if best_step >= 0 and (self.root / step_dirname(best_step) / MANIFEST_FILE).is_file():
+                _write_text_atomic(self.root / "best", step_dirname(best_step) + "\n")
+            else:
+                (self.root / "best").unlink()
+
+    def _discard(self, folder: Path) -> None:
+        # Rename first so a crash mid-delete never leaves a half-deleted step folder that looks
+        # like a checkpoint.
+        trash = self.root / f".trash-{folder.name}"
+        if trash.exists():
+            shutil.rmtree(trash)
+        os.replace(folder, trash)
+        shutil.rmtree(trash)
+
+    def _remove_leftovers(self) -> None:
+        for p in self.root.iterdir():
+            if p.is_dir() and (p.name.startswith(".tmp-step-") or p.name.startswith(".trash-step-")):
+                shutil.rmtree(p)
+
+    def _prune(self) -> None:
+        folders = complete_checkpoints(self.root)
+        keep = {p.name for p in folders[-self.keep_last:]}
+        if self.keep_best and self.best_name:
+            keep.add(self.best_name)
+        for folder in folders:
+            if folder.name not in keep:
+                self._discard(folder)

@@ -1,0 +1,369 @@
+"""The training loop shared by every training stage.
+
+Pretraining uses the default objective (next-token cross entropy); later stages pass their own
+`loss_fn(model, batch) -> (mean loss over the batch's counted tokens, number of counted tokens)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import sys
+import time
+import warnings
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.checkpoint import checkpoint
+from tqdm import tqdm
+
+from kiln.data.loader import TokenLoader
+from kiln.errors import ConfigError
+from kiln.model import ModelConfig, build_model, count_params, flops_per_token
+from kiln.train.checkpoint import (CheckpointManager, capture_rng_state, complete_checkpoints,
+                                   load_weights, resolve_checkpoint, restore_rng_state)
+from kiln.train.config import TrainConfig
+from kiln.train.metrics import (MetricsLogger, detect_peak_flops, model_flops_utilization, peak_memory_mb,
+                                truncate_metrics)
+from kiln.train.optim import build_optimizer
+from kiln.train.schedule import lr_at
+
+LossFn = Callable[[torch.nn.Module, tuple], tuple[torch.Tensor, int]]
+PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def next_token_loss(model: torch.nn.Module, batch: tuple) -> tuple[torch.Tensor, int]:
+    inputs, targets = batch
+    logits = model(inputs)
+    # In float32: a softmax over a large vocabulary in bf16 loses the small probabilities.
+    loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+    return loss, targets.numel()
+
+
+def apply_activation_checkpointing(model: torch.nn.Module) -> None:
+    """Recompute each block's activations in backward instead of storing them.
+
+    Done by replacing each block's forward on the instance, so parameter names (and therefore
+    checkpoints) stay the same as without it. Non-reentrant checkpointing supports keyword
+    arguments and inputs that do not require grad.
+    """
+    for block in model.layers:
+        def forward(*args, _block_forward=block.forward, **kwargs):
+            return checkpoint(_block_forward, *args, use_reentrant=False, **kwargs)
+        block.forward = forward
+
+
+class Trainer:
+    def __init__(self, model_cfg: ModelConfig, train_cfg: TrainConfig, pack_dir, out_dir,
+                 recipe_dict: dict | None = None, resume: str = "auto", init_from=None,
+                 loss_fn: LossFn | None = None, device: str | None = None):
+        train_cfg.validate()
+        cfg = self.cfg = train_cfg
+        self.pack_dir = Path(pack_dir)
+        self.out_dir = Path(out_dir)
+        self.recipe_dict = recipe_dict
+        self.loss_fn = loss_fn or next_token_loss
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if cfg.threads > 0:
+            torch.set_num_threads(cfg.threads)
+        distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if distributed else 0
+        self.world_size = dist.get_world_size() if distributed else 1
+        self.is_main = self.rank == 0
+
+        # Gradient accumulation keeps the tokens per optimizer step at global_batch_tokens whatever
+        # the micro batch and rank count, so the same recipe trains the same way on 1 or 64 devices.
+        tokens_per_micro_step = cfg.seq_len * cfg.micro_batch_size * self.world_size
+        if cfg.global_batch_tokens % tokens_per_micro_step:
+            raise ConfigError("global_batch_tokens", f"must be a multiple of seq_len*micro_batch_size*world_size="
+                                                     f"{tokens_per_micro_step}, got {cfg.global_batch_tokens}")
+        self.accum_steps = cfg.global_batch_tokens // tokens_per_micro_step
+
+        def make_loader(split: str):
+            return TokenLoader(self.pack_dir, split=split, seq_len=cfg.seq_len, batch_size=cfg.micro_batch_size,
+                               rank=self.rank, world_size=self.world_size, seed=cfg.seed)
+        self.train_loader = make_loader("train")
+        # The validation set is fixed: iter_batches(n) yields the same first n batches every time.
+        self.val_loader = make_loader("val")
+
+        if model_cfg.vocab_size == 0:
+            model_cfg = dataclasses.replace(model_cfg, vocab_size=self.train_loader.vocab_size)
+        if model_cfg.vocab_size < self.train_loader.vocab_size:
+            raise ConfigError("vocab_size", f"model has {model_cfg.vocab_size} token ids but the pack "
+                                            f"{self.pack_dir} uses {self.train_loader.vocab_size}")
+        if cfg.seq_len > model_cfg.max_seq_len:
+            raise ConfigError("seq_len", f"{cfg.seq_len} exceeds the model's max_seq_len={model_cfg.max_seq_len}")
+        self.model_cfg = model_cfg
+
+        self.compute_dtype = PRECISION_DTYPES[cfg.precision]
+        # Before seeding, and with its own generator: the measurement must not change the init.
+        self.peak_flops = detect_peak_flops(self.device, self.compute_dtype, cfg.peak_flops)
+        self.flops_per_token = flops_per_token(model_cfg, cfg.seq_len)
+
+        torch.manual_seed(cfg.seed)
+        self.model = build_model(model_cfg, device=self.device)
+        self.model.train()
+        self.ckpt = CheckpointManager(self.out_dir / "checkpoints", cfg.keep_last, cfg.keep_best)
+        self.optimizer = build_optimizer(self.model, cfg)
+        # Dynamic loss scaling keeps small fp16 gradients from flushing to zero; bf16 has fp32's
+        # exponent range and needs none. A disabled scaler passes everything through unchanged.
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=cfg.precision == "fp16")
+
+        self.step = 0
+        self.tokens_seen = 0
+        self.best_val_loss = math.inf
+        self.best_val_bpb = math.inf
+        self.best_step = -1
+        self.evals_since_best = 0
+        self.last_val_loss = None
+        self.last_val_bpb = None
+        self.stopped_early = False
+        self.resumed_from = self._resume_or_init(resume, init_from)
+
+        if cfg.activation_checkpointing:
+            apply_activation_checkpointing(self.model)
+        # Training calls go through forward_model; state is always read from self.model, whose
+        # parameter names neither compile nor DDP prefix.
+        self.forward_model = torch.compile(self.model) if cfg.compile else self.model
+        if self.world_size > 1:
+            # Plain data parallelism: every rank holds the whole model and gradients are averaged in
+            # backward. Sharded and model-parallel layouts wrap the model from outside instead.
+            self.forward_model = DistributedDataParallel(self.forward_model)
+        self.metrics = None
+        if self.is_main:
+            self.metrics = MetricsLogger(self.out_dir, tensorboard=cfg.tensorboard)
+
+    # ---- setup -----------------------------------------------------------------------------------
+
+    def _resume_or_init(self, resume: str, init_from) -> str | None:
+        root = self.ckpt.root
+        if resume == "none":
+            if complete_checkpoints(root):
+                raise ConfigError("resume", f"{root} holds checkpoints of an earlier run; "
+                                            f"use resume=auto to continue it, or remove that folder")
+            found = None
+        elif resume == "auto":
+            found = self.ckpt.load_newest_valid()
+        else:
+            folder = resolve_checkpoint(resume)
+            found = (folder, *self.ckpt.load(folder))
+        if found is None:
+            if self.is_main:
+                (self.out_dir / "metrics.jsonl").unlink(missing_ok=True)
+            if init_from is not None:
+                self._init_from(init_from)
+            return None
+        folder, manifest, model_state, train_state = found
+        if init_from is not None:
+            warnings.warn(f"resuming from {folder}; init_from={init_from} is ignored", stacklevel=3)
+        saved_cfg = manifest["model_config"]
+        current = dataclasses.asdict(self.model_cfg)
+        changed = [f"{k}: {saved_cfg.get(k)!r} -> {v!r}" for k, v in current.items() if saved_cfg.get(k) != v]
+        if changed:
+            raise ConfigError("model", f"differs from the checkpoint {folder} being resumed ({'; '.join(changed)})")
+        self.model.load_state_dict(model_state)
+        self.optimizer.load_state_dict(train_state["optimizer"])
+        if train_state["scaler"]:
+            self.scaler.load_state_dict(train_state["scaler"])
+        for key, value in train_state["loop"].items():
+            setattr(self, key, value)
+        self.train_loader.load_state_dict(manifest["loader"])
+        restore_rng_state(manifest["rng"])
+        if self.is_main:
+            truncate_metrics(self.out_dir / "metrics.jsonl", self.step)
+            if folder.resolve().parent == self.ckpt.root.resolve():
+                self.ckpt.rewind(self.step, self.best_step)
+        return str(folder)
+
+    def _init_from(self, path) -> None:
+        init_cfg, state, _ = load_weights(path)
+        try:
+            self.model.load_state_dict(state)
+        except RuntimeError as e:
+            first = str(e).strip().splitlines()
+            raise ConfigError("init_from", f"{path}: weights do not fit the model "
+                                           f"({first[1].strip() if len(first) > 1 else first[0]}); "
+                                           f"checkpoint model is {init_cfg}") from None
+
+    def _autocast(self):
+        if self.cfg.precision == "fp32":
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=self.compute_dtype)
+
+    def _batch_to_device(self, batch):
+        return tuple(t.to(self.device, non_blocking=True) for t in batch)
+
+    # ---- one optimizer step ----------------------------------------------------------------------
+
+    def train_step(self, micro_batches: list) -> dict:
+        """Forward/backward over the micro-batches, then one optimizer step."""
+        cfg = self.cfg
+        lr = lr_at(self.step, cfg)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        # Each micro-batch's mean loss is weighted by its share of the step's tokens. The share is
+        # computed against the nominal token count (the only one known before the last backward)
+        # and corrected after, so pretraining (every batch full) does no extra arithmetic at all.
+        nominal = cfg.seq_len * cfg.micro_batch_size * len(micro_batches)
+        loss_sum = torch.zeros((), device=self.device)
+        tokens = 0
+        for i, batch in enumerate(micro_batches):
+            # DDP: gradients are all-reduced once, in the backward of the last micro-batch.
+            last = i == len(micro_batches) - 1
+            sync = nullcontext() if last or self.world_size == 1 else self.forward_model.no_sync()
+            with sync:
+                with self._autocast():
+                    loss, n_tokens = self.loss_fn(self.forward_model, self._batch_to_device(batch))
+                self.scaler.scale(loss * (n_tokens / nominal)).backward()
+            loss_sum += loss.detach().float() * n_tokens
+            tokens += int(n_tokens)
+        if self.world_size > 1:
+            stats = torch.stack([loss_sum, torch.tensor(float(tokens), device=self.device)])
+            dist.all_reduce(stats)
+            loss_sum, tokens = stats[0], int(stats[1].item())
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        self.scaler.unscale_(self.optimizer)
+        # DDP averaged the ranks' gradients, so the nominal count of the step is per rank x ranks.
+        correction = tokens / (nominal * self.world_size)
+        if correction != 1.0:
+            torch._foreach_div_([p.grad for p in params], correction)
+        max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        self.tokens_seen += tokens
+        # Tensors, not floats: reading them forces a device sync, which fit() does only when logging.
+        return {"loss": loss_sum / max(tokens, 1), "grad_norm": grad_norm, "lr": lr, "tokens": tokens}
+
+    # ---- validation ------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def evaluate(self) -> tuple[float, float]:
+        """(mean loss per token, bits per byte) over the first eval_batches validation batches."""
+        self.model.eval()
+        total, tokens = 0.0, 0
+        for batch in self.val_loader.iter_batches(self.cfg.eval_batches):
+            with self._autocast():
+                loss, n_tokens = self.loss_fn(self.model, self._batch_to_device(batch))
+            total += loss.float().item() * n_tokens
+            tokens += int(n_tokens)
+        self.model.train()
+        stats = torch.tensor([total, float(tokens)], dtype=torch.float64)
+        if self.world_size > 1:
+            dist.all_reduce(stats)
+        if stats[1] == 0:
+            raise ConfigError("eval_batches", f"the validation split of {self.pack_dir} yielded no batches")
+        val_loss = stats[0].item() / stats[1].item()
+        # Bits per byte divides out the tokenizer: loss in nats per token -> bits per token -> per byte.
+        val_bpb = val_loss / math.log(2) / self.val_loader.bytes_per_token
+        return val_loss, val_bpb
+
+    # ---- checkpoints -----------------------------------------------------------------------------
+
+    def save_checkpoint(self, is_best: bool = False, val_loss: float | None = None) -> None:
+        if not self.is_main:
+            return
+        loop = {"step": self.step, "tokens_seen": self.tokens_seen, "best_val_loss": self.best_val_loss,
+                "best_val_bpb": self.best_val_bpb, "best_step": self.best_step,
+                "evals_since_best": self.evals_since_best, "last_val_loss": self.last_val_loss,
+                "last_val_bpb": self.last_val_bpb, "stopped_early": self.stopped_early}
+        train_state = {"optimizer": self.optimizer.state_dict(), "scaler": self.scaler.state_dict(), "loop": loop}
+        manifest_extra = {"tokens_seen": self.tokens_seen, "val_loss": val_loss,
+                          "train_config": dataclasses.asdict(self.cfg), "recipe": self.recipe_dict,
+                          "loader": self.train_loader.state_dict(), "rng": capture_rng_state(),
+                          # The schedule is a pure function of the step (kiln.train.schedule), so the
+                          # step is the whole scheduler state.
+                          "schedule": {"step": self.step, "lr": lr_at(max(self.step - 1, 0), self.cfg)}}
+        self.ckpt.save(self.step, self.model_cfg, self.model.state_dict(), train_state, manifest_extra,
+                       is_best=is_best)
+
+    # ---- the loop --------------------------------------------------------------------------------
+
+    def fit(self) -> dict:
+        cfg = self.cfg
+        start_wall = time.perf_counter()
+        train_time, train_tokens = 0.0, 0
+        window_time, window_tokens = 0.0, 0
+        bar = tqdm(total=cfg.max_steps, initial=self.step, file=sys.stderr, disable=not self.is_main,
+                   desc="pretrain", unit="step", dynamic_ncols=True)
+        batches = iter(self.train_loader)
+        evaluated_at = None
+        while self.step < cfg.max_steps and not self.stopped_early:
+            started = time.perf_counter()
+            stats = self.train_step([next(batches) for _ in range(self.accum_steps)])
+            last = self.step == cfg.max_steps
+            log_now = self.step % cfg.log_every == 0 or last
+            if log_now:
+                loss, grad_norm = stats["loss"].item(), stats["grad_norm"].item()  # waits for the device
+            elapsed = time.perf_counter() - started
+            window_time += elapsed
+            window_tokens += stats["tokens"]
+            train_time += elapsed
+            train_tokens += stats["tokens"]
+            bar.update(1)
+            if log_now:
+                tokens_per_s = window_tokens / window_time if window_time > 0 else 0.0
+                record = {"kind": "train", "step": self.step, "loss": loss, "lr": stats["lr"],
+                          "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
+                          "mfu": model_flops_utilization(self.flops_per_token, tokens_per_s, self.peak_flops,
+                                                         self.world_size),
+                          "peak_mem_mb": peak_memory_mb(self.device), "tokens_seen": self.tokens_seen}
+                if self.metrics:
+                    self.metrics.log(record)
+                bar.set_postfix(loss=f"{loss:.4f}", lr=f"{stats['lr']:.2e}")
+                window_time, window_tokens = 0.0, 0
+            improved = False
+            if self.step % cfg.eval_every == 0 or last:
+                improved = self._validate()
+                evaluated_at = self.step
+            if self.step % cfg.ckpt_every == 0 or last or self.stopped_early or (improved and cfg.keep_best):
+                self.save_checkpoint(is_best=improved,
+                                     val_loss=self.last_val_loss if evaluated_at == self.step else None)
+        bar.close()
+        tokens_per_s = train_tokens / train_time if train_time > 0 else 0.0
+        summary = {
+            "steps": self.step, "tokens_seen": self.tokens_seen, "stopped_early": self.stopped_early,
+            "final_val_loss": self.last_val_loss, "final_val_bpb": self.last_val_bpb,
+            "best_val_loss": self.best_val_loss if self.best_step >= 0 else None,
+            "best_val_bpb": self.best_val_bpb if self.best_step >= 0 else None, "best_step": self.best_step,
+            "tokens_per_s": tokens_per_s,
+            "mfu": model_flops_utilization(self.flops_per_token, tokens_per_s, self.peak_flops, self.world_size),
+            "peak_flops": self.peak_flops, "flops_per_token": self.flops_per_token,
+            "peak_mem_mb": peak_memory_mb(self.device), "params": count_params(self.model),
+            "non_embedding_params": count_params(self.model, non_embedding=True),
+            "accum_steps": self.accum_steps, "precision": self.cfg.precision, "device": str(self.device),
+            "resumed_from": self.resumed_from, "wall_s": time.perf_counter() - start_wall,
+            "checkpoint": str(self.ckpt.root / self.ckpt.latest_name) if self.ckpt.latest_name else None,
+        }
+        if self.is_main:
+            (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+            self.metrics.close()
+        return summary
+
+    def _validate(self) -> bool:
+        """Evaluate, log, print, update best/early-stopping state; True if the loss improved."""
+        val_loss, val_bpb = self.evaluate()
+        self.last_val_loss, self.last_val_bpb = val_loss, val_bpb
+        improved = val_loss < self.best_val_loss
+        if improved:
+            self.best_val_loss, self.best_val_bpb, self.best_step = val_loss, val_bpb, self.step
+            self.evals_since_best = 0
+        else:
+            self.evals_since_best += 1
+            if self.cfg.early_stop_patience and self.evals_since_best >= self.cfg.early_stop_patience:
+                self.stopped_early = True
+        if self.metrics:
+            self.metrics.log({"kind": "val", "step": self.step, "val_loss": val_loss, "val_bpb": val_bpb,
+                              "tokens_seen": self.tokens_seen})
+        if self.is_main:
+            tqdm.write(f"step {self.step} | val loss {val_loss:.4f} | val bpb {val_bpb:.4f}"
+                       + (" | early stop" if self.stopped_early else ""), file=sys.stdout)
+        return improved

@@ -1,0 +1,61 @@
+"""The `kiln` command end to end on a miniature run: every verb of the spine, through the CLI."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kiln.cli import main
+
+# Small enough for the default suite: ~0.3 MB of real text, a 512-token vocabulary, a 2-layer model.
+MINI = [
+    "corpus.max_bytes_per_source=120000", "tokenizer.vocab_size=512",
+    "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.max_seq_len=64",
+    "train.seq_len=64", "train.micro_batch_size=4", "train.global_batch_tokens=512",
+    "train.max_steps=12", "train.warmup_steps=2", "train.eval_every=6", "train.eval_batches=2",
+    "train.ckpt_every=6", "train.log_every=2", "train.precision=fp32",
+    "sample.max_new_tokens=8", "sample.num_samples=1",
+]
+
+
+def test_bad_override_is_one_line_error(capsys):
+    assert main(["pretrain", "recipes/tiny.toml", "model.n_heads=5"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "kiln: error: recipes/tiny.toml: model.n_heads: must divide dim=256, got 5"
+
+
+def test_console_script_help():
+    out = subprocess.run([sys.executable, "-m", "kiln.cli", "--help"], capture_output=True, text=True, check=True)
+    for verb in ("run", "tokenizer", "pack", "pretrain", "generate", "export", "import"):
+        assert verb in out.stdout
+
+
+def test_run_generate_export_import(tmp_path, capsys):
+    run = [f'run.out_dir="{tmp_path}"', "run.name=mini", *MINI]
+    assert main(["run", "recipes/tiny.toml", *run]) == 0
+    out = capsys.readouterr().out
+    assert "val loss" in out and "run folder" in out
+    run_dir = tmp_path / "mini"
+    for stage in ("corpus", "tokenizer", "pack", "pretrain", "sample"):
+        assert (run_dir / stage / "DONE").exists(), stage
+    summary = json.loads((run_dir / "pretrain" / "summary.json").read_text())
+    assert summary["steps"] == 12
+    assert (run_dir / "sample" / "samples.txt").read_text().startswith("--- sample 0")
+
+    # A second run skips every stage.
+    assert main(["run", "recipes/tiny.toml", *run]) == 0
+    assert capsys.readouterr().out.count("skipping") == 5
+
+    assert main(["generate", str(run_dir / "pretrain"), "--prompt", "import", "--max-new-tokens", "5",
+                 "--temperature", "0"]) == 0
+    assert capsys.readouterr().out.startswith("import")
+
+    hf_dir, back = tmp_path / "hf", tmp_path / "back"
+    assert main(["export", "hf", str(run_dir / "pretrain"), str(hf_dir)]) == 0
+    assert {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json"} <= {
+        p.name for p in hf_dir.iterdir()}
+    assert main(["import", "hf", str(hf_dir), str(back)]) == 0
+    assert main(["generate", str(back), "--tokenizer", str(hf_dir / "tokenizer.json"),
+                 "--prompt", "import", "--max-new-tokens", "5", "--temperature", "0"]) == 0

@@ -1,0 +1,195 @@
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from kiln.model import ModelConfig, build_model
+from kiln.train.checkpoint import (CheckpointError, CheckpointManager, capture_rng_state, complete_checkpoints,
+                                   load_weights, resolve_checkpoint, restore_rng_state, save_weights)
+from kiln.train.config import TrainConfig
+from kiln.train.optim import build_optimizer
+
+CFG = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, max_seq_len=16)
+
+
+def _model(seed=0, cfg=CFG):
+    torch.manual_seed(seed)
+    return build_model(cfg)
+
+
+def _train_state(model):
+    opt = build_optimizer(model, TrainConfig())
+    model(torch.randint(0, 64, (2, 8))).float().mean().backward()
+    opt.step()
+    scaler = torch.amp.GradScaler("cpu")
+    return {"optimizer": opt.state_dict(), "scaler": scaler.state_dict(), "loop": {"step": 1, "best": float("inf")}}
+
+
+def _save(manager, step, model, is_best=False):
+    return manager.save(step, CFG, model.state_dict(), _train_state(model), {"tokens_seen": step * 10},
+                        is_best=is_best)
+
+
+def _assert_same(a: dict, b: dict):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_save_load_weights_roundtrip(tmp_path, tied):
+    cfg = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, max_seq_len=16, tie_embeddings=tied)
+    model = _model(cfg=cfg)
+    save_weights(tmp_path / "w", cfg, model.state_dict(), {"note": "x"})
+    loaded_cfg, state, manifest = load_weights(tmp_path / "w")
+    assert loaded_cfg == cfg and manifest["note"] == "x"
+    _assert_same(state, model.state_dict())
+    manifest_file = json.loads((tmp_path / "w" / "manifest.json").read_text())
+    assert set(manifest_file["files"]) == {"model.safetensors"}
+
+
+def test_shared_tensors_are_stored_once(tmp_path):
+    weight = torch.randn(4, 4)
+    save_weights(tmp_path / "w", CFG, {"a": weight, "b": weight})
+    _, state, manifest = load_weights(tmp_path / "w")
+    assert manifest["tied"] == {"b": "a"} and torch.equal(state["b"], weight)
+
+
+def test_load_weights_resolves_root_and_stage_folder(tmp_path):
+    manager = CheckpointManager(tmp_path / "pretrain" / "checkpoints", keep_last=3)
+    _save(manager, 1, _model(1))
+    newest = _model(2)
+    _save(manager, 2, newest)
+    for path in (tmp_path / "pretrain", tmp_path / "pretrain" / "checkpoints",
+                 tmp_path / "pretrain" / "checkpoints" / "step-00000002"):
+        assert resolve_checkpoint(path).name == "step-00000002"
+        _, state, manifest = load_weights(path)
+        assert manifest["step"] == 2 and manifest["tokens_seen"] == 20
+        _assert_same(state, newest.state_dict())
+    with pytest.raises(CheckpointError, match="no such checkpoint"):
+        load_weights(tmp_path / "missing")
+    with pytest.raises(CheckpointError, match="not a checkpoint folder"):
+        load_weights(tmp_path)
+
+
+def test_layout_latest_and_train_state(tmp_path):
+    root = tmp_path / "ckpt"
+    manager = CheckpointManager(root)
+    model = _model()
+    folder = _save(manager, 7, model)
+    assert folder == root / "step-00000007"
+    assert (root / "latest").read_text().strip() == "step-00000007"
+    assert sorted(p.name for p in folder.iterdir()) == ["manifest.json", "model.safetensors", "train_state.pt"]
+    manifest, model_state, train_state = manager.load(folder)
+    assert manifest["step"] == 7 and manifest["model_config"]["dim"] == 32
+    _assert_same(model_state, model.state_dict())
+    assert train_state["loop"] == {"step": 1, "best": float("inf")}
+    assert train_state["scaler"]["scale"] == 65536.0
+    # Loads into a fresh optimizer.
+    build_optimizer(_model(), TrainConfig()).load_state_dict(train_state["optimizer"])
+
+
+def test_leftover_tmp_folder_is_ignored_and_cleaned(tmp_path):
+    root = tmp_path / "ckpt"
+    manager = CheckpointManager(root, keep_last=5)
+    _save(manager, 1, _model())
+    crashed = root / ".tmp-step-00000002"
+    crashed.mkdir()
+    (crashed / "model.safetensors").write_bytes(b"partial")
+    assert [p.name for p in complete_checkpoints(root)] == ["step-00000001"]
+    folder, manifest, _, _ = manager.load_newest_valid()
+    assert folder.name == "step-00000001" and manifest["step"] == 1
+    _save(manager, 3, _model())
+    assert not crashed.exists()
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_corruption_detected_and_fallback(tmp_path, damage):
+    root = tmp_path / "ckpt"
+    manager = CheckpointManager(root, keep_last=3)
+    older = _model(1)
+    _save(manager, 1, older)
+    _save(manager, 2, _model(2))
+    target = root / "step-00000002" / ("model.safetensors" if damage == "flip" else "train_state.pt")
+    data = bytearray(target.read_bytes())
+    if damage == "flip":
+        data[len(data) // 2] ^= 0xFF
+        target.write_bytes(bytes(data))
+    else:
+        target.write_bytes(bytes(data[: len(data) // 2]))
+    expected = "corrupted" if damage == "flip" else "truncated"
+    with pytest.raises(CheckpointError, match=f"{target.name}.*{expected}"):
+        manager.load(root / "step-00000002")
+    with pytest.warns(UserWarning, match="skipping checkpoint step-00000002"):
+        folder, manifest, model_state, _ = manager.load_newest_valid()
+    assert folder.name == "step-00000001"
+    _assert_same(model_state, older.state_dict())
+    if damage == "flip":
+        with pytest.raises(CheckpointError, match="model.safetensors"):
+            load_weights(root / "step-00000002")
+
+
+def test_corrupted_manifest_is_named(tmp_path):
+    manager = CheckpointManager(tmp_path)
+    folder = _save(manager, 1, _model())
+    (folder / "manifest.json").write_text('{"step": 1, "mod')
+    with pytest.raises(CheckpointError, match="manifest.json: corrupted manifest"):
+        manager.load(folder)
+    with pytest.warns(UserWarning):
+        assert manager.load_newest_valid() is None
+
+
+def test_keep_last_and_best_retention(tmp_path):
+    root = tmp_path / "ckpt"
+    manager = CheckpointManager(root, keep_last=2, keep_best=True)
+    model = _model()
+    for step in range(1, 7):
+        _save(manager, step, model, is_best=step in (1, 2))
+    assert [p.name for p in complete_checkpoints(root)] == ["step-00000002", "step-00000005", "step-00000006"]
+    assert (root / "best").read_text().strip() == "step-00000002"
+    assert (root / "latest").read_text().strip() == "step-00000006"
+    assert not [p for p in root.iterdir() if p.name.startswith(".")]
+
+    no_best = CheckpointManager(tmp_path / "nb", keep_last=1, keep_best=False)
+    for step in range(1, 4):
+        _save(no_best, step, model, is_best=step == 1)
+    assert [p.name for p in complete_checkpoints(tmp_path / "nb")] == ["step-00000003"]
+    assert not (tmp_path / "nb" / "best").exists()
+
+
+def test_weights_only_checkpoint_cannot_be_resumed(tmp_path):
+    save_weights(tmp_path / "step-00000000", CFG, _model().state_dict())
+    with pytest.raises(CheckpointError, match="weights-only"):
+        CheckpointManager(tmp_path).load(tmp_path / "step-00000000")
+
+
+def test_rng_state_roundtrip_through_json():
+    torch.manual_seed(3)
+    np.random.seed(3)
+    random.seed(3)
+    np.random.normal()  # leaves a cached gaussian in numpy's state
+    state = json.loads(json.dumps(capture_rng_state()))
+    expected = (torch.rand(5), np.random.rand(5), np.random.normal(), [random.random() for _ in range(5)])
+    torch.manual_seed(99)
+    np.random.seed(99)
+    random.seed(99)
+    restore_rng_state(state)
+    got = (torch.rand(5), np.random.rand(5), np.random.normal(), [random.random() for _ in range(5)])
+    assert torch.equal(expected[0], got[0]) and np.array_equal(expected[1], got[1])
+    assert expected[2] == got[2] and expected[3] == got[3]
+
+
+def test_rewind_sets_aside_newer_checkpoints(tmp_path):
+    root = tmp_path / "ckpt"
+    manager = CheckpointManager(root, keep_last=5)
+    model = _model()
+    for step in (1, 2, 3):
+        _save(manager, step, model, is_best=step in (1, 3))
+    with pytest.warns(UserWarning, match="step-00000003 is newer than the resumed step 2"):
+        manager.rewind(2, best_step=1)
+    assert [p.name for p in complete_checkpoints(root)] == ["step-00000001", "step-00000002"]
+    assert (root / "abandoned-step-00000003" / "manifest.json").is_file()
+    assert manager.latest_name == "step-00000002" and manager.best_name == "step-00000001"
+    assert resolve_checkpoint(root).name == "step-00000002"

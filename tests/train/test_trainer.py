@@ -1,0 +1,298 @@
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kiln.errors import ConfigError
+from kiln.model import ModelConfig
+from kiln.train.checkpoint import complete_checkpoints, load_weights
+from kiln.train.config import TrainConfig
+from kiln.train.trainer import Trainer, next_token_loss
+
+MODEL = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32)
+
+
+def make_tiny_pack(root: Path, vocab: int = 64, train_docs: int = 200, val_docs: int = 40) -> Path:
+    """A pack in the contract's layout whose documents follow a fixed successor rule
+    (t -> 5t+3 mod vocab), so a model can learn it and the loss must fall."""
+    rng = np.random.default_rng(0)
+    for split, docs in (("train", train_docs), ("val", val_docs)):
+        tokens = []
+        for _ in range(docs):
+            t = int(rng.integers(1, vocab))
+            for _ in range(int(rng.integers(10, 60))):
+                tokens.append(t)
+                t = (5 * t + 3) % (vocab - 1) + 1
+            tokens.append(0)  # end of document
+        (root / split).mkdir(parents=True)
+        np.asarray(tokens, dtype="<u2").tofile(root / split / "synthetic-00000.bin")
+        header = {"dtype": "uint16", "vocab_size": vocab, "tokenizer_sha256": "test", "documents": docs,
+                  "tokens": len(tokens), "bytes": 3 * len(tokens), "source": "synthetic"}
+        (root / split / "synthetic-00000.json").write_text(json.dumps(header))
+    (root / "mixture.json").write_text(json.dumps({"vocab_size": vocab, "tokenizer_sha256": "test",
+                                                   "weights": {"synthetic": 1.0}}))
+    return root
+
+
+@pytest.fixture(scope="module")
+def pack(tmp_path_factory):
+    return make_tiny_pack(tmp_path_factory.mktemp("pack"))
+
+
+def _cfg(**overrides):
+    base = dict(seq_len=16, micro_batch_size=4, global_batch_tokens=64, max_steps=8, lr=1e-2, warmup_steps=2,
+                precision="fp32", log_every=1, eval_every=4, eval_batches=2, ckpt_every=4, peak_flops=1e12)
+    return TrainConfig(**{**base, **overrides})
+
+
+def _records(out: Path, kind: str) -> list[dict]:
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == kind]
+
+
+def test_loss_falls_and_outputs(pack, tmp_path, capsys):
+    out = tmp_path / "run"
+    summary = Trainer(MODEL, _cfg(max_steps=40, eval_every=20, ckpt_every=20), pack, out).fit()
+    train = _records(out, "train")
+    assert [r["step"] for r in train] == list(range(1, 41))
+    assert set(train[0]) == {"kind", "step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "peak_mem_mb",
+                             "tokens_seen"}
+    assert train[0]["loss"] == pytest.approx(math.log(64), abs=0.3)  # near uniform at init
+    assert train[-1]["tokens_seen"] == 40 * 64
+    val = _records(out, "val")
+    assert [r["step"] for r in val] == [20, 40]
+    assert val[-1]["val_loss"] < train[0]["loss"] - 1.5
+    assert val[-1]["val_bpb"] == pytest.approx(val[-1]["val_loss"] / math.log(2) / 3.0)
+    assert summary == json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 40 and summary["final_val_loss"] == val[-1]["val_loss"]
+    assert summary["best_step"] == 40 and summary["tokens_per_s"] > 0 and summary["mfu"] > 0
+    assert [p.name for p in complete_checkpoints(out / "checkpoints")] == ["step-00000020", "step-00000040"]
+    assert "step 40 | val loss" in capsys.readouterr().out
+    model_cfg, state, manifest = load_weights(out)
+    assert model_cfg.vocab_size == 64 and manifest["step"] == 40 and manifest["tokens_seen"] == 40 * 64
+
+
+def _one_step(pack, out, cfg, batch, micro, loss_fn=None):
+    """Gradients (as the optimizer sees them) and weights after one train_step on `batch`."""
+    trainer = Trainer(MODEL, cfg, pack, out, resume="none", loss_fn=loss_fn)
+    grads = {}
+    optimizer_step = trainer.optimizer.step
+
+    def capture_then_step(*args, **kwargs):
+        grads.update({n: p.grad.clone() for n, p in trainer.model.named_parameters()})
+        return optimizer_step(*args, **kwargs)
+    trainer.optimizer.step = capture_then_step
+    x, y = batch
+    trainer.train_step([(x[i:i + micro], y[i:i + micro]) for i in range(0, len(x), micro)])
+    return grads, trainer.model.state_dict()
+
+
+def _batch(n=8, seq=16):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, 64, (n, seq + 1), generator=g)
+    return x[:, :-1], x[:, 1:]
+
+
+def test_gradient_accumulation_matches_big_batch(pack, tmp_path):
+    batch = _batch()
+    big, _ = _one_step(pack, tmp_path / "a", _cfg(micro_batch_size=8, global_batch_tokens=128), batch, 8)
+    accumulated, _ = _one_step(pack, tmp_path / "b", _cfg(micro_batch_size=4, global_batch_tokens=128), batch, 4)
+    for name in big:
+        torch.testing.assert_close(accumulated[name], big[name], rtol=1e-4, atol=1e-7)
+        assert big[name].abs().max() > 0, name
+    trainer = Trainer(MODEL, _cfg(micro_batch_size=4, global_batch_tokens=128), pack, tmp_path / "c", resume="none")
+    assert trainer.accum_steps == 2
+
+
+def masked_loss(model, batch):
+    """Counts only targets of even value: micro-batches then hold different numbers of tokens."""
+    inputs, targets = batch
+    targets = torch.where(targets % 2 == 0, targets, torch.full_like(targets, -100))
+    logits = model(inputs).float()
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
+    return loss, int((targets != -100).sum())
+
+
+def test_accumulation_weights_uneven_micro_batches_by_tokens(pack, tmp_path):
+    x, y = _batch()
+    y = y.clone()
+    y[:4] = 2 * (y[:4] // 2)  # first half: every target counted; second half: about half of them
+    big, _ = _one_step(pack, tmp_path / "a", _cfg(micro_batch_size=8, global_batch_tokens=128), (x, y), 8,
+                       loss_fn=masked_loss)
+    accumulated, _ = _one_step(pack, tmp_path / "b", _cfg(micro_batch_size=4, global_batch_tokens=128), (x, y), 4,
+                               loss_fn=masked_loss)
+    for name in big:
+        torch.testing.assert_close(accumulated[name], big[name], rtol=1e-4, atol=1e-7)
+
+
+def test_activation_checkpointing_gives_same_step(pack, tmp_path):
+    batch = _batch(4)
+    _, plain = _one_step(pack, tmp_path / "a", _cfg(), batch, 4)
+    _, recomputed = _one_step(pack, tmp_path / "b", _cfg(activation_checkpointing=True), batch, 4)
+    for name in plain:
+        assert torch.equal(plain[name], recomputed[name]), name
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_mixed_precision_trains(pack, tmp_path, precision):
+    out = tmp_path / precision
+    trainer = Trainer(MODEL, _cfg(precision=precision, max_steps=12, eval_every=12, ckpt_every=12), pack, out)
+    assert trainer.scaler.is_enabled() == (precision == "fp16")
+    summary = trainer.fit()
+    losses = [r["loss"] for r in _records(out, "train")]
+    assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0] - 0.5
+    assert math.isfinite(summary["final_val_loss"])
+    # master weights stay fp32 under autocast
+    assert all(p.dtype == torch.float32 for p in trainer.model.parameters())
+    train_state = torch.load(out / "checkpoints" / "step-00000012" / "train_state.pt", weights_only=True)
+    if precision == "fp16":
+        assert train_state["scaler"]["scale"] > 0
+    else:
+        assert train_state["scaler"] == {}
+
+
+def test_fp16_loss_scaler_skips_overflowing_step(pack, tmp_path):
+    trainer = Trainer(MODEL, _cfg(precision="fp16"), pack, tmp_path / "run")
+    start = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    scale = trainer.scaler.get_scale()
+
+    def overflowing(model, batch):
+        loss, n_tokens = next_token_loss(model, batch)
+        return loss * float("inf"), n_tokens
+    trainer.loss_fn = overflowing
+    trainer.train_step([_batch(4)])
+    assert all(torch.equal(v, start[k]) for k, v in trainer.model.state_dict().items())
+    assert trainer.scaler.get_scale() == scale / 2  # backed off, step skipped
+    trainer.loss_fn = next_token_loss
+    trainer.train_step([_batch(4)])
+    assert not torch.equal(trainer.model.layers[0].attn.wqkv.weight, start["layers.0.attn.wqkv.weight"])
+    assert trainer.scaler.get_scale() == scale / 2
+
+
+@pytest.mark.parametrize("optimizer", ["lion", "adafactor"])
+def test_other_optimizers_train(pack, tmp_path, optimizer):
+    # Lion takes unit-size steps, so a smaller lr; Adafactor's lr caps a step relative to the weight RMS.
+    lr = {"lion": 3e-3, "adafactor": 0.1}[optimizer]
+    out = tmp_path / optimizer
+    Trainer(MODEL, _cfg(optimizer=optimizer, lr=lr, max_steps=12, eval_every=12, ckpt_every=12), pack, out).fit()
+    losses = [r["loss"] for r in _records(out, "train")]
+    assert losses[-1] < losses[0] - 0.5
+
+
+def test_early_stopping_and_best_checkpoint(pack, tmp_path):
+    out = tmp_path / "run"
+    trainer = Trainer(MODEL, _cfg(max_steps=20, eval_every=1, ckpt_every=100, keep_last=1,
+                                  early_stop_patience=2), pack, out)
+    scripted = iter([3.0, 2.5, 2.6, 2.7, 1.0])
+    trainer.evaluate = lambda: (v := next(scripted), v / math.log(2) / 3.0)
+    summary = trainer.fit()
+    assert summary["stopped_early"] and summary["steps"] == 4
+    assert summary["best_step"] == 2 and summary["best_val_loss"] == 2.5 and summary["final_val_loss"] == 2.7
+    root = out / "checkpoints"
+    assert (root / "best").read_text().strip() == "step-00000002"
+    assert [p.name for p in complete_checkpoints(root)] == ["step-00000002", "step-00000004"]
+    assert json.loads((root / "step-00000002" / "manifest.json").read_text())["val_loss"] == 2.5
+
+
+def test_init_from_loads_weights_only(pack, tmp_path):
+    first = tmp_path / "first"
+    Trainer(MODEL, _cfg(max_steps=4), pack, first).fit()
+    _, weights, _ = load_weights(first)
+    second = Trainer(MODEL, _cfg(max_steps=4, seed=7), pack, tmp_path / "second", init_from=first)
+    assert second.step == 0 and second.resumed_from is None
+    for name, tensor in second.model.state_dict().items():
+        assert torch.equal(tensor, weights[name]), name
+    wrong = ModelConfig(dim=64, n_layers=2, n_heads=4, max_seq_len=32)
+    with pytest.raises(ConfigError, match="init_from"):
+        Trainer(wrong, _cfg(), pack, tmp_path / "third", init_from=first)
+
+
+def test_resume_none_refuses_to_mix_runs(pack, tmp_path):
+    Trainer(MODEL, _cfg(max_steps=4), pack, tmp_path / "run").fit()
+    with pytest.raises(ConfigError, match="resume"):
+        Trainer(MODEL, _cfg(max_steps=4), pack, tmp_path / "run", resume="none")
+
+
+def test_config_errors_name_the_key(pack, tmp_path):
+    with pytest.raises(ConfigError, match="seq_len"):
+        Trainer(MODEL, _cfg(seq_len=64, global_batch_tokens=256), pack, tmp_path / "a")
+    with pytest.raises(ConfigError, match="vocab_size"):
+        Trainer(ModelConfig(vocab_size=32, dim=32, n_layers=1, n_heads=4, max_seq_len=32), _cfg(), pack,
+                tmp_path / "b")
+
+
+def test_default_loss_is_mean_cross_entropy():
+    logits = torch.randn(2, 3, 5)
+    targets = torch.randint(0, 5, (2, 3))
+    loss, n = next_token_loss(lambda x: logits, (None, targets))
+    assert n == 6
+    assert loss.item() == pytest.approx(torch.nn.functional.cross_entropy(logits.view(6, 5), targets.view(6)).item())
+
+
+DDP_SCRIPT = """
+import sys, torch, torch.distributed as dist
+from kiln.model import ModelConfig
+from kiln.train.config import TrainConfig
+from kiln.train.trainer import Trainer
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+pack, out = sys.argv[1], sys.argv[2]
+model = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32)
+cfg = TrainConfig(seq_len=16, micro_batch_size=2, global_batch_tokens=128, max_steps=8, lr=1e-2, warmup_steps=2,
+                  precision="fp32", log_every=1, eval_every=4, eval_batches=2, ckpt_every=4, peak_flops=1e12)
+g = torch.Generator().manual_seed(1)
+x = torch.randint(0, 64, (8, 17), generator=g)
+x, y = x[:, :-1], x[:, 1:]
+t = Trainer(model, cfg, pack, out + f"/rank{rank}", resume="none")
+assert t.accum_steps == 2
+mine = slice(4 * rank, 4 * rank + 4)
+t.train_step([(x[mine][:2], y[mine][:2]), (x[mine][2:], y[mine][2:])])
+if rank == 0:
+    torch.save(t.model.state_dict(), out + "/ddp.pt")
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_data_parallel_step_matches_single_process(pack, tmp_path):
+    """2 gloo ranks x 2 accumulated micro-batches == one process on the union of their batches."""
+    repo = Path(__file__).resolve().parents[2]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "--no-python", sys.executable, "-c", DDP_SCRIPT, str(pack), str(tmp_path)]
+    result = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "PYTHONPATH": str(repo)})
+    assert result.returncode == 0, result.stderr[-3000:]
+    _, reference = _one_step(pack, tmp_path / "single", _cfg(micro_batch_size=8, global_batch_tokens=128),
+                             _batch(), 8)
+    distributed = torch.load(tmp_path / "ddp.pt", weights_only=True)
+    for name, tensor in reference.items():
+        torch.testing.assert_close(distributed[name], tensor, rtol=1e-3, atol=1e-5)
+
+
+def test_auto_resume_skips_corrupted_checkpoint(pack, tmp_path):
+    out = tmp_path / "run"
+    Trainer(MODEL, _cfg(eval_every=100), pack, out).fit()
+    # Cloned: safetensors maps the file, and the next lines overwrite it in place.
+    original = {k: v.clone() for k, v in load_weights(out)[1].items()}
+    corrupted = out / "checkpoints" / "step-00000008" / "model.safetensors"
+    data = bytearray(corrupted.read_bytes())
+    data[-10] ^= 0xFF
+    corrupted.write_bytes(bytes(data))
+    with pytest.warns(UserWarning) as warned:
+        trainer = Trainer(MODEL, _cfg(eval_every=100), pack, out)
+    messages = " ".join(str(w.message) for w in warned)
+    assert "skipping checkpoint step-00000008" in messages and "model.safetensors" in messages
+    assert "renamed to abandoned-step-00000008" in messages
+    assert trainer.step == 4 and trainer.resumed_from.endswith("step-00000004")
+    assert (out / "checkpoints" / "abandoned-step-00000008").is_dir()
+    trainer.fit()
+    _, redone, manifest = load_weights(out)
+    assert manifest["step"] == 8
+    for name, tensor in original.items():
+        assert torch.equal(redone[name], tensor), name
