@@ -101,7 +101,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         if "pretrain" in results:
             summary = results["pretrain"]
             print("pretrain summary: " + json.dumps({k: summary.get(k) for k in
-                  ("steps", "tokens", "final_val_loss", "best_val_loss", "final_val_bpb", "tokens_per_s", "mfu")}))
+                  ("steps", "tokens_seen", "final_val_loss", "best_val_loss", "final_val_bpb", "tokens_per_s", "mfu")}))
         return 0
     if args.verb in stage_of_verb:
         recipe = load_recipe(args.recipe, args.overrides)
