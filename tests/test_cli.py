@@ -3,9 +3,7 @@
 import json
 import subprocess
 import sys
-from pathlib import Path
 
-import pytest
 
 from kiln.cli import main
 

@@ -8,7 +8,6 @@ import sys
 import textwrap
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -42,27 +41,6 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def make_tiny_pack(root: Path, vocab: int = 64) -> Path:
-    """Shards in the contract's layout: documents of a learnable successor rule, eot = 0."""
-    rng = np.random.default_rng(0)
-    for split, docs in (("train", 120), ("val", 30)):
-        tokens = []
-        for _ in range(docs):
-            t = int(rng.integers(1, vocab))
-            for _ in range(int(rng.integers(10, 60))):
-                tokens.append(t)
-                t = (5 * t + 3) % (vocab - 1) + 1
-            tokens.append(0)
-        (root / split).mkdir(parents=True)
-        np.asarray(tokens, dtype="<u2").tofile(root / split / "synthetic-00000.bin")
-        header = {"dtype": "uint16", "vocab_size": vocab, "tokenizer_sha256": "test", "documents": docs,
-                  "tokens": len(tokens), "bytes": 3 * len(tokens), "source": "synthetic"}
-        (root / split / "synthetic-00000.json").write_text(json.dumps(header))
-    (root / "mixture.json").write_text(json.dumps({"vocab_size": vocab, "tokenizer_sha256": "test",
-                                                   "weights": {"synthetic": 1.0}}))
-    return root
-
-
 def _launch(pack: Path, out: Path, precision: str, kill_at: int = 0) -> subprocess.Popen:
     args = {
         "model": {"dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 16},
@@ -89,8 +67,8 @@ def _log(out: Path) -> list[dict]:
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_killed_and_resumed_run_equals_uninterrupted(tmp_path, precision):
-    pack = make_tiny_pack(tmp_path / "pack")
+def test_killed_and_resumed_run_equals_uninterrupted(tmp_path, precision, tiny_pack_factory):
+    pack = tiny_pack_factory(tmp_path / "pack")
     straight, crashed = tmp_path / "straight", tmp_path / "crashed"
     # The two first runs are independent: run them side by side.
     procs = [_launch(pack, straight, precision), _launch(pack, crashed, precision, kill_at=8)]
