@@ -149,6 +149,10 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
             except ConfigError as err:
                 errors.append(err.message)
         raise ConfigError(key, "; ".join(errors))
+    if dataclasses.is_dataclass(hint):
+        if not isinstance(value, dict):
+            raise ConfigError(key, f"expected a table, got {_kind(value)}")
+        return _build(hint, value, key)
     if origin is list:
         if not isinstance(value, list):
             raise ConfigError(key, f"expected a list, got {_kind(value)}")

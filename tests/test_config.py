@@ -77,3 +77,21 @@ def test_bad_override_names_key():
 def test_missing_recipe_file(tmp_path):
     with pytest.raises(ConfigError, match="nope.toml: recipe: file not found"):
         load_recipe(tmp_path / "nope.toml")
+
+
+def test_nested_dataclass_tables_are_typed():
+    from dataclasses import dataclass, field
+
+    from kiln.config import _build
+
+    @dataclass
+    class Inner:
+        threshold: float = 0.5
+
+    @dataclass
+    class Outer:
+        inner: Inner = field(default_factory=Inner)
+
+    assert _build(Outer, {"inner": {"threshold": 1}}, "x").inner.threshold == 1.0
+    with pytest.raises(ConfigError, match=r"x.inner.limit: unknown key"):
+        _build(Outer, {"inner": {"limit": 1}}, "x")
