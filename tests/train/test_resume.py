@@ -41,13 +41,14 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def _launch(pack: Path, out: Path, precision: str, kill_at: int = 0) -> subprocess.Popen:
+def _launch(pack: Path, out: Path, precision: str, kill_at: int = 0, compile: bool = False) -> subprocess.Popen:
     args = {
         "model": {"dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 16},
         # Accumulation (2 micro-batches) and warmup+cosine so that every piece of state matters.
         "train": {"seq_len": 16, "micro_batch_size": 2, "global_batch_tokens": 64, "max_steps": 12,
                   "warmup_steps": 3, "lr": 1e-2, "precision": precision, "log_every": 1, "eval_every": 3,
-                  "eval_batches": 2, "ckpt_every": 4, "keep_last": 2, "peak_flops": 1e12, "threads": 1},
+                  "eval_batches": 2, "ckpt_every": 4, "keep_last": 2, "peak_flops": 1e12, "threads": 1,
+                  "compile": compile},
         "pack": str(pack), "out": str(out), "kill_at": kill_at,
     }
     env = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -66,12 +67,17 @@ def _log(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_killed_and_resumed_run_equals_uninterrupted(tmp_path, precision, tiny_pack_factory):
+@pytest.mark.parametrize("precision, compile", [
+    ("fp32", False), ("bf16", False),
+    # torch.compile (of the loss function with the model inside) must not break exactness either.
+    pytest.param("bf16", True, marks=pytest.mark.slow),
+])
+def test_killed_and_resumed_run_equals_uninterrupted(tmp_path, precision, compile, tiny_pack_factory):
     pack = tiny_pack_factory(tmp_path / "pack")
     straight, crashed = tmp_path / "straight", tmp_path / "crashed"
     # The two first runs are independent: run them side by side.
-    procs = [_launch(pack, straight, precision), _launch(pack, crashed, precision, kill_at=8)]
+    procs = [_launch(pack, straight, precision, compile=compile),
+             _launch(pack, crashed, precision, kill_at=8, compile=compile)]
     assert [_finish(p) for p in procs] == [0, -signal.SIGKILL]
 
     root = crashed / "checkpoints"
@@ -83,7 +89,7 @@ def test_killed_and_resumed_run_equals_uninterrupted(tmp_path, precision, tiny_p
     assert max(r["step"] for r in killed_log) == 8  # it trained past the checkpoint it resumes from
     assert not (crashed / "summary.json").exists()
 
-    assert _finish(_launch(pack, crashed, precision)) == 0
+    assert _finish(_launch(pack, crashed, precision, compile=compile)) == 0
     summary = json.loads((crashed / "summary.json").read_text())
     assert summary["resumed_from"].endswith("step-00000006")
     assert not (root / ".tmp-step-00000008").exists()
