@@ -28,6 +28,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = verbs.add_parser("corpus", help="build the built-in corpus of real text")
     _recipe_args(p)
 
+    p = verbs.add_parser("data", help="curate documents: filter, deduplicate, scrub (runs the data stage)")
+    _recipe_args(p)
+
     p = verbs.add_parser("tokenizer", help="train a byte-level BPE tokenizer")
     tok = p.add_subparsers(dest="action", required=True, metavar="ACTION")
     _recipe_args(tok.add_parser("train", help="train on the run's corpus"))
@@ -92,7 +95,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     from kiln.config import load_recipe
     from kiln.pipeline import run_recipe
 
-    stage_of_verb = {"corpus": "corpus", "tokenizer": "tokenizer", "pack": "pack", "pretrain": "pretrain"}
+    stage_of_verb = {"corpus": "corpus", "data": "data", "tokenizer": "tokenizer", "pack": "pack", "pretrain": "pretrain"}
     if args.verb == "run":
         recipe = load_recipe(args.recipe, args.overrides)
         stages = args.stages.split(",") if args.stages else None

@@ -15,20 +15,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kiln.data.config import CorpusConfig, PackConfig, TokenizerConfig
+from kiln.data.config import CorpusConfig, CurateConfig, PackConfig, TokenizerConfig
 from kiln.errors import ConfigError
 from kiln.infer.config import SampleConfig
 from kiln.model.config import PRESETS, ModelConfig
 from kiln.train.config import TrainConfig
 
-STAGES = ("corpus", "tokenizer", "pack", "pretrain", "sample")
+STAGES = ("corpus", "data", "tokenizer", "pack", "pretrain", "sample")
 
 
 @dataclass
 class RunConfig:
     name: str = "tiny"
     out_dir: str = "runs"
-    stages: list[str] = field(default_factory=lambda: list(STAGES))
+    stages: list[str] = field(default_factory=lambda: [s for s in STAGES if s != "data"])
 
     def validate(self) -> None:
         if not self.name or "/" in self.name or self.name.startswith("."):
@@ -42,6 +42,7 @@ class RunConfig:
 class Recipe:
     run: RunConfig = field(default_factory=RunConfig)
     corpus: CorpusConfig = field(default_factory=CorpusConfig)
+    data: CurateConfig = field(default_factory=CurateConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     pack: PackConfig = field(default_factory=PackConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -121,7 +122,9 @@ def recipe_from_dict(raw: dict[str, Any]) -> Recipe:
 
 
 def _build(cls: type, table: dict[str, Any], section: str):
-    hints = typing.get_type_hints(cls)
+    # Fields only: class-level constants (ClassVar) are not configurable.
+    all_hints = typing.get_type_hints(cls)
+    hints = {f.name: all_hints[f.name] for f in dataclasses.fields(cls)}
     base = cls()
     preset_name = table.get("preset")
     if cls is ModelConfig and preset_name:
@@ -165,6 +168,10 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
         if not isinstance(value, dict):
             raise ConfigError(key, f"expected a table, got {_kind(value)}")
         return {str(k): _coerce(v, args[1], f"{key}.{k}") for k, v in value.items()}
+    if hint is dict:  # a free-form table, checked by its owner's validate()
+        if not isinstance(value, dict):
+            raise ConfigError(key, f"expected a table, got {_kind(value)}")
+        return value
     if hint is bool:
         if not isinstance(value, bool):
             raise ConfigError(key, f"expected true or false, got {_kind(value)} {value!r}")

@@ -21,16 +21,19 @@ from kiln.config import STAGES, Recipe, recipe_to_dict
 # Which recipe sections determine each stage's output, upstream included.
 STAGE_INPUTS = {
     "corpus": ("corpus",),
-    "tokenizer": ("corpus", "tokenizer"),
-    "pack": ("corpus", "tokenizer", "pack"),
-    "pretrain": ("corpus", "tokenizer", "pack", "model", "train"),
-    "sample": ("corpus", "tokenizer", "pack", "model", "train", "sample"),
+    "data": ("corpus", "data"),
+    "tokenizer": ("corpus", "data", "tokenizer"),
+    "pack": ("corpus", "data", "tokenizer", "pack"),
+    "pretrain": ("corpus", "data", "tokenizer", "pack", "model", "train"),
+    "sample": ("corpus", "data", "tokenizer", "pack", "model", "train", "sample"),
 }
 MARKER = "DONE"
 
 
 def fingerprint(recipe: Recipe, stage: str) -> str:
-    parts = {name: dataclasses.asdict(getattr(recipe, name)) for name in STAGE_INPUTS[stage]}
+    # The data section shapes downstream output only when the run curates its corpus.
+    sections = [n for n in STAGE_INPUTS[stage] if n != "data" or "data" in recipe.run.stages]
+    parts = {name: dataclasses.asdict(getattr(recipe, name)) for name in sections}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -84,16 +87,28 @@ def _corpus(recipe: Recipe, out: Path, **_) -> dict:
     return build_corpus(recipe.corpus, out)
 
 
+def documents_dir(recipe: Recipe) -> Path:
+    """Where the tokenizer and packer read documents: the curated ones when the run curates."""
+    if "data" in recipe.run.stages:
+        return stage_dir(recipe, "data") / "docs"
+    return stage_dir(recipe, "corpus")
+
+
+def _data(recipe: Recipe, out: Path, **_) -> dict:
+    from kiln.data.curate import curate
+    return curate(recipe.data, out, default_inputs=sorted(stage_dir(recipe, "corpus").glob("*.jsonl")))
+
+
 def _tokenizer(recipe: Recipe, out: Path, **_) -> dict:
     from kiln.data.tokenizer import train_tokenizer_from_corpus
-    stats = train_tokenizer_from_corpus(stage_dir(recipe, "corpus"), recipe.tokenizer, out)
+    stats = train_tokenizer_from_corpus(documents_dir(recipe), recipe.tokenizer, out)
     print(f"[tokenizer] held-out compression: {stats['bytes_per_token']:.2f} bytes/token")
     return stats
 
 
 def _pack(recipe: Recipe, out: Path, **_) -> dict:
     from kiln.data.pack import pack
-    return pack(stage_dir(recipe, "corpus"), stage_dir(recipe, "tokenizer") / "tokenizer.json",
+    return pack(documents_dir(recipe), stage_dir(recipe, "tokenizer") / "tokenizer.json",
                 recipe.pack, out)
 
 
@@ -135,5 +150,5 @@ def _sample(recipe: Recipe, out: Path, **_) -> dict:
     return {"checkpoint_step": manifest.get("step"), "samples": len(texts), "file": str(out / "samples.txt")}
 
 
-STAGE_RUNNERS = {"corpus": _corpus, "tokenizer": _tokenizer, "pack": _pack,
+STAGE_RUNNERS = {"corpus": _corpus, "data": _data, "tokenizer": _tokenizer, "pack": _pack,
                  "pretrain": _pretrain, "sample": _sample}

@@ -95,3 +95,24 @@ def test_nested_dataclass_tables_are_typed():
     assert _build(Outer, {"inner": {"threshold": 1}}, "x").inner.threshold == 1.0
     with pytest.raises(ConfigError, match=r"x.inner.limit: unknown key"):
         _build(Outer, {"inner": {"limit": 1}}, "x")
+
+
+@pytest.mark.parametrize("text, expected", [
+    ('[data]\nsteps = ["gopher_quality"]\n[data.params.gopher_quality]\nmin_doc_words = "many"\n',
+     r"r.toml: data.params.gopher_quality.min_doc_words: expected an integer"),
+    ('[data]\nsteps = ["shiny_filter"]\n', r"r.toml: data.params.shiny_filter: unknown step 'shiny_filter'"),
+    ('[data]\nsteps = ["pii"]\n[data.params.langid]\nmin_score = 0.5\n',
+     r"r.toml: data.params.langid: configures a step that is not in steps"),
+    ('[data]\nsteps = ["minhash_dedup"]\n[data.params.minhash_dedup]\nbands = 10\n',
+     r"r.toml: data.params.minhash_dedup.bands: "),
+])
+def test_bad_data_steps_name_the_key(tmp_path, text, expected):
+    with pytest.raises(ConfigError, match=expected):
+        load_recipe(write(tmp_path, text))
+
+
+def test_data_step_params_reach_the_step(tmp_path):
+    r = load_recipe(write(tmp_path, '[data]\nsteps = ["gopher_quality"]\n'
+                                    '[data.params.gopher_quality]\nmin_doc_words = 7\nonly_sources = ["web"]\n'))
+    (step,) = r.data.build_steps()
+    assert (step.min_doc_words, step.only_sources) == (7, ["web"])

@@ -62,3 +62,33 @@ class PackConfig:
             raise ConfigError("mixture", "weights must not all be zero")
         if self.shard_tokens <= 0:
             raise ConfigError("shard_tokens", f"must be positive, got {self.shard_tokens}")
+
+
+# The default chain: cheap normalisation and language ID first, then the heuristic filters, then
+# deduplication (exact before fuzzy, so MinHash sees fewer documents), PII scrubbing last so that
+# dedup compares the original text.
+DEFAULT_STEPS = ["normalize", "langid", "gopher_quality", "gopher_repetition", "fineweb",
+                 "exact_dedup", "minhash_dedup", "pii"]
+
+
+@dataclass
+class CurateConfig:
+    inputs: list[str] = field(default_factory=list)   # files, folders or globs; empty: the run's corpus
+    steps: list[str] = field(default_factory=lambda: list(DEFAULT_STEPS))
+    params: dict = field(default_factory=dict)         # [data.params.<step>] tables: each step's fields
+    tasks: int = 4                                     # shards of work; the unit of resumption
+    workers: int = 2                                   # processes running tasks in parallel
+
+    def validate(self) -> None:
+        if self.tasks <= 0:
+            raise ConfigError("tasks", f"must be positive, got {self.tasks}")
+        if self.workers <= 0:
+            raise ConfigError("workers", f"must be positive, got {self.workers}")
+        for name in self.params:
+            if name not in self.steps:
+                raise ConfigError(f"params.{name}", f"configures a step that is not in steps {self.steps}")
+        self.build_steps()
+
+    def build_steps(self) -> list:
+        from kiln.data.steps.base import build_step
+        return [build_step(name, self.params.get(name, {}), f"params.{name}") for name in self.steps]

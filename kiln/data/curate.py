@@ -1,0 +1,26 @@
+"""`kiln data`: raw documents in, curated documents out, through the configured list of steps."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kiln.data.config import CurateConfig
+from kiln.data.executor import funnel, run_pipeline
+from kiln.errors import ConfigError
+
+
+def curate(cfg: CurateConfig, out_dir: Path, default_inputs: list[Path] = (), log=print) -> dict:
+    """Run the pipeline of `cfg` over `cfg.inputs` (or `default_inputs`) into `out_dir`.
+
+    Writes out_dir/docs/*.jsonl (the curated documents, the input of the tokenizer and packer),
+    out_dir/rejected/, and out_dir/stats.json; returns the stats and logs the funnel.
+    """
+    from kiln.data.readers import list_named_inputs
+
+    # list_named_inputs raises a one-line DataError for a path or glob that matches nothing.
+    files = list_named_inputs(cfg.inputs) if cfg.inputs else [(Path(p), Path(p).name) for p in sorted(default_inputs)]
+    if not files:
+        raise ConfigError("data.inputs", "is empty and there is no corpus stage output to curate")
+    stats = run_pipeline(files, cfg.build_steps(), Path(out_dir), tasks=cfg.tasks, workers=cfg.workers, log=log)
+    log(funnel(stats))
+    return stats

@@ -1,0 +1,222 @@
+"""Run a list of curation steps over sharded input, as tasks, locally on worker processes.
+
+The pipeline is cut after every `Deduplicator` into phases. Within a phase each task reads its own
+shard, runs the phase's steps document by document, and writes its surviving documents to a part
+file; a phase that ends in a deduplicator then has that step `index` the part files, `resolve` once
+across all tasks, and the next phase starts by filtering each part with the decision. Phases talk
+only through files, so a task is the unit of work, of parallelism and of resumption: a task that
+finished leaves a marker, and a rerun after a crash redoes only the tasks without one.
+
+Layout of the output folder:
+    docs/part-00000.jsonl ...       the curated documents (the last phase's parts)
+    rejected/<phase>-part-00000.jsonl  every dropped document with its step and reason
+    work/phase-<k>/                 intermediate parts, dedup indexes, markers, per-task stats
+    stats.json                      per step: docs/bytes in and out, reasons, counters, seconds
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator
+
+from kiln.data.steps.base import Deduplicator, Filter, Mapper, Step, StepStats
+
+
+@dataclass
+class Phase:
+    index: int
+    steps: list[Step]             # mappers and filters, in order
+    dedup: Deduplicator | None    # ends the phase; applied as a filter at the start of the next one
+    dedup_before: Deduplicator | None  # the previous phase's deduplicator
+
+
+def split_phases(steps: list[Step]) -> list[Phase]:
+    phases, current, previous = [], [], None
+    for step in steps:
+        if isinstance(step, Deduplicator):
+            phases.append(Phase(len(phases), current, step, previous))
+            current, previous = [], step
+        else:
+            current.append(step)
+    phases.append(Phase(len(phases), current, None, previous))
+    return phases
+
+
+def assign_inputs(files: list[tuple[Path, str]], tasks: int) -> list[list[tuple[Path, str]]]:
+    """Round-robin over the files in their given (sorted) order, so the assignment never depends on
+    the machine."""
+    return [files[t::tasks] for t in range(tasks)]
+
+
+def _write_jsonl_atomic(path: Path, records: Iterable[dict]) -> int:
+    tmp = path.with_name(path.name + ".tmp")
+    count = 0
+    with open(tmp, "w", encoding="utf-8") as f:
+        for record in records:
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+            count += 1
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return count
+
+
+def _read_jsonl(path: Path) -> Iterator[dict]:
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            yield json.loads(line)
+
+
+def _run_steps(docs: Iterable[dict], steps: list[Step], rejected: list[dict]) -> Iterator[dict]:
+    """Push each document through the steps; count everything; collect the dropped ones."""
+    for doc in docs:
+        for step in steps:
+            if step.only_sources and doc["source"] not in step.only_sources:
+                continue
+            stats = step.stats
+            started = time.perf_counter()
+            size = len(doc["text"].encode("utf-8"))
+            stats.docs_in += 1
+            stats.bytes_in += size
+            if isinstance(step, Mapper):
+                doc = step.apply(doc)
+                why = None
+            else:
+                why = step.reason(doc)
+            stats.seconds += time.perf_counter() - started
+            if why is not None:
+                stats.reasons[why] += 1
+                rejected.append({"step": step.name, "reason": why, "doc": doc})
+                break
+            stats.docs_out += 1
+            stats.bytes_out += len(doc["text"].encode("utf-8"))
+        else:
+            yield doc
+
+
+def _task_inputs(phase: Phase, task: int, shards: list[tuple[Path, str]], out: Path, read_stats: StepStats,
+                 rejected: list[dict]) -> Iterator[dict]:
+    if phase.index == 0:
+        from kiln.data.readers import read_documents
+        for path, name in shards:
+            for doc, rejection in read_documents(path, name=name):
+                if rejection is not None:
+                    read_stats.reasons[rejection["reason"]] += 1
+                    rejected.append({"step": "read", **rejection})
+                    continue
+                read_stats.docs_out += 1
+                read_stats.bytes_out += len(doc["text"].encode("utf-8"))
+                yield doc
+    else:
+        yield from _read_jsonl(out / "work" / f"phase-{phase.index - 1}" / f"part-{task:05d}.jsonl")
+
+
+def run_task(phase: Phase, task: int, shards: list[tuple[Path, str]], out: Path, final: bool) -> None:
+    """One task of one phase; writes its part, rejected records, stats and finally its marker."""
+    work = out / "work" / f"phase-{phase.index}"
+    steps = ([phase.dedup_before] if phase.dedup_before else []) + phase.steps
+    for step in steps:
+        step.stats = StepStats(step.name)
+        step.setup()
+    if phase.dedup_before is not None:
+        phase.dedup_before.load(out / "work" / f"phase-{phase.index - 1}" / "dedup", task)
+    read_stats = StepStats("read")
+    rejected: list[dict] = []
+    docs = _run_steps(_task_inputs(phase, task, shards, out, read_stats, rejected), steps, rejected)
+    part = (out / "docs" if final else work) / f"part-{task:05d}.jsonl"
+    _write_jsonl_atomic(part, docs)
+    if phase.dedup is not None:
+        (work / "dedup").mkdir(exist_ok=True)
+        phase.dedup.setup()
+        phase.dedup.index(_read_jsonl(part), work / "dedup", task)
+    _write_jsonl_atomic(out / "rejected" / f"phase-{phase.index}-part-{task:05d}.jsonl", rejected)
+    stats = [s.stats.to_dict() for s in steps]
+    if phase.index == 0:
+        stats.insert(0, read_stats.to_dict())
+    (work / f"stats-{task:05d}.json").write_text(json.dumps(stats))
+    (work / f"done-{task:05d}").write_text("")
+
+
+def run_pipeline(inputs: list[Path] | list[tuple[Path, str]], steps: list[Step], out: Path, tasks: int = 1,
+                 workers: int = 1, log=print) -> dict:
+    """Run `steps` over `inputs` into `out`; finished tasks of an earlier attempt are kept.
+
+    `inputs` are files, or (file, stable name) pairs as kiln.data.readers.list_named_inputs gives;
+    the name prefixes default document ids, so it must not depend on where the data is mounted."""
+    out = Path(out)
+    for folder in ("docs", "rejected", "work"):
+        (out / folder).mkdir(parents=True, exist_ok=True)
+    named = [(Path(p[0]), p[1]) if isinstance(p, tuple) else (Path(p), Path(p).name) for p in inputs]
+    shards = assign_inputs(named, tasks)
+    phases = split_phases(steps)
+    started = time.perf_counter()
+    for phase in phases:
+        work = out / "work" / f"phase-{phase.index}"
+        work.mkdir(exist_ok=True)
+        final = phase is phases[-1]
+        todo = [t for t in range(tasks) if not (work / f"done-{t:05d}").exists()]
+        if len(todo) < tasks:
+            log(f"[data] phase {phase.index}: {tasks - len(todo)} of {tasks} tasks already done, skipping them")
+        if todo:
+            if workers > 1 and len(todo) > 1:
+                with ProcessPoolExecutor(max_workers=min(workers, len(todo))) as pool:
+                    futures = [pool.submit(run_task, phase, t, shards[t], out, final) for t in todo]
+                    for future in futures:
+                        future.result()
+            else:
+                for t in todo:
+                    run_task(phase, t, shards[t], out, final)
+        if phase.dedup is not None and not (work / "dedup" / "resolved.json").exists():
+            resolved = phase.dedup.resolve(work / "dedup", tasks)
+            _write_jsonl_atomic(work / "dedup" / "resolved.json", [resolved])
+    stats = merge_stats(out, phases, tasks)
+    stats["seconds"] = round(time.perf_counter() - started, 2)
+    (out / "stats.json").write_text(json.dumps(stats, indent=2))
+    return stats
+
+
+def merge_stats(out: Path, phases: list[Phase], tasks: int) -> dict:
+    """Per-step totals over tasks, in pipeline order, plus each deduplicator's resolve stats."""
+    merged: dict[str, StepStats] = {}
+    order: list[str] = []
+    for phase in phases:
+        work = out / "work" / f"phase-{phase.index}"
+        for t in range(tasks):
+            for entry in json.loads((work / f"stats-{t:05d}.json").read_text()):
+                stats = StepStats.from_dict(entry)
+                if stats.name not in merged:
+                    merged[stats.name] = StepStats(stats.name)
+                    order.append(stats.name)
+                merged[stats.name].merge(stats)
+        resolved = work / "dedup" / "resolved.json"
+        if phase.dedup is not None and resolved.exists():
+            for key, value in json.loads(resolved.read_text().splitlines()[0]).items():
+                if isinstance(value, (int, float)):
+                    merged.setdefault(phase.dedup.name, StepStats(phase.dedup.name)).counters[key] += value
+                    if phase.dedup.name not in order:
+                        order.append(phase.dedup.name)
+    steps = [merged[name].to_dict() for name in order]
+    first = steps[0] if steps else None
+    docs_in = sum(first["reasons"].values()) + first["docs_out"] if first and first["name"] == "read" else None
+    return {"docs_in": docs_in, "docs_out": steps[-1]["docs_out"] if steps else 0,
+            "bytes_out": steps[-1]["bytes_out"] if steps else 0, "tasks": tasks, "steps": steps}
+
+
+def funnel(stats: dict) -> str:
+    """A text funnel of documents and bytes kept after each step."""
+    rows = [f"{'step':<20} {'docs':>10} {'kept %':>7} {'MB':>9}  top reasons"]
+    start = None
+    for step in stats["steps"]:
+        start = start or max(step["docs_in"], step["docs_out"] + sum(step["reasons"].values()))
+        reasons = ", ".join(f"{k} {v}" for k, v in sorted(step["reasons"].items(), key=lambda kv: -kv[1])[:3])
+        rows.append(f"{step['name']:<20} {step['docs_out']:>10} {100 * step['docs_out'] / max(start, 1):>6.1f}% "
+                    f"{step['bytes_out'] / 1e6:>9.2f}  {reasons}")
+    return "\n".join(rows)
+
+
+__all__ = ["run_pipeline", "split_phases", "funnel", "Filter", "Mapper"]

@@ -1,0 +1,299 @@
+"""Read raw documents from JSONL (plain, .gz, .zst), Parquet and folders of text files.
+
+Every input record becomes either a document `{"id", "text", "source", "meta"}` or a rejection
+`{"file", "line", "reason", "raw"}`; a bad record never stops the read, so one corrupt line in a
+million-line dump costs one line, and the rejection says exactly where it was.
+
+`read_documents(path)` yields `(doc, None)` or `(None, rejection)` pairs in file order. Rejection
+reasons:
+
+- `bad_utf8`: the line (or text file) is not valid UTF-8, or a JSON escape left a lone surrogate;
+- `bad_json`: the line does not parse; `not_an_object`: it parses to a list, number, ...;
+- `missing_text` / `text_not_string` / `empty_text` (empty or whitespace only);
+- `bad_id` / `bad_source` / `bad_meta`: a field of the wrong type (id may be a string or integer);
+- `corrupt_file`: the compressed stream or Parquet file is damaged; the rest of that file is lost
+  and the read continues with the next file (`line` is the first record not read).
+
+Defaults for fields a record lacks: `id` = `<name>:<line>` (name = the file's path inside the folder
+it was listed from, so ids are stable across machines and working directories); `source` = the
+reader's `source` argument, else the file stem (`web.jsonl.zst` -> `web`), and for text files the
+name of the folder holding them (a folder of files is one source, not one source per file);
+`meta` = {}. Other top-level fields (`url`, `date`, ...) move into `meta` rather than vanish.
+For Parquet, `line` is the 1-based row number.
+"""
+
+from __future__ import annotations
+
+import glob
+import gzip
+import io
+import json
+import sys
+from pathlib import Path
+from typing import IO, Iterable, Iterator
+
+from kiln.errors import DataError
+
+RAW_CHARS = 200  # enough of a bad record to recognise it in rejected/ without copying huge lines
+JSONL_SUFFIXES = (".jsonl", ".ndjson")
+COMPRESSED_SUFFIXES = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd"}
+TEXT_SUFFIXES = (".txt", ".md")
+PARQUET_SUFFIXES = (".parquet",)
+DOC_FIELDS = ("id", "text", "source", "meta")
+
+Record = tuple[dict | None, dict | None]  # (document, None) or (None, rejection)
+
+
+def input_format(path: Path) -> str | None:
+    """'jsonl', 'parquet' or 'text' from the file name, None if it is none of them."""
+    name = path.name.lower()
+    for suffix in COMPRESSED_SUFFIXES:
+        if name.endswith(suffix):
+            name = name[: -len(suffix)]
+            break
+    else:
+        if name.endswith(PARQUET_SUFFIXES):
+            return "parquet"
+        if name.endswith(TEXT_SUFFIXES):
+            return "text"
+    return "jsonl" if name.endswith(JSONL_SUFFIXES) else None
+
+
+def file_stem(path: Path) -> str:
+    """The name without format and compression suffixes: `web-00.jsonl.zst` -> `web-00`."""
+    name = path.name
+    for suffix in COMPRESSED_SUFFIXES:
+        if name.lower().endswith(suffix):
+            name = name[: -len(suffix)]
+            break
+    return Path(name).stem
+
+
+def _expand(entry: str | Path) -> list[tuple[Path, str]]:
+    """Files of one input entry (file, folder or glob), sorted, each with its stable name."""
+    text = str(entry)
+    if any(ch in text for ch in "*?["):
+        matches = sorted(Path(p) for p in glob.glob(text, recursive=True))
+        files = [p for p in matches if p.is_file() and input_format(p)]
+        if not files:
+            raise DataError(f"{text}: the pattern matches no JSONL, Parquet or text files")
+        return [(p, p.name) for p in files]
+    path = Path(entry)
+    if path.is_dir():
+        # Hidden files and folders are editor and VCS litter (.git, .DS_Store), never data.
+        files = sorted(p for p in path.rglob("*")
+                       if p.is_file() and input_format(p)
+                       and not any(part.startswith(".") for part in p.relative_to(path).parts))
+        if not files:
+            raise DataError(f"{path}: the folder holds no JSONL, Parquet or text files")
+        return [(p, f"{path.name}/{p.relative_to(path).as_posix()}") for p in files]
+    if not path.exists():
+        raise DataError(f"{path}: no such file or folder")
+    if input_format(path) is None:
+        raise DataError(f"{path}: unknown input format; expected .jsonl/.ndjson (optionally .gz/.zst), "
+                        ".parquet, .txt or .md")
+    return [(path, path.name)]
+
+
+def list_named_inputs(paths: str | Path | Iterable[str | Path]) -> list[tuple[Path, str]]:
+    """Like list_inputs, with each file's stable name (used in default ids)."""
+    if isinstance(paths, (str, Path)):
+        paths = [paths]
+    seen: set[Path] = set()
+    out = []
+    for entry in paths:
+        for path, name in _expand(entry):
+            key = path.resolve()
+            if key not in seen:
+                seen.add(key)
+                out.append((path, name))
+    return out
+
+
+def list_inputs(paths: str | Path | Iterable[str | Path]) -> list[Path]:
+    """Files to read: each entry a file, a folder (searched recursively) or a glob pattern.
+
+    Each entry's files are sorted, entries keep their order and a file listed twice is read once,
+    so the list (and therefore the task sharding built on it) is the same on every run.
+    """
+    return [path for path, _ in list_named_inputs(paths)]
+
+
+def read_inputs(paths: str | Path | Iterable[str | Path], source: str | None = None) -> Iterator[Record]:
+    """read_documents over every file of list_inputs(paths)."""
+    for path, name in list_named_inputs(paths):
+        yield from read_documents(path, source, name=name)
+
+
+def read_documents(path: str | Path, source: str | None = None, name: str | None = None) -> Iterator[Record]:
+    """Yield `(doc, None)` for each good record of one file and `(None, rejection)` for each bad one.
+
+    `name` is the file's stable name used in default ids (default: the file name).
+    """
+    path = Path(path)
+    fmt = input_format(path)
+    if fmt is None:
+        raise DataError(f"{path}: unknown input format")
+    name = name or path.name
+    if fmt == "text":
+        yield _read_text_file(path, source or path.parent.name, name)
+    elif fmt == "parquet":
+        yield from _read_parquet(path, source or file_stem(path), name)
+    else:
+        yield from _read_jsonl(path, source or file_stem(path), name)
+
+
+def rejection(path: Path, line: int, reason: str, raw: str | bytes) -> dict:
+    if isinstance(raw, bytes):
+        raw = raw[: RAW_CHARS * 4].decode("utf-8", errors="replace")
+    raw = raw.rstrip("\r\n")
+    if len(raw) > RAW_CHARS:
+        raw = raw[:RAW_CHARS] + "..."
+    return {"file": str(path), "line": line, "reason": reason, "raw": raw}
+
+
+def make_document(record: dict, default_id: str, default_source: str) -> tuple[dict | None, str | None]:
+    """A document from a parsed record, or (None, reason) when a field is unusable."""
+    text = record.get("text")
+    if text is None:
+        return None, "missing_text"
+    if not isinstance(text, str):
+        return None, "text_not_string"
+    if not text.strip():
+        return None, "empty_text"
+    doc_id = record.get("id")
+    if doc_id is None:
+        doc_id = default_id
+    elif isinstance(doc_id, int) and not isinstance(doc_id, bool):
+        doc_id = str(doc_id)
+    elif not isinstance(doc_id, str) or not doc_id:
+        return None, "bad_id"
+    source = record.get("source")
+    if source is None:
+        source = default_source
+    elif not isinstance(source, str) or not source:
+        return None, "bad_source"
+    meta = record.get("meta")
+    if meta is None:
+        meta = {}
+    elif not isinstance(meta, dict):
+        return None, "bad_meta"
+    extra = {k: v for k, v in record.items() if k not in DOC_FIELDS and k not in meta}
+    if extra:
+        meta = {**meta, **extra}
+    return {"id": doc_id, "text": text, "source": source, "meta": meta}, None
+
+
+def has_lone_surrogate(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+        return False
+    except UnicodeEncodeError:
+        return True
+
+
+def _open_binary(path: Path) -> IO[bytes]:
+    kind = next((k for s, k in COMPRESSED_SUFFIXES.items() if path.name.lower().endswith(s)), None)
+    if kind == "gzip":
+        return gzip.open(path, "rb")
+    if kind == "zstd":
+        try:
+            import zstandard
+        except ImportError:
+            if sys.version_info >= (3, 14):
+                from compression import zstd  # the standard library has zstd from 3.14 on
+                return zstd.open(path, "rb")
+            raise DataError(f"{path}: reading .zst needs the `zstandard` package (pip install zstandard)") from None
+        fh = open(path, "rb")
+        # read_across_frames: files written by pzstd or by appending hold several frames.
+        reader = zstandard.ZstdDecompressor().stream_reader(fh, read_across_frames=True, closefd=True)
+        return io.BufferedReader(reader)
+    return open(path, "rb")
+
+
+def _decompress_errors() -> tuple[type[BaseException], ...]:
+    errors: list[type[BaseException]] = [OSError, EOFError]  # gzip.BadGzipFile is an OSError
+    try:
+        import zstandard
+        errors.append(zstandard.ZstdError)
+    except ImportError:
+        pass
+    return tuple(errors)
+
+
+def _read_jsonl(path: Path, source: str, name: str) -> Iterator[Record]:
+    errors = _decompress_errors()
+    line_no = 0
+    try:
+        with _open_binary(path) as fh:
+            for line_no, raw in enumerate(fh, 1):
+                if not raw.strip():
+                    continue  # blank lines (a trailing newline, a separator) are not records
+                yield _parse_line(path, line_no, raw, source, name)
+    except errors as err:
+        yield None, rejection(path, line_no + 1, "corrupt_file", f"{type(err).__name__}: {err}")
+
+
+def _parse_line(path: Path, line_no: int, raw: bytes, source: str, name: str) -> Record:
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return None, rejection(path, line_no, "bad_utf8", raw)
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError:
+        return None, rejection(path, line_no, "bad_json", line)
+    if not isinstance(record, dict):
+        return None, rejection(path, line_no, "not_an_object", line)
+    doc, reason = make_document(record, f"{name}:{line_no}", source)
+    # A "\ud800" escape decodes to a lone surrogate, which no UTF-8 writer or tokenizer accepts.
+    if doc is not None and "\\u" in line.lower() and has_lone_surrogate(doc["text"]):
+        reason, doc = "bad_utf8", None
+    if doc is None:
+        return None, rejection(path, line_no, reason, line)
+    return doc, None
+
+
+def _read_text_file(path: Path, source: str, name: str) -> Record:
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data[: err.start].count(b"\n") + 1  # the line holding the first bad byte
+        return None, rejection(path, line, "bad_utf8", data)
+    if text.startswith("\ufeff"):
+        text = text[1:]  # a byte-order mark is an encoding artefact, not content
+    if not text.strip():
+        return None, rejection(path, 1, "empty_text", text)
+    return {"id": name, "text": text, "source": source, "meta": {}}, None
+
+
+def _read_parquet(path: Path, source: str, name: str) -> Iterator[Record]:
+    try:
+        import pyarrow
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DataError(f"{path}: reading Parquet needs the `pyarrow` package (pip install pyarrow)") from None
+    row = 0
+    try:
+        pf = pq.ParquetFile(path)
+        columns = list(pf.schema_arrow.names)
+        if "text" not in columns:
+            yield None, rejection(path, 0, "missing_text", f"columns: {', '.join(columns)}")
+            return
+        for batch in pf.iter_batches(batch_size=1024):
+            for record in batch.to_pylist():
+                row += 1
+                if isinstance(record.get("meta"), str):
+                    # Writers that cannot store a map column often store meta as a JSON string.
+                    try:
+                        record["meta"] = json.loads(record["meta"])
+                    except json.JSONDecodeError:
+                        pass  # left a string: rejected below as bad_meta
+                doc, reason = make_document(record, f"{name}:{row}", source)
+                if doc is None:
+                    yield None, rejection(path, row, reason, json.dumps(record, default=str, ensure_ascii=False))
+                else:
+                    yield doc, None
+    except (pyarrow.ArrowException, OSError, UnicodeDecodeError) as err:
+        yield None, rejection(path, row + 1, "corrupt_file", f"{type(err).__name__}: {err}")
