@@ -135,7 +135,7 @@ class Trainer:
         # one graph, so the float32 upcast and log-softmax fuse instead of writing a float32 copy of
         # every logit: bf16 steps ~1.13x faster than compiling the model alone (docs/benchmarks.md).
         # Evaluation stays eager: it runs rarely and would only add a second compilation.
-        self.train_loss_fn = torch.compile(self.loss_fn) if cfg.compile else self.loss_fn
+        self._compiled_loss = (None, None)  # (loss_fn it was compiled from, compiled function)
         if self.world_size > 1:
             # Plain data parallelism: every rank holds the whole model and gradients are averaged in
             # backward. Sharded and model-parallel layouts wrap the model from outside instead.
@@ -204,6 +204,16 @@ class Trainer:
     def _batch_to_device(self, batch):
         return tuple(t.to(self.device, non_blocking=True) for t in batch)
 
+    def _training_loss_fn(self) -> LossFn:
+        """self.loss_fn, compiled when cfg.compile; recompiled if a stage swaps the objective."""
+        if not self.cfg.compile:
+            return self.loss_fn
+        source, compiled = self._compiled_loss
+        if source is not self.loss_fn:
+            compiled = torch.compile(self.loss_fn)
+            self._compiled_loss = (self.loss_fn, compiled)
+        return compiled
+
     # ---- one optimizer step ----------------------------------------------------------------------
 
     def train_step(self, micro_batches: list) -> dict:
@@ -216,6 +226,7 @@ class Trainer:
         # computed against the nominal token count (the only one known before the last backward)
         # and corrected after, so pretraining (every batch full) does no extra arithmetic at all.
         nominal = cfg.seq_len * cfg.micro_batch_size * len(micro_batches)
+        loss_fn = self._training_loss_fn()
         loss_sum = torch.zeros((), device=self.device)
         tokens = 0
         for i, batch in enumerate(micro_batches):
@@ -224,7 +235,7 @@ class Trainer:
             sync = nullcontext() if last or self.world_size == 1 else self.forward_model.no_sync()
             with sync:
                 with self._autocast():
-                    loss, n_tokens = self.train_loss_fn(self.forward_model, self._batch_to_device(batch))
+                    loss, n_tokens = loss_fn(self.forward_model, self._batch_to_device(batch))
                 self.scaler.scale(loss * (n_tokens / nominal)).backward()
             loss_sum += loss.detach().float() * n_tokens
             tokens += int(n_tokens)
