@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 CONSTRAINTS ?= constraints.txt
-RECIPE ?= recipes/tiny.toml
+RECIPE ?= recipes/data-demo.toml
 
 .PHONY: setup demo test test-slow bench clean
 

@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _dispatch(args: argparse.Namespace) -> int:
-    from kiln.config import load_recipe
+    from kiln.config import STAGES, load_recipe
     from kiln.pipeline import run_recipe
 
     stage_of_verb = {"corpus": "corpus", "data": "data", "tokenizer": "tokenizer", "pack": "pack", "pretrain": "pretrain"}
@@ -109,7 +109,15 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.verb in stage_of_verb:
         recipe = load_recipe(args.recipe, args.overrides)
         extra = {"resume": args.resume, "init_from": args.init_from} if args.verb == "pretrain" else {}
-        run_recipe(recipe, [stage_of_verb[args.verb]], force=args.force, **extra)
+        target = stage_of_verb[args.verb]
+        # Unfinished upstream stages of the recipe run first (finished ones are skipped), so any verb
+        # works on a fresh run folder. Curating explicit inputs needs no corpus.
+        upstream = [s for s in recipe.run.stages if STAGES.index(s) < STAGES.index(target)]
+        if target == "data" and recipe.data.inputs:
+            upstream = []
+        if upstream:
+            run_recipe(recipe, upstream)
+        run_recipe(recipe, [target], force=args.force, **extra)
         return 0
     if args.verb == "generate":
         return _generate(args)

@@ -1,4 +1,4 @@
-"""The README's main command, exactly as shipped: the tiny recipe end to end on real text (slow)."""
+"""The README's main command, exactly as shipped: the demo recipe end to end on real text (slow)."""
 
 import json
 import subprocess
@@ -8,10 +8,10 @@ import pytest
 
 
 @pytest.mark.slow
-def test_tiny_recipe_end_to_end(tmp_path):
-    cmd = [sys.executable, "-m", "kiln.cli", "run", "recipes/tiny.toml", f'run.out_dir="{tmp_path}"']
+def test_demo_recipe_end_to_end(tmp_path):
+    cmd = [sys.executable, "-m", "kiln.cli", "run", "recipes/data-demo.toml", f'run.out_dir="{tmp_path}"']
     result = subprocess.run(cmd, capture_output=True, text=True, check=True)
-    run_dir = tmp_path / "tiny"
+    run_dir = tmp_path / "data-demo"
     evals = [json.loads(line) for line in (run_dir / "pretrain" / "metrics.jsonl").read_text().splitlines()]
     val = [r["val_loss"] for r in evals if r["kind"] == "val"]
     assert len(val) >= 3
@@ -21,5 +21,8 @@ def test_tiny_recipe_end_to_end(tmp_path):
     assert "val loss" in result.stdout and "--- sample 0" in result.stdout
     tokenizer_stats = json.loads((run_dir / "tokenizer" / "stats.json").read_text())
     assert tokenizer_stats["bytes_per_token"] > 2.5  # BPE on English prose and code compresses
-    for stage in ("corpus", "tokenizer", "pack", "pretrain", "sample"):
+    data_stats = json.loads((run_dir / "data" / "stats.json").read_text())
+    assert 0 < data_stats["docs_out"] < data_stats["docs_in"]  # curation dropped some, kept most
+    assert "minhash_dedup" in result.stdout  # the funnel was printed
+    for stage in ("corpus", "data", "tokenizer", "pack", "pretrain", "sample"):
         assert (run_dir / stage / "DONE").exists()

@@ -76,9 +76,16 @@ def _run_steps(docs: Iterable[dict], steps: list[Step], rejected: list[dict]) ->
     """Push each document through the steps; count everything; collect the dropped ones."""
     for doc in docs:
         for step in steps:
-            if step.only_sources and doc["source"] not in step.only_sources:
-                continue
             stats = step.stats
+            if step.only_sources and doc["source"] not in step.only_sources:
+                # Passed through untouched: counted as in and out, so the funnel stays cumulative.
+                size = len(doc["text"].encode("utf-8"))
+                stats.docs_in += 1
+                stats.docs_out += 1
+                stats.bytes_in += size
+                stats.bytes_out += size
+                stats.counters["other_source"] += 1
+                continue
             started = time.perf_counter()
             size = len(doc["text"].encode("utf-8"))
             stats.docs_in += 1

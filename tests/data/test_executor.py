@@ -128,6 +128,7 @@ def test_rerun_after_crash_redoes_only_unfinished_tasks(tmp_path):
 def test_only_sources_limits_a_step_to_some_sources(tmp_path):
     inputs = make_inputs(tmp_path / "in", files=2)
     stats = run_pipeline(inputs, [Upper(only_sources=["elsewhere"])], tmp_path / "out", tasks=1)
-    assert stats["steps"][1]["docs_in"] == 0
+    upper = stats["steps"][1]
+    assert upper["docs_in"] == upper["docs_out"] == upper["counters"]["other_source"] == 50
     docs = read_output(tmp_path / "out")
     assert len(docs) == 50 and all("body" in d["text"] for d in docs)  # untouched: not upper-cased
