@@ -57,3 +57,22 @@ def test_run_generate_export_import(tmp_path, capsys):
     assert main(["import", "hf", str(hf_dir), str(back)]) == 0
     assert main(["generate", str(back), "--tokenizer", str(hf_dir / "tokenizer.json"),
                  "--prompt", "import", "--max-new-tokens", "5", "--temperature", "0"]) == 0
+
+
+def test_data_verb_curates_explicit_inputs(tmp_path, capsys):
+    docs = tmp_path / "raw.jsonl"
+    prose = "The quick brown fox jumps over the lazy dog and then it rests in the warm sun. " * 8
+    lines = [json.dumps({"id": f"d{i}", "text": prose + f"Contact me at user{i}@example.com.", "source": "web"})
+             for i in range(3)]
+    docs.write_text("\n".join(lines + ["{broken"]) + "\n")
+    args = ["data", "recipes/tiny.toml", f'run.out_dir="{tmp_path}"', "run.name=cur",
+            f'data.inputs=["{docs}"]', 'data.steps=["normalize", "exact_dedup", "pii"]', "data.tasks=1"]
+    assert main(args) == 0
+    assert "exact_dedup" in capsys.readouterr().out  # the funnel
+    out = tmp_path / "cur" / "data"
+    kept = [json.loads(line) for line in (out / "docs" / "part-00000.jsonl").read_text().splitlines()]
+    # The documents differ only in their addresses: exact dedup (before PII scrubbing) keeps all three.
+    assert len(kept) == 3 and all("<EMAIL>" in d["text"] for d in kept)
+    stats = json.loads((out / "stats.json").read_text())
+    assert stats["steps"][0]["reasons"] == {"bad_json": 1}
+    assert not (tmp_path / "cur" / "corpus").exists()  # explicit inputs need no corpus
