@@ -1,26 +1,47 @@
 """Training-step throughput: Kiln's Transformer vs transformers' LlamaForCausalLM, same config.
 
-One step = forward, float32 cross-entropy, backward, torch.optim.AdamW step, for both models, in the
-same process. Repeats alternate between the two models (A, B, A, B, ...) so that drift in machine speed
-(thermal, other tenants) hits both alike; we report the median tokens/s of each and their ratio.
-MFU is measured against the best matmul throughput this machine reaches in the same run and dtype,
-so it says how close a step gets to the machine, not to a datasheet.
+Each side is stepped the way its own users run it:
+- Kiln as `kiln pretrain` does: bf16 autocast (or fp32), `kiln.train.trainer.next_token_loss`,
+  backward, gradient clipping at 1.0, and the optimizer from `kiln.train.optim.build_optimizer`
+  (AdamW, no decay on norms and embeddings) for a default `TrainConfig`.
+- transformers as its documentation and `Trainer` do: `model(input_ids, labels=...)` under the same
+  autocast, so the model computes its own float32 cross-entropy, backward, clipping at 1.0 (Trainer's
+  default max_grad_norm), `torch.optim.AdamW`.
 
-    python bench/train_step.py                      # fp32 and bf16 autocast, default config
+Both are timed eager and compiled, each compiled the way its own users would: Kiln as its trainer does
+with `train.compile = true`, `torch.compile(next_token_loss)` called with the plain model (so the output
+head and the float32 cross-entropy are one graph); transformers as `torch.compile(model)`, whose graph
+holds its loss too because the model computes it from `labels`. The optimizer stays eager on both sides. All contenders of one precision take
+turns inside every timed round, in an order that turns over from round to round, so a change in machine
+speed (thermal, other tenants) hits them alike; the per-round lists are printed so noise can be
+judged. Compilation happens in the untimed warmup; its cost is reported separately. Rounds during
+which other processes kept more than --max-others CPU cores busy are left out of the medians (and
+marked with * in the lists).
+
+MFU is measured against the best square-matmul throughput this machine reaches in the same run and
+dtype, so it says how close a step gets to this machine, not to a datasheet.
+
+    python bench/train_step.py                          # fp32 and bf16, eager and compiled
     python bench/train_step.py --precision bf16 --repeats 7
+    python bench/train_step.py --no-compile             # eager only (no compile warmup)
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import statistics
 import time
 
 import torch
-import torch.nn.functional as F
 
 from kiln.model import ModelConfig, build_model, count_params, flops_per_token
+from kiln.train.config import TrainConfig
+from kiln.train.optim import build_optimizer
+from kiln.train.trainer import next_token_loss
+
+GRAD_CLIP = 1.0  # Kiln's TrainConfig.grad_clip default and transformers Trainer's max_grad_norm
 
 
 def hf_llama(cfg: ModelConfig):
@@ -52,50 +73,128 @@ def matmul_peak(dtype: torch.dtype, size: int = 2048, reps: int = 10) -> float:
     return 2 * size**3 / best
 
 
-def make_step(model, logits_of, precision: str, lr: float = 3e-4):
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
-    autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if precision == "bf16" else contextlib.nullcontext
+def autocast_for(precision: str):
+    if precision == "bf16":
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def kiln_step(cfg: ModelConfig, precision: str, compile: bool, seq: int, batch: int):
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    train_cfg = TrainConfig(seq_len=seq, micro_batch_size=batch, global_batch_tokens=seq * batch,
+                            precision=precision, compile=compile)
+    optimizer = build_optimizer(model, train_cfg)
+    # The same wrapping as Trainer with train.compile on: the loss function is compiled and the model
+    # it calls is not, so dynamo traces the model inline into the loss's graph.
+    loss_fn = torch.compile(next_token_loss) if compile else next_token_loss
+    params = list(model.parameters())
 
     def step(x, y):
-        with autocast():
-            logits = logits_of(model, x)
-        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        with autocast_for(precision):
+            loss, _ = loss_fn(model, (x, y))
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, train_cfg.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        return loss
 
     return step
 
 
-def time_steps(step, x, y, steps: int) -> float:
+def hf_step(cfg: ModelConfig, precision: str, compile: bool):
+    torch.manual_seed(0)
+    model = hf_llama(cfg)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
+    forward_model = torch.compile(model) if compile else model
+
+    def step(x, y):
+        with autocast_for(precision):
+            # transformers' own causal-LM loss (labels shifted inside, logits upcast to float32).
+            loss = forward_model(input_ids=x, labels=x, use_cache=False).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def machine_busy_seconds() -> float:
+    """CPU seconds all processes on this machine have used since boot (Linux; 0 elsewhere)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except OSError:
+        return 0.0
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields[:8]
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def time_steps(step, x, y, steps: int) -> tuple[float, float]:
+    """(wall seconds, CPU cores other processes kept busy meanwhile). The machine this was written
+    on is shared; a round in which others used the CPU is slowed by them, not by the model."""
+    machine, ours = machine_busy_seconds(), sum(os.times()[:2])
     start = time.perf_counter()
     for _ in range(steps):
         step(x, y)
-    return time.perf_counter() - start
+    wall = time.perf_counter() - start
+    others = (machine_busy_seconds() - machine) - (sum(os.times()[:2]) - ours)
+    return wall, max(others, 0.0) / wall
 
 
-def run(cfg: ModelConfig, batch: int, seq: int, precision: str, repeats: int, steps: int, warmup: int):
-    torch.manual_seed(0)
-    kiln = build_model(cfg)
-    torch.manual_seed(0)
-    hf = hf_llama(cfg)
-    contenders = {
-        "kiln": make_step(kiln, lambda m, x: m(x), precision),
-        "transformers": make_step(hf, lambda m, x: m(input_ids=x, use_cache=False).logits, precision),
-    }
-    x = torch.randint(0, cfg.vocab_size, (batch, seq))
-    y = torch.randint(0, cfg.vocab_size, (batch, seq))
-    for step in contenders.values():
+def run(cfg: ModelConfig, batch: int, seq: int, precision: str, repeats: int, steps: int, warmup: int,
+        compile_modes: list[bool]):
+    """({(side, compiled): [tokens/s per round]}, [CPU cores others used, per round (the most over
+    its contenders)], {(side, compiled): seconds of the first, compiling, step})."""
+    steps_of = {}
+    for compiled in compile_modes:
+        steps_of[("kiln", compiled)] = kiln_step(cfg, precision, compiled, seq, batch)
+        steps_of[("transformers", compiled)] = hf_step(cfg, precision, compiled)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randint(0, cfg.vocab_size, (batch, seq), generator=gen)
+    y = torch.randint(0, cfg.vocab_size, (batch, seq), generator=gen)
+    first_step = {}
+    for key, step in steps_of.items():
+        first_step[key] = time_steps(step, x, y, 1)[0]  # compiles forward and backward when compiled
         time_steps(step, x, y, warmup)
-    rates = {name: [] for name in contenders}
+    rates = {key: [] for key in steps_of}
+    others = []
+    # Contenders are grouped by mode (eager, compiled) and each group runs as a block, the blocks and
+    # the order inside each block turning over from round to round. Eager sides are then compared
+    # with eager predecessors only: right after compiled code, its OpenMP threads keep spinning for
+    # a moment and slow whatever runs next.
+    groups = [[key for key in steps_of if not key[1]], [key for key in steps_of if key[1]]]
+    groups = [g for g in groups if g]
     for r in range(repeats):
-        # Alternate which model goes first so neither always runs right after the other's allocations.
-        order = list(contenders) if r % 2 == 0 else list(reversed(contenders))
-        for name in order:
-            seconds = time_steps(contenders[name], x, y, steps)
-            rates[name].append(batch * seq * steps / seconds)
-    return {name: statistics.median(v) for name, v in rates.items()}, rates
+        order = []
+        for group in (groups if r % 2 == 0 else groups[::-1]):
+            turn = r % len(group)
+            order += group[turn:] + group[:turn]
+        busiest = 0.0
+        for key in order:
+            seconds, busy = time_steps(steps_of[key], x, y, steps)
+            rates[key].append(batch * seq * steps / seconds)
+            busiest = max(busiest, busy)
+        others.append(busiest)
+    return rates, others, first_step
+
+
+def label(key) -> str:
+    side, compiled = key
+    return f"{side} {'compiled' if compiled else 'eager'}"
+
+
+def ratio_line(name: str, rates: dict, clean: list[bool], kiln_key, hf_key) -> tuple[str, float]:
+    """Ratio of medians over the clean rounds, plus the median of the per-round ratios (both sides
+    ran in the same round, so a per-round ratio cancels load that changed between rounds)."""
+    kiln = [r for r, ok in zip(rates[kiln_key], clean) if ok]
+    hf = [r for r, ok in zip(rates[hf_key], clean) if ok]
+    of_medians = statistics.median(kiln) / statistics.median(hf)
+    per_round = [k / h for k, h in zip(kiln, hf)]
+    rounds = ", ".join(f"{r:.2f}" for r in per_round)
+    return (f"  {name:58s} {of_medians:5.2f}x  (per-round median {statistics.median(per_round):.2f}x; "
+            f"{rounds})"), of_medians
 
 
 def main() -> None:
@@ -108,9 +207,12 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--precision", choices=["fp32", "bf16", "both"], default="both")
-    parser.add_argument("--repeats", type=int, default=5, help="timed A/B rounds (median reported)")
-    parser.add_argument("--steps", type=int, default=3, help="training steps per timed round")
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5, help="timed rounds (median reported)")
+    parser.add_argument("--steps", type=int, default=2, help="training steps per contender per round")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps after the first (compiling) one")
+    parser.add_argument("--no-compile", action="store_true", help="time eager mode only")
+    parser.add_argument("--max-others", type=float, default=0.15,
+                        help="leave out rounds in which other processes kept more CPU cores busy than this")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = parser.parse_args()
     if args.threads:
@@ -119,23 +221,63 @@ def main() -> None:
     cfg = ModelConfig(vocab_size=args.vocab, dim=args.dim, n_layers=args.n_layers, n_heads=args.n_heads,
                       n_kv_heads=args.n_kv_heads, max_seq_len=args.seq)
     flops = flops_per_token(cfg, args.seq)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    import transformers
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}, "
+          f"{torch.get_num_threads()} threads, CPU capability {torch.backends.cpu.get_cpu_capability()}")
     print(f"config: dim={cfg.dim} layers={cfg.n_layers} heads={cfg.n_heads} kv_heads={cfg.kv_heads} "
           f"ffn={cfg.ffn_hidden_size} vocab={cfg.vocab_size} seq={args.seq} batch={args.batch}; "
           f"params={count_params(cfg) / 1e6:.2f}M ({count_params(cfg, non_embedding=True) / 1e6:.2f}M "
           f"non-embedding); {flops / 1e6:.1f} MFLOP/token")
     precisions = ["fp32", "bf16"] if args.precision == "both" else [args.precision]
+    compile_modes = [False] if args.no_compile else [False, True]
+    summary = []
     for precision in precisions:
-        peak = matmul_peak(torch.bfloat16 if precision == "bf16" else torch.float32)
-        medians, rates = run(cfg, args.batch, args.seq, precision, args.repeats, args.steps, args.warmup)
-        print(f"\n[{precision}] matmul peak {peak / 1e9:.0f} GFLOP/s")
-        for name, rate in medians.items():
-            spread = ", ".join(f"{r:.0f}" for r in rates[name])
-            print(f"  {name:13s} {rate:8.0f} tokens/s  MFU {rate * flops / peak:6.1%}  best {max(rates[name]):.0f}"
-                  f"   (rounds: {spread})")
-        best_ratio = max(rates["kiln"]) / max(rates["transformers"])
-        print(f"  ratio kiln/transformers: {medians['kiln'] / medians['transformers']:.2f}x (median), "
-              f"{best_ratio:.2f}x (best round)")
+        dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+        peak = matmul_peak(dtype)
+        rates, others, first_step = run(cfg, args.batch, args.seq, precision, args.repeats, args.steps,
+                                        args.warmup, compile_modes)
+        peak = max(peak, matmul_peak(dtype))  # before and after: a busy moment only lowers it
+        clean = [busy <= args.max_others for busy in others]
+        busy_rounds = len(clean) - sum(clean)
+        if not any(clean):
+            print(f"\n[{precision}] WARNING: other processes used the CPU in every round; using all rounds")
+            clean = [True] * len(others)
+        print(f"\n[{precision}] matmul peak {peak / 1e9:.0f} GFLOP/s; {args.repeats} rounds of "
+              f"{args.steps} steps x {args.batch * args.seq} tokens; {busy_rounds} left out as busy "
+              f"(CPU cores used by other processes per round: {', '.join(f'{b:.2f}' for b in others)})")
+        for key, per_round in rates.items():
+            median = statistics.median(r for r, ok in zip(per_round, clean) if ok)
+            spread = ", ".join(f"{r:.0f}" + ("" if ok else "*") for r, ok in zip(per_round, clean))
+            extra = ""
+            if key[1]:
+                extra = f"  compile ~{first_step[key] - args.batch * args.seq / median:.0f} s"
+            print(f"  {label(key):26s} {median:7.0f} tokens/s  MFU {median * flops / peak:6.1%}  "
+                  f"(rounds: {spread}){extra}")
+        print("  ratio kiln/transformers (median tokens/s over clean rounds):")
+        line, eager = ratio_line("eager vs eager", rates, clean, ("kiln", False), ("transformers", False))
+        print(line)
+        row = {"precision": precision, "eager": eager}
+        if not args.no_compile:
+            line, row["compiled"] = ratio_line("compiled vs compiled", rates, clean, ("kiln", True),
+                                               ("transformers", True))
+            print(line)
+            # Kiln as configured: the trainer compiles whenever train.compile is on, whatever the
+            # precision, and the shipped recipe turns it on; transformers' default is eager.
+            line, row["kiln compiled vs hf eager"] = ratio_line(
+                "Kiln as configured (train.compile = true) vs transformers eager", rates, clean, ("kiln", True),
+                ("transformers", False))
+            print(line)
+            line, row["kiln compile gain"] = ratio_line("(kiln compiled vs kiln eager)", rates, clean,
+                                                        ("kiln", True), ("kiln", False))
+            print(line)
+            line, row["hf compile gain"] = ratio_line("(transformers compiled vs transformers eager)", rates,
+                                                      clean, ("transformers", True), ("transformers", False))
+            print(line)
+        row["busy rounds"] = f"{busy_rounds}/{len(clean)}" + (" (all used)" if busy_rounds == len(clean) else "")
+        summary.append(row)
+    print("\nsummary (ratios of median tokens/s over clean rounds):")
+    for row in summary:
+        print("  " + "  ".join(f"{k}={v:.2f}x" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
 
 
 if __name__ == "__main__":
