@@ -1,24 +1,10 @@
 import random
-import sysconfig
-from pathlib import Path
 
 import numpy as np
 import pytest
 from datasketch import MinHash
 
 from kiln.data import minhash as M
-
-
-def real_documents(n: int, words: int = 300) -> list[str]:
-    """Chunks of the Python standard library's own source and docstrings: real text nobody here wrote."""
-    docs = []
-    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
-        toks = path.read_text(encoding="utf-8", errors="replace").split()
-        for i in range(0, len(toks) - words, words):
-            docs.append(" ".join(toks[i:i + words]))
-            if len(docs) == n:
-                return docs
-    return docs
 
 
 def edit(text: str, fraction: float, rng: random.Random) -> str:
@@ -34,8 +20,8 @@ def test_tokens_split_words_and_cjk_characters():
     assert M.tokens("  ...  ") == []
 
 
-def test_vectorised_token_hashes_match_the_token_rule():
-    texts = real_documents(20, words=80) + ["我爱北京天安门，天安门上太阳升。", "", "!!", "One"]
+def test_vectorised_token_hashes_match_the_token_rule(stdlib_chunks):
+    texts = stdlib_chunks(20, words=80) + ["我爱北京天安门，天安门上太阳升。", "", "!!", "One"]
     hashes, offsets = M.token_hashes(texts)
     seen: dict[str, int] = {}
     for i, text in enumerate(texts):
@@ -46,8 +32,8 @@ def test_vectorised_token_hashes_match_the_token_rule():
     assert len(set(seen.values())) == len(seen)  # and no two tokens collide
 
 
-def test_shingles_are_the_exact_shingle_sets():
-    texts = real_documents(30, words=120) + ["a b c", "我爱北京天安门", ""]
+def test_shingles_are_the_exact_shingle_sets(stdlib_chunks):
+    texts = stdlib_chunks(30, words=120) + ["a b c", "我爱北京天安门", ""]
     for ngram in (1, 3, 5):
         shingles, offsets = M.shingle_hashes(texts, ngram)
         for i, text in enumerate(texts):
@@ -55,8 +41,8 @@ def test_shingles_are_the_exact_shingle_sets():
 
 
 @pytest.mark.parametrize("num_perm,seed", [(112, 1), (64, 7)])
-def test_signatures_bit_identical_to_datasketch(num_perm, seed):
-    texts = real_documents(40, words=150) + ["short", ""]
+def test_signatures_bit_identical_to_datasketch(num_perm, seed, stdlib_chunks):
+    texts = stdlib_chunks(40, words=150) + ["short", ""]
     shingles, offsets = M.shingle_hashes(texts)
     h32 = M.shingle_hashes32(shingles)
     sigs = M.signatures(h32, offsets, num_perm, seed)
@@ -68,9 +54,9 @@ def test_signatures_bit_identical_to_datasketch(num_perm, seed):
         np.testing.assert_array_equal(sigs[i], reference.hashvalues)
 
 
-def test_estimated_jaccard_tracks_exact_jaccard_on_real_text():
+def test_estimated_jaccard_tracks_exact_jaccard_on_real_text(stdlib_chunks):
     rng = random.Random(0)
-    base = real_documents(120)
+    base = stdlib_chunks(120)
     variants = [edit(t, rng.choice([0.02, 0.05, 0.1, 0.2, 0.4]), rng) for t in base]
     sigs = M.minhash_signatures(base + variants)
     errors = []
@@ -154,9 +140,9 @@ def test_union_find_roots_are_smallest_member_and_match_reference():
         assert uf.roots().tolist() == reference_components(n, zip(u.tolist(), v.tolist()))
 
 
-def test_simhash_near_duplicates_are_close_and_unrelated_are_far():
+def test_simhash_near_duplicates_are_close_and_unrelated_are_far(stdlib_chunks):
     rng = random.Random(1)
-    base = real_documents(40)
+    base = stdlib_chunks(40)
     near = [edit(t, 0.01, rng) for t in base]  # 3 of 300 words: ~3% of the 3-gram shingles change
     fps = M.simhash_fingerprints(base + near)
     close = M.hamming(fps[:40], fps[40:])

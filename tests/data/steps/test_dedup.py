@@ -1,5 +1,4 @@
 import random
-import sysconfig
 from pathlib import Path
 
 import pytest
@@ -7,18 +6,6 @@ import pytest
 from kiln.data.steps.base import STEPS, build_step
 from kiln.data.steps.dedup import ExactDedup, LineDedup, MinhashDedup, SimhashDedup, split_units
 from kiln.errors import ConfigError
-
-
-def real_documents(n: int, words: int = 200) -> list[str]:
-    """Chunks of the Python standard library's own files: real text nobody here wrote."""
-    docs = []
-    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[::-1]:
-        toks = path.read_text(encoding="utf-8", errors="replace").split()
-        for i in range(0, len(toks) - words, words):
-            docs.append(" ".join(toks[i:i + words]))
-            if len(docs) == n:
-                return docs
-    return docs
 
 
 def doc(doc_id: str, text: str) -> dict:
@@ -112,9 +99,9 @@ def edit(text: str, fraction: float, rng: random.Random) -> str:
     return " ".join(words)
 
 
-def test_minhash_dedup_keeps_exactly_one_per_cluster_across_tasks(tmp_path):
+def test_minhash_dedup_keeps_exactly_one_per_cluster_across_tasks(tmp_path, stdlib_chunks):
     rng = random.Random(0)
-    originals = real_documents(60)
+    originals = stdlib_chunks(60, words=200, reverse=True)
     tasks: list[list[dict]] = [[], [], []]
     for i, text in enumerate(originals):
         tasks[i % 3].append(doc(f"orig{i}", text))
@@ -134,8 +121,8 @@ def test_minhash_dedup_keeps_exactly_one_per_cluster_across_tasks(tmp_path):
     assert resolved["clusters_with_duplicates"] == 20
 
 
-def test_minhash_dedup_survivor_is_first_in_input_order(tmp_path):
-    text = real_documents(1)[0]
+def test_minhash_dedup_survivor_is_first_in_input_order(tmp_path, stdlib_chunks):
+    text = stdlib_chunks(1, words=200, reverse=True)[0]
     rng = random.Random(5)
     tasks = [[doc("late", edit(text, 0.01, rng))], [doc("first", text)]]
     _, kept, dropped = run_dedup(MinhashDedup(), [tasks[1], tasks[0]], tmp_path)
@@ -150,8 +137,8 @@ def test_minhash_dedup_chinese_uses_characters(tmp_path):
     assert [d["id"] for d, _ in kept] == ["a", "c"] and dropped[0][0]["id"] == "b"
 
 
-def test_simhash_dedup_finds_near_duplicates_within_k_bits(tmp_path):
-    originals = real_documents(40)
+def test_simhash_dedup_finds_near_duplicates_within_k_bits(tmp_path, stdlib_chunks):
+    originals = stdlib_chunks(40, words=200, reverse=True)
     tasks = [[doc(f"o{i}", t) for i, t in enumerate(originals[:20])],
              [doc(f"o{i}", t) for i, t in enumerate(originals[20:], start=20)]
              + [doc(f"copy{i}", t.replace(" ", "  ")) for i, t in enumerate(originals[:10])]]
