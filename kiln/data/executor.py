@@ -166,17 +166,17 @@ def run_pipeline(inputs: list[Path] | list[tuple[Path, str]], steps: list[Step],
         work = out / "work" / f"phase-{phase.index}"
         work.mkdir(exist_ok=True)
         final = phase is phases[-1]
-        todo = [t for t in range(tasks) if not (work / f"done-{t:05d}").exists()]
-        if len(todo) < tasks:
-            log(f"[data] phase {phase.index}: {tasks - len(todo)} of {tasks} tasks already done, skipping them")
-        if todo:
-            if workers > 1 and len(todo) > 1:
-                with ProcessPoolExecutor(max_workers=min(workers, len(todo))) as pool:
-                    futures = [pool.submit(run_task, phase, t, shards[t], out, final) for t in todo]
+        pending = [t for t in range(tasks) if not (work / f"done-{t:05d}").exists()]
+        if len(pending) < tasks:
+            log(f"[data] phase {phase.index}: {tasks - len(pending)} of {tasks} tasks already done, skipping them")
+        if pending:
+            if workers > 1 and len(pending) > 1:
+                with ProcessPoolExecutor(max_workers=min(workers, len(pending))) as pool:
+                    futures = [pool.submit(run_task, phase, t, shards[t], out, final) for t in pending]
                     for future in futures:
                         future.result()
             else:
-                for t in todo:
+                for t in pending:
                     run_task(phase, t, shards[t], out, final)
         if phase.dedup is not None and not (work / "dedup" / "resolved.json").exists():
             resolved = phase.dedup.resolve(work / "dedup", tasks)

@@ -4,7 +4,7 @@ Each kind is a regular expression that finds candidates plus a check that real d
 look-alikes fail: Luhn for card numbers, ISO 13616 mod-97 and the country's length for IBANs, the
 ISO 7064 check character and a real birth date for Chinese resident ids, the SSA's never-issued
 ranges for US SSNs, the numbering plans for phones, `ipaddress` for IPs. Matches become typed
-placeholders (`<EMAIL>`, `<PHONE>`, `<IP>`, `<CREDIT_CARD>`, `<IBAN>`, `<ID>`).
+typed tokens (`<EMAIL>`, `<PHONE>`, `<IP>`, `<CREDIT_CARD>`, `<IBAN>`, `<ID>`).
 
 Kinds are scrubbed one after another in PII_TYPES order, so text already replaced by a stricter
 check (an IBAN, an id with a checksum) cannot be claimed by a looser one (a phone number).
@@ -29,7 +29,7 @@ from kiln.data.steps.base import Filter, register
 from kiln.errors import ConfigError
 
 PII_TYPES = ("email", "ip", "iban", "id", "credit_card", "phone")
-PLACEHOLDERS = {"email": "<EMAIL>", "ip": "<IP>", "iban": "<IBAN>", "id": "<ID>",
+PII_TOKENS = {"email": "<EMAIL>", "ip": "<IP>", "iban": "<IBAN>", "id": "<ID>",
                 "credit_card": "<CREDIT_CARD>", "phone": "<PHONE>"}
 
 # Not preceded by an ASCII word character, a sign or a number's punctuation: "v1.2.3.4", "x-415..."
@@ -170,14 +170,14 @@ def phone_digits_ok(candidate: str, low: int, high: int) -> bool:
     return low <= sum(ch.isdigit() for ch in candidate) <= high
 
 
-def _sub(pattern: re.Pattern, text: str, placeholder: str, check) -> tuple[str, int]:
+def _sub(pattern: re.Pattern, text: str, token: str, check) -> tuple[str, int]:
     hits = 0
 
     def replace(m: re.Match) -> str:
         nonlocal hits
         if check(m):
             hits += 1
-            return placeholder
+            return token
         return m.group(0)
 
     return pattern.sub(replace, text), hits
@@ -201,7 +201,7 @@ def _sub_iban(text: str) -> tuple[str, int]:
                 end = i + 1
                 if (end == len(s) or s[end] == " ") and iban_ok(s[:end].replace(" ", "")):
                     hits += 1
-                    return PLACEHOLDERS["iban"] + s[end:]
+                    return PII_TOKENS["iban"] + s[end:]
                 return s
         return s
 
@@ -221,7 +221,7 @@ def _sub_cards(text: str) -> tuple[str, int]:
             prefix = "".join(groups[:k])
             if is_credit_card(prefix):
                 hits += 1
-                return PLACEHOLDERS["credit_card"] + s[len(prefix):]
+                return PII_TOKENS["credit_card"] + s[len(prefix):]
         return s
 
     return CARD_RE.sub(replace, text), hits
@@ -229,23 +229,23 @@ def _sub_cards(text: str) -> tuple[str, int]:
 
 def scrub_pii(text: str, types: tuple[str, ...] | list[str] = PII_TYPES,
               public_ips_only: bool = True) -> tuple[str, Counter]:
-    """Replace each kind of personal data in `types` by its placeholder; return text and hits per kind."""
+    """Replace each kind of personal data in `types` by its typed token; return text and hits per kind."""
     hits: Counter = Counter()
     if "email" in types and "@" in text:
-        text, hits["email"] = _sub(EMAIL_RE, text, PLACEHOLDERS["email"], lambda m: True)
+        text, hits["email"] = _sub(EMAIL_RE, text, PII_TOKENS["email"], lambda m: True)
     if "ip" in types:
         n4 = n6 = 0
         if "." in text:
-            text, n4 = _sub(IPV4_RE, text, PLACEHOLDERS["ip"], lambda m: ip_ok(m.group(0), public_ips_only))
+            text, n4 = _sub(IPV4_RE, text, PII_TOKENS["ip"], lambda m: ip_ok(m.group(0), public_ips_only))
         if "::" in text or text.count(":") >= 7:
-            text, n6 = _sub(IPV6_RE, text, PLACEHOLDERS["ip"], lambda m: ip_ok(m.group(0), public_ips_only))
+            text, n6 = _sub(IPV6_RE, text, PII_TOKENS["ip"], lambda m: ip_ok(m.group(0), public_ips_only))
         hits["ip"] = n4 + n6
     if "iban" in types:
         text, hits["iban"] = _sub_iban(text)
     if "id" in types:
-        text, n_cn = _sub(CN_ID_RE, text, PLACEHOLDERS["id"], lambda m: cn_resident_id_ok(m.group(0)))
-        text, n_ssn = _sub(SSN_RE, text, PLACEHOLDERS["id"], lambda m: ssn_ok(m[1], m[3], m[4]))
-        text, n_nino = _sub(NINO_RE, text, PLACEHOLDERS["id"], lambda m: m[1] not in NINO_BAD_PREFIXES)
+        text, n_cn = _sub(CN_ID_RE, text, PII_TOKENS["id"], lambda m: cn_resident_id_ok(m.group(0)))
+        text, n_ssn = _sub(SSN_RE, text, PII_TOKENS["id"], lambda m: ssn_ok(m[1], m[3], m[4]))
+        text, n_nino = _sub(NINO_RE, text, PII_TOKENS["id"], lambda m: m[1] not in NINO_BAD_PREFIXES)
         hits["id"] = n_cn + n_ssn + n_nino
     if "credit_card" in types:
         text, hits["credit_card"] = _sub_cards(text)
@@ -253,7 +253,7 @@ def scrub_pii(text: str, types: tuple[str, ...] | list[str] = PII_TYPES,
         n = 0
         for pattern, low, high in ((PHONE_INTL_RE, 8, 15), (PHONE_NANP_RE, 10, 11),
                                    (PHONE_TRUNK_RE, 10, 12), (PHONE_CN_MOBILE_RE, 11, 11)):
-            text, k = _sub(pattern, text, PLACEHOLDERS["phone"],
+            text, k = _sub(pattern, text, PII_TOKENS["phone"],
                            lambda m, low=low, high=high: phone_digits_ok(m.group(0), low, high))
             n += k
         hits["phone"] = n
