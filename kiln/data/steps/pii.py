@@ -4,7 +4,7 @@ Each kind is a regular expression that finds candidates plus a check that real d
 look-alikes fail: Luhn for card numbers, ISO 13616 mod-97 and the country's length for IBANs, the
 ISO 7064 check character and a real birth date for Chinese resident ids, the SSA's never-issued
 ranges for US SSNs, the numbering plans for phones, `ipaddress` for IPs. Matches become typed
-typed tokens (`<EMAIL>`, `<PHONE>`, `<IP>`, `<CREDIT_CARD>`, `<IBAN>`, `<ID>`).
+tokens (`<EMAIL>`, `<PHONE>`, `<IP>`, `<CREDIT_CARD>`, `<IBAN>`, `<ID>`).
 
 Kinds are scrubbed one after another in PII_TYPES order, so text already replaced by a stricter
 check (an IBAN, an id with a checksum) cannot be claimed by a looser one (a phone number).
