@@ -105,6 +105,7 @@ def test_nested_dataclass_tables_are_typed():
      r"r.toml: data.params.langid: configures a step that is not in steps"),
     ('[data]\nsteps = ["minhash_dedup"]\n[data.params.minhash_dedup]\nbands = 10\n',
      r"r.toml: data.params.minhash_dedup.bands: "),
+    ('[data]\nexecutor = "spark"\n', r"r.toml: data.executor: must be one of local, ray"),
 ])
 def test_bad_data_steps_name_the_key(tmp_path, text, expected):
     with pytest.raises(ConfigError, match=expected):

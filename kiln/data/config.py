@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
 
 from kiln.errors import ConfigError
@@ -71,19 +72,29 @@ DEFAULT_STEPS = ["normalize", "langid", "gopher_quality", "gopher_repetition", "
                  "exact_dedup", "minhash_dedup", "pii"]
 
 
+EXECUTORS = ("local", "ray")
+
+
 @dataclass
 class CurateConfig:
     inputs: list[str] = field(default_factory=list)   # files, folders or globs; empty: the run's corpus
     steps: list[str] = field(default_factory=lambda: list(DEFAULT_STEPS))
     params: dict = field(default_factory=dict)         # [data.params.<step>] tables: each step's fields
     tasks: int = 4                                     # shards of work; the unit of resumption
-    workers: int = 2                                   # processes running tasks in parallel
+    workers: int = 2                                   # processes running tasks in parallel (local executor)
+    executor: str = "local"                            # "local" (worker processes) or "ray" (pip install 'kiln[ray]')
+    ray_address: str = ""                              # "": start Ray here; "auto", "host:6379", "ray://host:10001": join
 
     def validate(self) -> None:
         if self.tasks <= 0:
             raise ConfigError("tasks", f"must be positive, got {self.tasks}")
         if self.workers <= 0:
             raise ConfigError("workers", f"must be positive, got {self.workers}")
+        if self.executor not in EXECUTORS:
+            raise ConfigError("executor", f"must be one of {', '.join(EXECUTORS)}, got {self.executor!r}")
+        if self.executor == "ray" and importlib.util.find_spec("ray") is None:
+            # Fail at recipe load, not after the stages before `data` have run.
+            raise ConfigError("executor", "\"ray\" needs Ray installed: pip install 'kiln[ray]'")
         for name in self.params:
             if name not in self.steps:
                 raise ConfigError(f"params.{name}", f"configures a step that is not in steps {self.steps}")

@@ -21,6 +21,11 @@ def curate(cfg: CurateConfig, out_dir: Path, default_inputs: list[Path] = (), lo
     files = list_named_inputs(cfg.inputs) if cfg.inputs else [(Path(p), Path(p).name) for p in sorted(default_inputs)]
     if not files:
         raise ConfigError("data.inputs", "is empty and there is no corpus stage output to curate")
-    stats = run_pipeline(files, cfg.build_steps(), Path(out_dir), tasks=cfg.tasks, workers=cfg.workers, log=log)
+    if cfg.executor == "ray":
+        from kiln.data.ray_executor import run_pipeline_ray  # imports ray lazily; only this path needs it
+        stats = run_pipeline_ray(files, cfg.build_steps(), Path(out_dir), tasks=cfg.tasks,
+                                 address=cfg.ray_address or None, log=log)
+    else:
+        stats = run_pipeline(files, cfg.build_steps(), Path(out_dir), tasks=cfg.tasks, workers=cfg.workers, log=log)
     log(funnel(stats))
     return stats
