@@ -22,9 +22,9 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
-from kiln.data.steps.base import Deduplicator, Filter, Mapper, Step, StepStats
+from kiln.data.steps.base import Deduplicator, Mapper, Step, StepStats
 
 
 @dataclass
@@ -149,36 +149,52 @@ def run_task(phase: Phase, task: int, shards: list[tuple[Path, str]], out: Path,
     (work / f"done-{task:05d}").write_text("")
 
 
+TaskRunner = Callable[[Phase, list[int], list, Path, bool], None]
+
+
+def local_task_runner(workers: int) -> TaskRunner:
+    """Runs a phase's pending tasks on up to `workers` local processes (in this one when 1)."""
+    def run_tasks(phase: Phase, pending: list[int], shards: list, out: Path, final: bool) -> None:
+        if workers > 1 and len(pending) > 1:
+            with ProcessPoolExecutor(max_workers=min(workers, len(pending))) as pool:
+                futures = [pool.submit(run_task, phase, t, shards[t], out, final) for t in pending]
+                for future in futures:
+                    future.result()
+        else:
+            for t in pending:
+                run_task(phase, t, shards[t], out, final)
+    return run_tasks
+
+
 def run_pipeline(inputs: list[Path] | list[tuple[Path, str]], steps: list[Step], out: Path, tasks: int = 1,
-                 workers: int = 1, log=print) -> dict:
+                 workers: int = 1, log=print, run_tasks: TaskRunner | None = None) -> dict:
     """Run `steps` over `inputs` into `out`; finished tasks of an earlier attempt are kept.
 
     `inputs` are files, or (file, stable name) pairs as kiln.data.readers.list_named_inputs gives;
-    the name prefixes default document ids, so it must not depend on where the data is mounted."""
-    out = Path(out)
+    the name prefixes default document ids, so it must not depend on where the data is mounted.
+    `run_tasks` executes one phase's pending tasks (default: local worker processes); the Ray
+    executor passes its own, and everything else (phases, markers, resolve, stats) stays here.
+    """
+    run_tasks = run_tasks or local_task_runner(workers)
+    # Absolute paths: tasks may run in other working directories (other processes, other nodes).
+    out = Path(out).absolute()
     for folder in ("docs", "rejected", "work"):
         (out / folder).mkdir(parents=True, exist_ok=True)
-    named = [(Path(p[0]), p[1]) if isinstance(p, tuple) else (Path(p), Path(p).name) for p in inputs]
+    named = [(Path(p[0]).absolute(), p[1]) if isinstance(p, tuple) else (Path(p).absolute(), Path(p).name)
+             for p in inputs]
     shards = assign_inputs(named, tasks)
     phases = split_phases(steps)
     started = time.perf_counter()
     for phase in phases:
         work = out / "work" / f"phase-{phase.index}"
         work.mkdir(exist_ok=True)
-        final = phase is phases[-1]
         pending = [t for t in range(tasks) if not (work / f"done-{t:05d}").exists()]
         if len(pending) < tasks:
             log(f"[data] phase {phase.index}: {tasks - len(pending)} of {tasks} tasks already done, skipping them")
         if pending:
-            if workers > 1 and len(pending) > 1:
-                with ProcessPoolExecutor(max_workers=min(workers, len(pending))) as pool:
-                    futures = [pool.submit(run_task, phase, t, shards[t], out, final) for t in pending]
-                    for future in futures:
-                        future.result()
-            else:
-                for t in pending:
-                    run_task(phase, t, shards[t], out, final)
+            run_tasks(phase, pending, shards, out, phase is phases[-1])
         if phase.dedup is not None and not (work / "dedup" / "resolved.json").exists():
+            # Once, in this process: it reads only the index files the tasks wrote, never the text.
             resolved = phase.dedup.resolve(work / "dedup", tasks)
             _write_jsonl_atomic(work / "dedup" / "resolved.json", [resolved])
     stats = merge_stats(out, phases, tasks)
@@ -226,4 +242,4 @@ def funnel(stats: dict) -> str:
     return "\n".join(rows)
 
 
-__all__ = ["run_pipeline", "split_phases", "funnel", "Filter", "Mapper"]
+__all__ = ["run_pipeline", "run_task", "local_task_runner", "split_phases", "merge_stats", "funnel"]

@@ -18,14 +18,12 @@ task reads it back before doing any work.
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import socket
-import time
 from pathlib import Path
 
-from kiln.data.executor import Phase, assign_inputs, merge_stats, run_task, split_phases, _write_jsonl_atomic
+from kiln.data.executor import Phase, run_pipeline, run_task
 from kiln.data.steps.base import Step
 from kiln.errors import DataError
 
@@ -79,51 +77,32 @@ def run_pipeline_ray(inputs: list[Path] | list[tuple[Path, str]], steps: list[St
     executor) are kept; the first failed task's error is raised after the phase's other tasks end.
     """
     out = Path(out).absolute()  # workers start in their own directories; a relative path would differ
-    for folder in ("docs", "rejected", "work"):
-        (out / folder).mkdir(parents=True, exist_ok=True)
-    named = [(Path(p[0]).absolute(), p[1]) if isinstance(p, tuple) else (Path(p).absolute(), Path(p).name)
-             for p in inputs]
-    shards = assign_inputs(named, tasks)
-    phases = split_phases(steps)
+    (out / "work").mkdir(parents=True, exist_ok=True)
     token = secrets.token_hex(16)
     (out / "work" / PROBE).write_text(token)
-
     ray, started_ray = _start_ray(address)
     try:
         # Default retries are kept: a task lost with its node is rerun, which is safe because a task
         # writes only its own files, each atomically, and its marker last. Exceptions are not retried.
         remote_task = ray.remote(num_cpus=1)(_checked_run_task)
         log(f"[data] ray: {int(ray.cluster_resources().get('CPU', 0))} CPUs on {len(ray.nodes())} node(s)")
-        started = time.perf_counter()
-        for phase in phases:
-            work = out / "work" / f"phase-{phase.index}"
-            work.mkdir(exist_ok=True)
-            final = phase is phases[-1]
-            pending = [t for t in range(tasks) if not (work / f"done-{t:05d}").exists()]
-            if len(pending) < tasks:
-                log(f"[data] phase {phase.index}: {tasks - len(pending)} of {tasks} tasks already done, skipping them")
-            if pending:
-                phase_ref = ray.put(phase)  # the steps are shipped once per phase, not once per task
-                running = [remote_task.remote(phase_ref, t, shards[t], out, final, token) for t in pending]
-                failures = []
-                while running:
-                    # Wait for every task even after a failure, so a rerun has as little left to redo.
-                    ready, running = ray.wait(running, num_returns=1)
-                    try:
-                        ray.get(ready[0])
-                    except Exception as err:  # a RayTaskError that is also an instance of the task's error
-                        failures.append(err)
-                if failures:
-                    log(f"[data] phase {phase.index}: {len(failures)} of {len(pending)} tasks failed")
-                    raise failures[0]
-            if phase.dedup is not None and not (work / "dedup" / "resolved.json").exists():
-                # Once, on the driver: it reads only the index files the tasks wrote, never the text.
-                resolved = phase.dedup.resolve(work / "dedup", tasks)
-                _write_jsonl_atomic(work / "dedup" / "resolved.json", [resolved])
-        stats = merge_stats(out, phases, tasks)
-        stats["seconds"] = round(time.perf_counter() - started, 2)
-        (out / "stats.json").write_text(json.dumps(stats, indent=2))
-        return stats
+
+        def run_tasks(phase: Phase, pending: list[int], shards: list, out: Path, final: bool) -> None:
+            phase_ref = ray.put(phase)  # the steps are shipped once per phase, not once per task
+            running = [remote_task.remote(phase_ref, t, shards[t], out, final, token) for t in pending]
+            failures = []
+            while running:
+                # Wait for every task even after a failure, so a rerun has as little left to redo.
+                ready, running = ray.wait(running, num_returns=1)
+                try:
+                    ray.get(ready[0])
+                except Exception as err:  # a RayTaskError that is also an instance of the task's error
+                    failures.append(err)
+            if failures:
+                log(f"[data] phase {phase.index}: {len(failures)} of {len(pending)} tasks failed")
+                raise failures[0]
+
+        return run_pipeline(inputs, steps, out, tasks=tasks, log=log, run_tasks=run_tasks)
     finally:
         if started_ray:
             ray.shutdown()
