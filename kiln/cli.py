@@ -31,6 +31,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = verbs.add_parser("data", help="curate documents: filter, deduplicate, scrub (runs the data stage)")
     _recipe_args(p)
 
+    p = verbs.add_parser("classifier", help="train the data quality classifier used by the quality_classifier step")
+    act = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    c = act.add_parser("train", help="reference documents (positive) vs raw documents (negative)")
+    c.add_argument("--positive", nargs="+", required=True, help="files/folders/globs of reference documents")
+    c.add_argument("--negative", nargs="+", required=True, help="files/folders/globs of raw documents")
+    c.add_argument("--out", required=True, help="model file to write (.safetensors, with a .json sidecar)")
+
     p = verbs.add_parser("tokenizer", help="train a byte-level BPE tokenizer")
     tok = p.add_subparsers(dest="action", required=True, metavar="ACTION")
     _recipe_args(tok.add_parser("train", help="train on the run's corpus"))
@@ -118,6 +125,11 @@ def _dispatch(args: argparse.Namespace) -> int:
         if upstream:
             run_recipe(recipe, upstream)
         run_recipe(recipe, [target], force=args.force, **extra)
+        return 0
+    if args.verb == "classifier":
+        from kiln.data.classifier import train_from_files
+        stats = train_from_files(args.positive, args.negative, args.out)
+        print(json.dumps(stats, indent=1))
         return 0
     if args.verb == "generate":
         return _generate(args)

@@ -76,3 +76,16 @@ def test_data_verb_curates_explicit_inputs(tmp_path, capsys):
     stats = json.loads((out / "stats.json").read_text())
     assert stats["steps"][0]["reasons"] == {"bad_json": 1}
     assert not (tmp_path / "cur" / "corpus").exists()  # explicit inputs need no corpus
+
+
+def test_classifier_train_verb(tmp_path, capsys):
+    good = "The interpreter reads each statement, compiles it and runs the code object it produced. "
+    bad = "click here click here subscribe now buy cheap best price login menu home "
+    for name, text in (("pos", good), ("neg", bad)):
+        lines = [json.dumps({"id": f"{name}{i}", "text": (text * (2 + i % 3)) + f" item {i}"}) for i in range(40)]
+        (tmp_path / f"{name}.jsonl").write_text("\n".join(lines) + "\n")
+    model = tmp_path / "q.safetensors"
+    assert main(["classifier", "train", "--positive", str(tmp_path / "pos.jsonl"),
+                 "--negative", str(tmp_path / "neg.jsonl"), "--out", str(model)]) == 0
+    assert json.loads(capsys.readouterr().out)["heldout_accuracy"] > 0.9
+    assert model.exists() and model.with_suffix(".json").exists()
