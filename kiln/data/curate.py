@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from kiln.data.config import CurateConfig
-from kiln.data.executor import funnel, run_pipeline
+from kiln.data.executor import run_pipeline
+from kiln.data.funnel import funnel_html, funnel_text
 from kiln.errors import ConfigError
 
 
@@ -13,7 +14,8 @@ def curate(cfg: CurateConfig, out_dir: Path, default_inputs: list[Path] = (), lo
     """Run the pipeline of `cfg` over `cfg.inputs` (or `default_inputs`) into `out_dir`.
 
     Writes out_dir/docs/*.jsonl (the curated documents, the input of the tokenizer and packer),
-    out_dir/rejected/, and out_dir/stats.json; returns the stats and logs the funnel.
+    out_dir/rejected/, out_dir/stats.json and out_dir/funnel.html (a chart of documents and bytes kept
+    per step); returns the stats and logs the funnel as text.
     """
     from kiln.data.readers import list_named_inputs
 
@@ -27,5 +29,6 @@ def curate(cfg: CurateConfig, out_dir: Path, default_inputs: list[Path] = (), lo
                                  address=cfg.ray_address or None, log=log)
     else:
         stats = run_pipeline(files, cfg.build_steps(), Path(out_dir), tasks=cfg.tasks, workers=cfg.workers, log=log)
-    log(funnel(stats))
+    (Path(out_dir) / "funnel.html").write_text(funnel_html(stats, f"Data funnel: {out_dir}"), encoding="utf-8")
+    log(funnel_text(stats))
     return stats

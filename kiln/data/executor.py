@@ -204,42 +204,29 @@ def run_pipeline(inputs: list[Path] | list[tuple[Path, str]], steps: list[Step],
 
 
 def merge_stats(out: Path, phases: list[Phase], tasks: int) -> dict:
-    """Per-step totals over tasks, in pipeline order, plus each deduplicator's resolve stats."""
-    merged: dict[str, StepStats] = {}
-    order: list[str] = []
+    """Per-step totals over tasks, in pipeline order, plus each deduplicator's resolve stats.
+
+    Steps are matched by position, not name, so a step used twice (normalize before and after an
+    edit, say) keeps two rows. A deduplicator's filter row is the first of the next phase, and its
+    resolve stats (numbers only) are added to that row's counters."""
+    merged: dict[tuple[int, int], StepStats] = {}
     for phase in phases:
         work = out / "work" / f"phase-{phase.index}"
         for t in range(tasks):
-            for entry in json.loads((work / f"stats-{t:05d}.json").read_text()):
+            for position, entry in enumerate(json.loads((work / f"stats-{t:05d}.json").read_text())):
                 stats = StepStats.from_dict(entry)
-                if stats.name not in merged:
-                    merged[stats.name] = StepStats(stats.name)
-                    order.append(stats.name)
-                merged[stats.name].merge(stats)
+                merged.setdefault((phase.index, position), StepStats(stats.name)).merge(stats)
         resolved = work / "dedup" / "resolved.json"
         if phase.dedup is not None and resolved.exists():
+            row = merged.setdefault((phase.index + 1, 0), StepStats(phase.dedup.name))
             for key, value in json.loads(resolved.read_text().splitlines()[0]).items():
-                if isinstance(value, (int, float)):
-                    merged.setdefault(phase.dedup.name, StepStats(phase.dedup.name)).counters[key] += value
-                    if phase.dedup.name not in order:
-                        order.append(phase.dedup.name)
-    steps = [merged[name].to_dict() for name in order]
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    row.counters[key] += value
+    steps = [merged[key].to_dict() for key in sorted(merged)]
     first = steps[0] if steps else None
     docs_in = sum(first["reasons"].values()) + first["docs_out"] if first and first["name"] == "read" else None
     return {"docs_in": docs_in, "docs_out": steps[-1]["docs_out"] if steps else 0,
             "bytes_out": steps[-1]["bytes_out"] if steps else 0, "tasks": tasks, "steps": steps}
 
 
-def funnel(stats: dict) -> str:
-    """A text funnel of documents and bytes kept after each step."""
-    rows = [f"{'step':<20} {'docs':>10} {'kept %':>7} {'MB':>9}  top reasons"]
-    start = None
-    for step in stats["steps"]:
-        start = start or max(step["docs_in"], step["docs_out"] + sum(step["reasons"].values()))
-        reasons = ", ".join(f"{k} {v}" for k, v in sorted(step["reasons"].items(), key=lambda kv: -kv[1])[:3])
-        rows.append(f"{step['name']:<20} {step['docs_out']:>10} {100 * step['docs_out'] / max(start, 1):>6.1f}% "
-                    f"{step['bytes_out'] / 1e6:>9.2f}  {reasons}")
-    return "\n".join(rows)
-
-
-__all__ = ["run_pipeline", "run_task", "local_task_runner", "split_phases", "merge_stats", "funnel"]
+__all__ = ["run_pipeline", "run_task", "local_task_runner", "split_phases", "merge_stats"]

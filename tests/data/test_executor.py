@@ -7,7 +7,8 @@ from typing import Iterable
 
 import pytest
 
-from kiln.data.executor import funnel, run_pipeline, split_phases
+from kiln.data.executor import run_pipeline, split_phases
+from kiln.data.funnel import funnel_html, funnel_rows, funnel_text
 from kiln.data.steps.base import Deduplicator, Filter, Mapper
 
 
@@ -104,7 +105,11 @@ def test_pipeline_counts_everything_and_drops_nothing_silently(tmp_path, workers
     assert len({d["text"] for d in docs}) == len(docs)  # duplicates across tasks were removed
     assert all(d["text"].isupper() or not d["text"].isalpha() for d in docs)
     assert by_step["test_exact"]["counters"]["dropped"] == by_step["test_exact"]["reasons"]["duplicate"]
-    assert "test_drop_short" in funnel(stats)
+    rows = funnel_rows(stats)
+    assert [r["name"] for r in rows] == ["read", "test_upper", "test_drop_short", "test_exact", "test_upper"]
+    assert rows[0]["docs_share"] == 100 / 104 and rows[-1]["docs"] == len(docs)
+    assert all(a["docs"] >= b["docs"] for a, b in zip(rows, rows[1:]))  # a funnel only narrows
+    assert "test_drop_short" in funnel_text(stats) and "too_short" in funnel_html(stats)
 
 
 def test_rerun_after_crash_redoes_only_unfinished_tasks(tmp_path):
