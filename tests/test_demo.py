@@ -24,5 +24,6 @@ def test_demo_recipe_end_to_end(tmp_path):
     data_stats = json.loads((run_dir / "data" / "stats.json").read_text())
     assert 0 < data_stats["docs_out"] < data_stats["docs_in"]  # curation dropped some, kept most
     assert "minhash_dedup" in result.stdout  # the funnel was printed
+    assert "minhash_duplicate" in (run_dir / "data" / "funnel.html").read_text()  # and drawn
     for stage in ("corpus", "data", "tokenizer", "pack", "pretrain", "sample"):
         assert (run_dir / stage / "DONE").exists()
