@@ -1,6 +1,19 @@
-"""The Transformer, its config and presets."""
+"""The Transformer, its config and presets.
+
+The model itself (and so torch) is imported on first use: recipes import ModelConfig, and a data-only
+command should not pay for importing torch.
+"""
 
 from kiln.model.config import PRESETS, ModelConfig, preset
-from kiln.model.transformer import Transformer, build_model, count_params, flops_per_token
 
-__all__ = ["ModelConfig", "PRESETS", "preset", "Transformer", "build_model", "count_params", "flops_per_token"]
+_MODEL_NAMES = ("Transformer", "build_model", "count_params", "flops_per_token")
+
+
+def __getattr__(name: str):
+    if name in _MODEL_NAMES:
+        from kiln.model import transformer
+        return getattr(transformer, name)
+    raise AttributeError(f"module 'kiln.model' has no attribute {name!r}")
+
+
+__all__ = ["ModelConfig", "PRESETS", "preset", *_MODEL_NAMES]

@@ -1,11 +1,25 @@
 """The training loop shared by every training stage, with its optimizers, schedules,
-checkpoints and metrics."""
+checkpoints and metrics.
 
-from kiln.train.checkpoint import CheckpointError, CheckpointManager, load_weights, save_weights
+Everything but the config is imported on first use, so that loading a recipe (which imports
+TrainConfig) does not import torch.
+"""
+
+from importlib import import_module
+
 from kiln.train.config import TrainConfig
-from kiln.train.optim import Lion, build_optimizer
-from kiln.train.schedule import lr_at
-from kiln.train.trainer import Trainer, next_token_loss
 
-__all__ = ["CheckpointError", "CheckpointManager", "Lion", "TrainConfig", "Trainer", "build_optimizer",
-           "load_weights", "lr_at", "next_token_loss", "save_weights"]
+_LOCATIONS = {
+    "CheckpointError": "checkpoint", "CheckpointManager": "checkpoint", "load_weights": "checkpoint",
+    "save_weights": "checkpoint", "Lion": "optim", "build_optimizer": "optim", "lr_at": "schedule",
+    "Trainer": "trainer", "next_token_loss": "trainer",
+}
+
+
+def __getattr__(name: str):
+    if name in _LOCATIONS:
+        return getattr(import_module(f"kiln.train.{_LOCATIONS[name]}"), name)
+    raise AttributeError(f"module 'kiln.train' has no attribute {name!r}")
+
+
+__all__ = ["TrainConfig", *_LOCATIONS]
