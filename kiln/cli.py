@@ -150,9 +150,7 @@ def _dispatch(args: argparse.Namespace) -> int:
 def _generate(args: argparse.Namespace) -> int:
     from kiln.data.tokenizer import Tokenizer
     from kiln.infer.config import SampleConfig
-    from kiln.infer.sample import sample_texts
-    from kiln.model import Transformer
-    from kiln.train.checkpoint import load_weights
+    from kiln.infer.sample import load_model, sample_texts
 
     cfg = SampleConfig(prompt=args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                        top_k=args.top_k, top_p=args.top_p, num_samples=args.num_samples, seed=args.seed)
@@ -160,10 +158,7 @@ def _generate(args: argparse.Namespace) -> int:
         cfg.validate()
     except ConfigError as err:
         raise ConfigError("--" + err.key.replace("_", "-"), err.message, "<command line>") from None
-    model_cfg, state, _ = load_weights(args.checkpoint)
-    model = Transformer(model_cfg)
-    model.load_state_dict(state)
-    model.eval()
+    model, _ = load_model(args.checkpoint)
     tokenizer = Tokenizer.load(args.tokenizer or find_tokenizer(args.checkpoint))
     for text in sample_texts(model, tokenizer, cfg):
         print(args.prompt + text)

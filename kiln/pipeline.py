@@ -129,17 +129,12 @@ def _pretrain(recipe: Recipe, out: Path, resume: str = "auto", init_from: str | 
 
 def _sample(recipe: Recipe, out: Path, **_) -> dict:
     from kiln.data.tokenizer import Tokenizer
-    from kiln.infer.sample import sample_texts
-    from kiln.model import Transformer
-    from kiln.train.checkpoint import load_weights
+    from kiln.infer.sample import load_model, sample_texts
 
     checkpoints = stage_dir(recipe, "pretrain") / "checkpoints"
     best = checkpoints / "best"
     source = checkpoints / best.read_text().strip() if best.exists() else checkpoints
-    model_cfg, state, manifest = load_weights(source)
-    model = Transformer(model_cfg)
-    model.load_state_dict(state)
-    model.eval()
+    model, manifest = load_model(source)
     tokenizer = Tokenizer.load(stage_dir(recipe, "tokenizer"))
     texts = sample_texts(model, tokenizer, recipe.sample)
     with open(out / "samples.txt", "w", encoding="utf-8") as f:
