@@ -75,21 +75,21 @@ def _read_jsonl(path: Path) -> Iterator[dict]:
 def _run_steps(docs: Iterable[dict], steps: list[Step], rejected: list[dict]) -> Iterator[dict]:
     """Push each document through the steps; count everything; collect the dropped ones."""
     for doc in docs:
+        # A document's UTF-8 size is measured once and again only after a step replaced its text
+        # (strings are immutable, so an edit is a new object), not twice per step.
+        text = doc["text"]
+        size = len(text.encode("utf-8"))
         for step in steps:
             stats = step.stats
+            stats.docs_in += 1
+            stats.bytes_in += size
             if step.only_sources and doc["source"] not in step.only_sources:
                 # Passed through untouched: counted as in and out, so the funnel stays cumulative.
-                size = len(doc["text"].encode("utf-8"))
-                stats.docs_in += 1
                 stats.docs_out += 1
-                stats.bytes_in += size
                 stats.bytes_out += size
                 stats.counters["other_source"] += 1
                 continue
             started = time.perf_counter()
-            size = len(doc["text"].encode("utf-8"))
-            stats.docs_in += 1
-            stats.bytes_in += size
             if isinstance(step, Mapper):
                 doc = step.apply(doc)
                 why = None
@@ -100,8 +100,11 @@ def _run_steps(docs: Iterable[dict], steps: list[Step], rejected: list[dict]) ->
                 stats.reasons[why] += 1
                 rejected.append({"step": step.name, "reason": why, "doc": doc})
                 break
+            if doc["text"] is not text:
+                text = doc["text"]
+                size = len(text.encode("utf-8"))
             stats.docs_out += 1
-            stats.bytes_out += len(doc["text"].encode("utf-8"))
+            stats.bytes_out += size
         else:
             yield doc
 
