@@ -6,8 +6,8 @@ q/k/v biases) and vLLM load as is. Import reads Llama, Mistral and Qwen2 folders
 Weight layout: Kiln's RoPE pairs dimension i with i + head_dim/2 ("rotate half"), the layout HF Llama
 checkpoints are already stored in, so q/k rows are copied unchanged both ways. (Meta's original
 consolidated.*.pth checkpoints pair adjacent dimensions and need a row permutation; Kiln does not
-read that format.) The only reshaping is splitting Kiln's fused projections: `wqkv` = [q; k; v] and
-`w13` = [gate; up].
+read that format.) The only reshaping is splitting Kiln's fused projections `wqkv` and `w13` (their
+row layout is described in kiln/model/transformer.py).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 
 from kiln.errors import ConfigError, DataError
 from kiln.model.config import ModelConfig
+from kiln.model.transformer import fuse_gate_up, fuse_qkv, split_gate_up, split_qkv
 
 EOT = "<|endoftext|>"
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -31,8 +32,6 @@ DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float
 # ---- name mapping -------------------------------------------------------------------------------
 
 def kiln_to_hf_state(cfg: ModelConfig, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    q_rows, kv_rows = cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
-    hidden = cfg.ffn_hidden_size
     # .contiguous() copies the row slices: safetensors refuses views into a larger tensor.
     out = {"model.embed_tokens.weight": state_dict["tok_embeddings.weight"],
            "model.norm.weight": state_dict["norm.weight"]}
@@ -42,10 +41,10 @@ def kiln_to_hf_state(cfg: ModelConfig, state_dict: dict[str, torch.Tensor]) -> d
         src, dst = f"layers.{i}.", f"model.layers.{i}."
         suffixes = ("weight", "bias") if cfg.qkv_bias else ("weight",)
         for suffix in suffixes:
-            q, k, v = state_dict[f"{src}attn.wqkv.{suffix}"].split([q_rows, kv_rows, kv_rows])
+            q, k, v = split_qkv(state_dict[f"{src}attn.wqkv.{suffix}"], cfg.n_heads, cfg.kv_heads, cfg.head_dim)
             for name, t in (("q_proj", q), ("k_proj", k), ("v_proj", v)):
                 out[f"{dst}self_attn.{name}.{suffix}"] = t.contiguous()
-        gate, up = state_dict[f"{src}ffn.w13.weight"].split([hidden, hidden])
+        gate, up = split_gate_up(state_dict[f"{src}ffn.w13.weight"])
         out.update({
             f"{dst}self_attn.o_proj.weight": state_dict[f"{src}attn.wo.weight"],
             f"{dst}mlp.gate_proj.weight": gate.contiguous(),
@@ -73,10 +72,10 @@ def hf_to_kiln_state(cfg: ModelConfig, tensors: dict[str, torch.Tensor], where: 
         src, dst = f"model.layers.{i}.", f"layers.{i}."
         suffixes = ("weight", "bias") if cfg.qkv_bias else ("weight",)
         for suffix in suffixes:
-            out[f"{dst}attn.wqkv.{suffix}"] = torch.cat(
-                [take(f"{src}self_attn.{p}.{suffix}") for p in ("q_proj", "k_proj", "v_proj")])
+            out[f"{dst}attn.wqkv.{suffix}"] = fuse_qkv(
+                *(take(f"{src}self_attn.{p}.{suffix}") for p in ("q_proj", "k_proj", "v_proj")), cfg.kv_heads)
         out[f"{dst}attn.wo.weight"] = take(f"{src}self_attn.o_proj.weight")
-        out[f"{dst}ffn.w13.weight"] = torch.cat([take(f"{src}mlp.gate_proj.weight"), take(f"{src}mlp.up_proj.weight")])
+        out[f"{dst}ffn.w13.weight"] = fuse_gate_up(take(f"{src}mlp.gate_proj.weight"), take(f"{src}mlp.up_proj.weight"))
         out[f"{dst}ffn.w2.weight"] = take(f"{src}mlp.down_proj.weight")
         out[f"{dst}attn_norm.weight"] = take(f"{src}input_layernorm.weight")
         out[f"{dst}ffn_norm.weight"] = take(f"{src}post_attention_layernorm.weight")

@@ -6,10 +6,15 @@ Conventions chosen so that the weights map one-to-one onto Hugging Face Llama/Qw
 - RoPE uses the "rotate half" pairing (dimension i is rotated with i + head_dim/2), which is the layout
   HF Llama checkpoints are stored in. Exporting or importing q/k weights therefore needs no row
   permutation; only original Meta-format (interleaved-pair) weights would, and Kiln does not read those.
-- q, k and v live in one fused projection `wqkv` (rows: all q heads, then k heads, then v heads) and
-  the SwiGLU gate and up projections in one `w13` (rows: gate, then up). One wide matmul instead of
-  three (or two) narrow ones saves kernel launches and re-reads of the input, which matters on CPU
-  where this model is first trained; kiln.hf splits them on export and concatenates them on import.
+- q, k and v live in one fused projection `wqkv` and the SwiGLU gate and up projections in one `w13`.
+  One wide matmul instead of three (or two) narrow ones saves kernel launches and re-reads of the
+  input, which matters on CPU where this model is first trained.
+- The fused rows are ordered so that any contiguous, evenly sized block of rows is self-contained
+  (Megatron's layout): `wqkv` is grouped by key/value head, each group holding its query heads, then
+  its k head, then its v head; `w13` interleaves gate and up rows (gate_0, up_0, gate_1, up_1, ...).
+  Tensor parallelism can then split both by plain row chunks and every rank gets whole heads and
+  matching gate/up pairs, whatever its degree. `fuse_qkv`/`split_qkv` and `fuse_gate_up`/
+  `split_gate_up` convert to and from the separate matrices that Hugging Face checkpoints store.
 """
 
 from __future__ import annotations
@@ -56,6 +61,29 @@ def make_norm(cfg: ModelConfig) -> nn.Module:
     return nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
 
 
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_kv_heads: int) -> torch.Tensor:
+    """Separate q [H*hd, ...], k and v [KV*hd, ...] -> the grouped fused layout of `wqkv`."""
+    groups = [t.unflatten(0, (n_kv_heads, -1)) for t in (q, k, v)]  # [KV, rows per group, ...]
+    return torch.cat(groups, dim=1).flatten(0, 1)
+
+
+def split_qkv(wqkv: torch.Tensor, n_heads: int, n_kv_heads: int, head_dim: int):
+    """Inverse of fuse_qkv: (q, k, v) with all query heads first, as Hugging Face stores them."""
+    per_group = (n_heads // n_kv_heads) * head_dim
+    grouped = wqkv.unflatten(0, (n_kv_heads, -1))
+    q, k, v = grouped.split([per_group, head_dim, head_dim], dim=1)
+    return q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1)
+
+
+def fuse_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return torch.stack([gate, up], dim=1).flatten(0, 1)
+
+
+def split_gate_up(w13: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    pairs = w13.unflatten(0, (-1, 2))
+    return pairs[:, 0], pairs[:, 1]
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -67,18 +95,21 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None) -> torch.Tensor:
         batch, seq, _ = x.shape
-        qkv = self.wqkv(x).view(batch, seq, self.n_heads + 2 * self.n_kv_heads, self.head_dim)
-        # q and k heads are adjacent in the fused output, so one RoPE call rotates both.
-        qk, v = qkv.split([self.n_heads + self.n_kv_heads, self.n_kv_heads], dim=2)
+        # -1 groups: under tensor parallelism this rank holds only some of the key/value groups.
+        group = self.n_heads // self.n_kv_heads
+        qkv = self.wqkv(x).view(batch, seq, -1, group + 2, self.head_dim)
+        # Within a group the query heads and the k head are adjacent, so one RoPE call rotates both.
+        qk, v = qkv.split([group + 1, 1], dim=3)
         if self.use_rope:
-            qk = apply_rope(qk, cos, sin)
-        q, k = qk.split([self.n_heads, self.n_kv_heads], dim=2)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, head_dim]
+            qk = apply_rope(qk, cos.unsqueeze(-2), sin.unsqueeze(-2))
+        q, k = qk.split([group, 1], dim=3)
+        # [B, heads, T, head_dim]; query head g*group + j reads kv head g, the order HF models use.
+        q = q.flatten(2, 3).transpose(1, 2)
+        k, v = k.squeeze(3).transpose(1, 2), v.squeeze(3).transpose(1, 2)
         # enable_gqa lets each group of query heads read its shared k/v head in place, instead of
         # materialising repeated copies of k and v as a repeat_interleave would.
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                             enable_gqa=self.n_kv_heads != self.n_heads)
-        return self.wo(out.transpose(1, 2).reshape(batch, seq, self.n_heads * self.head_dim))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=group > 1)
+        return self.wo(out.transpose(1, 2).flatten(2))
 
 
 class FeedForward(nn.Module):
@@ -87,14 +118,14 @@ class FeedForward(nn.Module):
         self.swiglu = cfg.ffn == "swiglu"
         hidden = cfg.ffn_hidden_size
         if self.swiglu:
-            self.w13 = nn.Linear(cfg.dim, 2 * hidden, bias=False)  # gate rows, then up rows
+            self.w13 = nn.Linear(cfg.dim, 2 * hidden, bias=False)  # gate and up rows interleaved
         else:
             self.w1 = nn.Linear(cfg.dim, hidden, bias=False)
         self.w2 = nn.Linear(hidden, cfg.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.swiglu:
-            gate, up = self.w13(x).chunk(2, dim=-1)
+            gate, up = self.w13(x).unflatten(-1, (-1, 2)).unbind(-1)
             return self.w2(F.silu(gate) * up)
         return self.w2(F.gelu(self.w1(x), approximate="tanh"))
 

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from kiln.errors import ConfigError
 from kiln.model import ModelConfig, Transformer, build_model, count_params, flops_per_token
-from kiln.model.transformer import apply_rope, rope_tables
+from kiln.model.transformer import apply_rope, fuse_gate_up, fuse_qkv, rope_tables, split_gate_up, split_qkv
 
 
 def tiny(**overrides) -> ModelConfig:
@@ -112,7 +112,7 @@ def reference_attention_model(model: Transformer, tokens: torch.Tensor) -> torch
     mask = torch.full((seq, seq), float("-inf")).triu(1)
     for block in model.layers:
         a = rms(x, block.attn_norm.weight)
-        q_w, k_w, v_w = block.attn.wqkv.weight.split([h * hd, kvh * hd, kvh * hd])
+        q_w, k_w, v_w = split_qkv(block.attn.wqkv.weight, h, kvh, hd)
         q = (a @ q_w.T).view(*a.shape[:2], h, hd)
         k = (a @ k_w.T).view(*a.shape[:2], kvh, hd)
         v = (a @ v_w.T).view(*a.shape[:2], kvh, hd)
@@ -123,7 +123,8 @@ def reference_attention_model(model: Transformer, tokens: torch.Tensor) -> torch
             heads.append(scores.softmax(-1) @ v[:, :, j])
         x = x + torch.cat(heads, dim=-1) @ block.attn.wo.weight.T
         f = rms(x, block.ffn_norm.weight)
-        gate, up = (f @ block.ffn.w13.weight.T).chunk(2, dim=-1)
+        gate_w, up_w = split_gate_up(block.ffn.w13.weight)
+        gate, up = f @ gate_w.T, f @ up_w.T
         x = x + (gate * torch.sigmoid(gate) * up) @ block.ffn.w2.weight.T
     return rms(x, model.norm.weight) @ model.output.weight.T
 
@@ -202,3 +203,24 @@ def test_bf16_autocast_close_to_fp32():
         low = model(tokens)
     assert low.dtype == torch.bfloat16
     torch.testing.assert_close(low.float(), model(tokens), rtol=0.05, atol=0.05)
+
+
+@pytest.mark.parametrize("heads,kv_heads,chunks", [(4, 2, 2), (8, 2, 2), (4, 4, 4), (6, 3, 3)])
+def test_fused_layouts_split_into_self_contained_row_chunks(heads, kv_heads, chunks):
+    # Tensor parallelism cuts wqkv and w13 into equal row blocks; each block must hold whole
+    # key/value groups (their query heads, k and v) and matching gate/up rows.
+    hd, dim, hidden = 4, 8, 12
+    q = torch.randn(heads * hd, dim)
+    k, v = torch.randn(kv_heads * hd, dim), torch.randn(kv_heads * hd, dim)
+    fused = fuse_qkv(q, k, v, kv_heads)
+    assert all(torch.equal(a, b) for a, b in zip(split_qkv(fused, heads, kv_heads, hd), (q, k, v)))
+    for i, block in enumerate(fused.chunk(chunks)):
+        local = kv_heads // chunks
+        qi, ki, vi = split_qkv(block, heads // chunks, local, hd)
+        assert torch.equal(qi, q.chunk(chunks)[i]) and torch.equal(ki, k.chunk(chunks)[i])
+        assert torch.equal(vi, v.chunk(chunks)[i])
+    gate, up = torch.randn(hidden, dim), torch.randn(hidden, dim)
+    w13 = fuse_gate_up(gate, up)
+    for i, block in enumerate(w13.chunk(chunks)):
+        g, u = split_gate_up(block)
+        assert torch.equal(g, gate.chunk(chunks)[i]) and torch.equal(u, up.chunk(chunks)[i])
