@@ -84,9 +84,18 @@ def split_gate_up(w13: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return pairs[:, 0], pairs[:, 1]
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa: bool) -> torch.Tensor:
+    """q [B, H, T, hd], k and v [B, KV, T, hd] -> [B, H, T, hd]. enable_gqa lets each group of query
+    heads read its shared k/v head in place, instead of materialising repeated copies of k and v."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=enable_gqa)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        # A plain attribute so context parallelism can swap in an attention that sees the other ranks'
+        # keys and values (kiln.parallel.context) without the model knowing about it.
+        self.attention = causal_attention
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_dim
         self.use_rope = cfg.pos == "rope"
         qkv_out = (self.n_heads + 2 * self.n_kv_heads) * self.head_dim
@@ -106,9 +115,7 @@ class Attention(nn.Module):
         # [B, heads, T, head_dim]; query head g*group + j reads kv head g, the order HF models use.
         q = q.flatten(2, 3).transpose(1, 2)
         k, v = k.squeeze(3).transpose(1, 2), v.squeeze(3).transpose(1, 2)
-        # enable_gqa lets each group of query heads read its shared k/v head in place, instead of
-        # materialising repeated copies of k and v as a repeat_interleave would.
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=group > 1)
+        out = self.attention(q, k, v, enable_gqa=group > 1)
         return self.wo(out.transpose(1, 2).flatten(2))
 
 
