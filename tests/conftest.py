@@ -1,5 +1,8 @@
+import json
 import os
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -11,3 +14,31 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+def make_tiny_pack(root: Path, vocab: int = 64, train_docs: int = 200, val_docs: int = 40) -> Path:
+    """A pack in the contract's layout whose documents follow a fixed successor rule
+    (t -> 5t+3 mod vocab), so a model can learn it and the loss must fall."""
+    rng = np.random.default_rng(0)
+    for split, docs in (("train", train_docs), ("val", val_docs)):
+        tokens = []
+        for _ in range(docs):
+            t = int(rng.integers(1, vocab))
+            for _ in range(int(rng.integers(10, 60))):
+                tokens.append(t)
+                t = (5 * t + 3) % (vocab - 1) + 1
+            tokens.append(0)  # end of document
+        (root / split).mkdir(parents=True)
+        np.asarray(tokens, dtype="<u2").tofile(root / split / "synthetic-00000.bin")
+        header = {"dtype": "uint16", "vocab_size": vocab, "tokenizer_sha256": "test", "documents": docs,
+                  "tokens": len(tokens), "bytes": 3 * len(tokens), "source": "synthetic"}
+        (root / split / "synthetic-00000.json").write_text(json.dumps(header))
+    (root / "mixture.json").write_text(json.dumps({"vocab_size": vocab, "tokenizer_sha256": "test",
+                                                   "weights": {"synthetic": 1.0}}))
+    return root
+
+
+@pytest.fixture(scope="session")
+def tiny_pack_factory():
+    """make_tiny_pack(root) -> root, for tests that need a fresh pack of their own."""
+    return make_tiny_pack

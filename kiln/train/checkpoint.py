@@ -102,14 +102,19 @@ def _write_files(folder: Path, model_cfg: ModelConfig, state_dict: dict, manifes
     if train_state is not None:
         torch.save(train_state, folder / TRAIN_STATE_FILE)
         names.append(TRAIN_STATE_FILE)
+    return write_manifest(folder, model_cfg, names, {**(manifest_extra or {}), "tied": tied})
+
+
+def write_manifest(folder: Path, model_cfg: ModelConfig, names: list[str], manifest_extra: dict) -> dict:
+    """Checksum the named files (paths relative to `folder`) and write the manifest, last: a folder
+    with a manifest has all its other files in place."""
     files = {}
     for name in names:
         _fsync(folder / name)
         files[name] = {"sha256": sha256_file(folder / name), "bytes": (folder / name).stat().st_size}
-    manifest = {"format": FORMAT_VERSION, **(manifest_extra or {}),
-                "model_config": dataclasses.asdict(model_cfg), "tied": tied, "files": files,
+    manifest = {"format": FORMAT_VERSION, **manifest_extra,
+                "model_config": dataclasses.asdict(model_cfg), "files": files,
                 "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "torch_version": torch.__version__}
-    # The manifest goes last: a folder with a manifest has all its other files in place.
     _write_text_atomic(folder / MANIFEST_FILE, json.dumps(manifest, indent=1))
     return manifest
 
@@ -201,8 +206,12 @@ def load_weights(path) -> tuple[ModelConfig, dict[str, torch.Tensor], dict]:
     """(model config, state dict on CPU, manifest) of a checkpoint; checksums are verified."""
     folder = resolve_checkpoint(path)
     manifest = read_manifest(folder)
-    verify(folder, manifest, names=[MODEL_FILE])
     cfg = model_config_from_dict(manifest["model_config"], str(folder / MANIFEST_FILE))
+    if manifest.get("layout") == "sharded":
+        from kiln.parallel.checkpoint import load_sharded_weights
+        verify(folder, manifest)
+        return cfg, load_sharded_weights(folder), manifest
+    verify(folder, manifest, names=[MODEL_FILE])
     state = _restore_tied(load_file(str(folder / MODEL_FILE)), manifest.get("tied", {}), folder / MODEL_FILE)
     return cfg, state, manifest
 
@@ -258,12 +267,21 @@ class CheckpointManager:
 
     def save(self, step: int, model_cfg: ModelConfig, model_state: dict, train_state: dict,
              manifest_extra: dict, is_best: bool = False) -> Path:
+        tmp = self.begin(step)
+        _write_files(tmp, model_cfg, model_state, {"step": step, **manifest_extra}, train_state)
+        return self.commit(tmp, step, is_best)
+
+    def begin(self, step: int) -> Path:
+        """A fresh temporary folder for the checkpoint of `step`."""
         self.root.mkdir(parents=True, exist_ok=True)
         self._remove_leftovers()
-        name = step_dirname(step)
-        tmp = self.root / f".tmp-{name}"
+        tmp = self.root / f".tmp-{step_dirname(step)}"
         tmp.mkdir()
-        _write_files(tmp, model_cfg, model_state, {"step": step, **manifest_extra}, train_state)
+        return tmp
+
+    def commit(self, tmp: Path, step: int, is_best: bool = False) -> Path:
+        """Publish a fully written temporary folder (manifest last) as the checkpoint of `step`."""
+        name = step_dirname(step)
         _fsync(tmp)
         final = self.root / name
         if final.exists():  # saving the same step again (e.g. a rerun of the last step): replace it
@@ -281,15 +299,22 @@ class CheckpointManager:
         folder = Path(folder)
         manifest = read_manifest(folder)
         verify(folder, manifest)
+        if manifest.get("layout") == "sharded":
+            # The model and optimizer shards are read by kiln.parallel.checkpoint once the model
+            # has its layout; the state dict returned here is None.
+            return manifest, None, self._load_train_state(folder)
         if TRAIN_STATE_FILE not in manifest["files"]:
             raise CheckpointError(f"{folder}: weights-only checkpoint (no {TRAIN_STATE_FILE}); "
                                   f"use init_from to start a new run from it")
         model_state = _restore_tied(load_file(str(folder / MODEL_FILE)), manifest.get("tied", {}), folder)
+        return manifest, model_state, self._load_train_state(folder)
+
+    @staticmethod
+    def _load_train_state(folder: Path) -> dict:
         try:
-            train_state = torch.load(folder / TRAIN_STATE_FILE, map_location="cpu", weights_only=True)
+            return torch.load(folder / TRAIN_STATE_FILE, map_location="cpu", weights_only=True)
         except Exception as e:  # checksum passed, so this is a format problem, not corruption
             raise CheckpointError(f"{folder / TRAIN_STATE_FILE}: cannot be loaded ({e})") from None
-        return manifest, model_state, train_state
 
     def load_newest_valid(self) -> tuple[Path, dict, dict, dict] | None:
         """The newest checkpoint that verifies; corrupted ones are skipped with a warning."""

@@ -17,15 +17,15 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
-from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
 from kiln.data.loader import TokenLoader
 from kiln.errors import ConfigError
 from kiln.model import ModelConfig, build_model, count_params, flops_per_token
+from kiln.parallel.config import ParallelConfig
+from kiln.parallel.layout import Layout
 from kiln.train.checkpoint import (CheckpointManager, capture_rng_state, complete_checkpoints,
                                    load_weights, resolve_checkpoint, restore_rng_state)
 from kiln.train.config import TrainConfig
@@ -39,8 +39,9 @@ PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch
 
 
 def next_token_loss(model: torch.nn.Module, batch: tuple) -> tuple[torch.Tensor, int]:
-    inputs, targets = batch
-    logits = model(inputs)
+    """batch: (inputs, targets) or, under context parallelism, (inputs, targets, position_ids)."""
+    inputs, targets, *positions = batch
+    logits = model(inputs, *positions)
     # In float32: a softmax over a large vocabulary in bf16 loses the small probabilities.
     loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
     return loss, targets.numel()
@@ -59,10 +60,16 @@ def apply_activation_checkpointing(model: torch.nn.Module) -> None:
         block.forward = forward
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A loss computed under loss_parallel is a replicated DTensor; its local value is the loss."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 class Trainer:
     def __init__(self, model_cfg: ModelConfig, train_cfg: TrainConfig, pack_dir, out_dir,
                  recipe_dict: dict | None = None, resume: str = "auto", init_from=None,
-                 loss_fn: LossFn | None = None, device: str | None = None):
+                 loss_fn: LossFn | None = None, device: str | None = None,
+                 parallel: ParallelConfig | None = None):
         train_cfg.validate()
         cfg = self.cfg = train_cfg
         self.pack_dir = Path(pack_dir)
@@ -72,22 +79,22 @@ class Trainer:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if cfg.threads > 0:
             torch.set_num_threads(cfg.threads)
-        distributed = dist.is_available() and dist.is_initialized()
-        self.rank = dist.get_rank() if distributed else 0
-        self.world_size = dist.get_world_size() if distributed else 1
+        self.layout = Layout(parallel, model_cfg, self.device)
+        self.rank, self.world_size = self.layout.rank, self.layout.world_size
         self.is_main = self.rank == 0
 
         # Gradient accumulation keeps the tokens per optimizer step at global_batch_tokens whatever
         # the micro batch and rank count, so the same recipe trains the same way on 1 or 64 devices.
-        tokens_per_micro_step = cfg.seq_len * cfg.micro_batch_size * self.world_size
+        # Only data-parallel ranks read different data; TP/CP/PP ranks of one replica share a batch.
+        tokens_per_micro_step = cfg.seq_len * cfg.micro_batch_size * self.layout.dp_size
         if cfg.global_batch_tokens % tokens_per_micro_step:
-            raise ConfigError("global_batch_tokens", f"must be a multiple of seq_len*micro_batch_size*world_size="
+            raise ConfigError("global_batch_tokens", f"must be a multiple of seq_len*micro_batch_size*dp ranks="
                                                      f"{tokens_per_micro_step}, got {cfg.global_batch_tokens}")
         self.accum_steps = cfg.global_batch_tokens // tokens_per_micro_step
 
         def make_loader(split: str):
             return TokenLoader(self.pack_dir, split=split, seq_len=cfg.seq_len, batch_size=cfg.micro_batch_size,
-                               rank=self.rank, world_size=self.world_size, seed=cfg.seed)
+                               rank=self.layout.dp_rank, world_size=self.layout.dp_size, seed=cfg.seed)
         self.train_loader = make_loader("train")
         # The validation set is fixed: iter_batches(n) yields the same first n batches every time.
         self.val_loader = make_loader("val")
@@ -110,7 +117,10 @@ class Trainer:
         self.model = build_model(model_cfg, device=self.device)
         self.model.train()
         self.ckpt = CheckpointManager(self.out_dir / "checkpoints", cfg.keep_last, cfg.keep_best)
-        self.optimizer = build_optimizer(self.model, cfg)
+        self.sharded_saver = None
+        if self.layout.sharded:
+            from kiln.parallel.checkpoint import ShardedSaver
+            self.sharded_saver = ShardedSaver(self.ckpt, self.layout.cfg.async_checkpoint)
         # Dynamic loss scaling keeps small fp16 gradients from flushing to zero; bf16 has fp32's
         # exponent range and needs none. A disabled scaler passes everything through unchanged.
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=cfg.precision == "fp16")
@@ -124,29 +134,37 @@ class Trainer:
         self.last_val_loss = None
         self.last_val_bpb = None
         self.stopped_early = False
-        self.resumed_from = self._resume_or_init(resume, init_from)
+        # Full weights (a single-file checkpoint, or init_from) load before the model is split, so
+        # they fit any layout; sharded checkpoints load after, through DCP, which reshards.
+        found = self._find_checkpoint(resume)
+        if found is None and init_from is not None:
+            self._init_from(init_from)
+        elif found is not None and found[2] is not None:
+            self.model.load_state_dict(found[2])
 
-        if cfg.activation_checkpointing:
-            apply_activation_checkpointing(self.model)
-        # Training calls go through forward_model; state is always read from self.model, whose
-        # parameter names neither compile nor DDP prefix.
-        self.forward_model = self.model
         # Compiling the loss function (which calls the model) puts the output head and the loss in
         # one graph, so the float32 upcast and log-softmax fuse instead of writing a float32 copy of
         # every logit: bf16 steps ~1.13x faster than compiling the model alone (docs/benchmarks.md).
-        # Evaluation stays eager: it runs rarely and would only add a second compilation.
+        # Under a device mesh the blocks are compiled one by one instead (kiln.parallel), so the
+        # sharding hooks stay outside the graphs. Evaluation stays eager: it runs rarely.
+        self._compile_loss = cfg.compile and self.layout.mesh is None
         self._compiled_loss = (None, None)  # (loss_fn it was compiled from, compiled function)
-        if self.world_size > 1:
-            # Plain data parallelism: every rank holds the whole model and gradients are averaged in
-            # backward. Sharded and model-parallel layouts wrap the model from outside instead.
-            self.forward_model = DistributedDataParallel(self.forward_model)
+        if cfg.activation_checkpointing and self.layout.mesh is None:
+            apply_activation_checkpointing(self.model)
+        # Training calls go through forward_model (the model, or its DDP wrapper); state is always
+        # read from self.model, whose parameter names no wrapper prefixes.
+        self.forward_model = self.layout.parallelize(self.model, self.compute_dtype, cfg.activation_checkpointing,
+                                                     compile_blocks=cfg.compile)
+        self.optimizer = build_optimizer(self.model, cfg)
+        self.resumed_from = self._resume(found, init_from) if found is not None else None
         self.metrics = None
         if self.is_main:
             self.metrics = MetricsLogger(self.out_dir, tensorboard=cfg.tensorboard)
 
     # ---- setup -----------------------------------------------------------------------------------
 
-    def _resume_or_init(self, resume: str, init_from) -> str | None:
+    def _find_checkpoint(self, resume: str):
+        """(folder, manifest, full model state or None if sharded, train state) or None."""
         root = self.ckpt.root
         if resume == "none":
             if complete_checkpoints(root):
@@ -161,19 +179,24 @@ class Trainer:
         if found is None:
             if self.is_main:
                 (self.out_dir / "metrics.jsonl").unlink(missing_ok=True)
-            if init_from is not None:
-                self._init_from(init_from)
             return None
-        folder, manifest, model_state, train_state = found
-        if init_from is not None:
-            warnings.warn(f"resuming from {folder}; init_from={init_from} is ignored", stacklevel=3)
+        folder, manifest = found[:2]
         saved_cfg = manifest["model_config"]
         current = dataclasses.asdict(self.model_cfg)
         changed = [f"{k}: {saved_cfg.get(k)!r} -> {v!r}" for k, v in current.items() if saved_cfg.get(k) != v]
         if changed:
             raise ConfigError("model", f"differs from the checkpoint {folder} being resumed ({'; '.join(changed)})")
-        self.model.load_state_dict(model_state)
-        self.optimizer.load_state_dict(train_state["optimizer"])
+        return found
+
+    def _resume(self, found, init_from) -> str:
+        folder, manifest, model_state, train_state = found
+        if init_from is not None:
+            warnings.warn(f"resuming from {folder}; init_from={init_from} is ignored", stacklevel=3)
+        if model_state is None:
+            from kiln.parallel.checkpoint import load_sharded
+            load_sharded(folder, self.model, self.optimizer)
+        else:
+            self.layout.load_full_optimizer_state(self.model, self.optimizer, train_state["optimizer"])
         if train_state["scaler"]:
             self.scaler.load_state_dict(train_state["scaler"])
         for key, value in train_state["loop"].items():
@@ -202,11 +225,11 @@ class Trainer:
         return torch.autocast(self.device.type, dtype=self.compute_dtype)
 
     def _batch_to_device(self, batch):
-        return tuple(t.to(self.device, non_blocking=True) for t in batch)
+        return tuple(t.to(self.device, non_blocking=True) for t in self.layout.shard_batch(batch))
 
     def _training_loss_fn(self) -> LossFn:
         """self.loss_fn, compiled when cfg.compile; recompiled if a stage swaps the objective."""
-        if not self.cfg.compile:
+        if not self._compile_loss:
             return self.loss_fn
         source, compiled = self._compiled_loss
         if source is not self.loss_fn:
@@ -225,32 +248,33 @@ class Trainer:
         # Each micro-batch's mean loss is weighted by its share of the step's tokens. The share is
         # computed against the nominal token count (the only one known before the last backward)
         # and corrected after, so pretraining (every batch full) does no extra arithmetic at all.
-        nominal = cfg.seq_len * cfg.micro_batch_size * len(micro_batches)
         loss_fn = self._training_loss_fn()
         loss_sum = torch.zeros((), device=self.device)
         tokens = 0
         for i, batch in enumerate(micro_batches):
-            # DDP: gradients are all-reduced once, in the backward of the last micro-batch.
-            last = i == len(micro_batches) - 1
-            sync = nullcontext() if last or self.world_size == 1 else self.forward_model.no_sync()
-            with sync:
-                with self._autocast():
-                    loss, n_tokens = loss_fn(self.forward_model, self._batch_to_device(batch))
-                self.scaler.scale(loss * (n_tokens / nominal)).backward()
-            loss_sum += loss.detach().float() * n_tokens
+            # Gradients are reduced across data-parallel ranks once, in the last micro-batch's backward.
+            with self.layout.gradient_sync(last_micro_batch=i == len(micro_batches) - 1):
+                batch = self._batch_to_device(batch)
+                if i == 0:
+                    nominal = batch[1].numel() * len(micro_batches)  # a context-parallel slice under CP
+                with self._autocast(), self.layout.loss_context():
+                    loss, n_tokens = loss_fn(self.forward_model, batch)
+                    self.scaler.scale(loss * (n_tokens / nominal)).backward()
+            loss_sum += _local(loss.detach()).float() * n_tokens
             tokens += int(n_tokens)
         if self.world_size > 1:
             stats = torch.stack([loss_sum, torch.tensor(float(tokens), device=self.device)])
-            dist.all_reduce(stats)
+            self.layout.all_reduce_sum(stats)
             loss_sum, tokens = stats[0], int(stats[1].item())
         params = [p for p in self.model.parameters() if p.grad is not None]
         self.scaler.unscale_(self.optimizer)
-        # DDP averaged the ranks' gradients, so the nominal count of the step is per rank x ranks.
-        correction = tokens / (nominal * self.world_size)
+        # The data-parallel reduction averaged the ranks' gradients, so the nominal count of the step
+        # is per rank x those ranks.
+        correction = tokens / (nominal * self.layout.grad_average_ranks)
         if correction != 1.0:
             torch._foreach_div_([p.grad for p in params], correction)
         max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        grad_norm = self.layout.clip_grad_norm(params, max_norm)
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
@@ -267,14 +291,14 @@ class Trainer:
         self.model.eval()
         total, tokens = 0.0, 0
         for batch in self.val_loader.iter_batches(self.cfg.eval_batches):
-            with self._autocast():
+            with self._autocast(), self.layout.loss_context():
                 loss, n_tokens = self.loss_fn(self.model, self._batch_to_device(batch))
-            total += loss.float().item() * n_tokens
+            total += _local(loss).float().item() * n_tokens
             tokens += int(n_tokens)
         self.model.train()
         stats = torch.tensor([total, float(tokens)], dtype=torch.float64)
         if self.world_size > 1:
-            dist.all_reduce(stats)
+            self.layout.all_reduce_sum(stats)
         if stats[1] == 0:
             raise ConfigError("eval_batches", f"the validation split of {self.pack_dir} yielded no batches")
         val_loss = stats[0].item() / stats[1].item()
@@ -285,19 +309,24 @@ class Trainer:
     # ---- checkpoints -----------------------------------------------------------------------------
 
     def save_checkpoint(self, is_best: bool = False, val_loss: float | None = None) -> None:
-        if not self.is_main:
+        if not self.is_main and self.sharded_saver is None:
             return
         loop = {"step": self.step, "tokens_seen": self.tokens_seen, "best_val_loss": self.best_val_loss,
                 "best_val_bpb": self.best_val_bpb, "best_step": self.best_step,
                 "evals_since_best": self.evals_since_best, "last_val_loss": self.last_val_loss,
                 "last_val_bpb": self.last_val_bpb, "stopped_early": self.stopped_early}
-        train_state = {"optimizer": self.optimizer.state_dict(), "scaler": self.scaler.state_dict(), "loop": loop}
+        train_state = {"scaler": self.scaler.state_dict(), "loop": loop}
         manifest_extra = {"tokens_seen": self.tokens_seen, "val_loss": val_loss,
                           "train_config": dataclasses.asdict(self.cfg), "recipe": self.recipe_dict,
                           "loader": self.train_loader.state_dict(), "rng": capture_rng_state(),
                           # The schedule is a pure function of the step (kiln.train.schedule), so the
                           # step is the whole scheduler state.
                           "schedule": {"step": self.step, "lr": lr_at(max(self.step - 1, 0), self.cfg)}}
+        if self.sharded_saver is not None:  # every rank writes its shards
+            self.sharded_saver.save(self.step, self.model_cfg, self.model, self.optimizer, train_state,
+                                    manifest_extra, is_best=is_best)
+            return
+        train_state["optimizer"] = self.optimizer.state_dict()
         self.ckpt.save(self.step, self.model_cfg, self.model.state_dict(), train_state, manifest_extra,
                        is_best=is_best)
 
@@ -344,6 +373,8 @@ class Trainer:
                 self.save_checkpoint(is_best=improved,
                                      val_loss=self.last_val_loss if evaluated_at == self.step else None)
         bar.close()
+        if self.sharded_saver is not None:
+            self.sharded_saver.finish()
         tokens_per_s = train_tokens / train_time if train_time > 0 else 0.0
         summary = {
             "steps": self.step, "tokens_seen": self.tokens_seen, "stopped_early": self.stopped_early,

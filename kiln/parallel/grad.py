@@ -1,0 +1,45 @@
+"""Gradient-norm clipping that is correct when parameters live on different meshes.
+
+`torch.nn.utils.clip_grad_norm_` stacks the per-parameter norms into one tensor, which fails when
+some gradients are DTensors on a 2-D (dp, tp) mesh and others on the dp mesh only. Here the norms are
+computed per group of gradients that share a mesh and layout, each group's norm is materialised as a
+plain tensor (the DTensor reduction does the cross-rank sum of squares), and the groups are combined;
+pipeline stages hold disjoint parameters, so their squared norms are summed over the pp group.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def total_grad_norm(params, pp_group=None) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in params if p.grad is not None]
+    groups: dict[object, list[torch.Tensor]] = {}
+    for g in grads:
+        key = (g.device_mesh, g.placements) if isinstance(g, DTensor) else None
+        groups.setdefault(key, []).append(g)
+    squares = []
+    for key, members in groups.items():
+        norm = torch.nn.utils.get_total_norm(members, norm_type=2.0, foreach=True)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        squares.append(norm.float() ** 2)
+    device = grads[0].device if grads else torch.device("cpu")
+    total = torch.stack(squares).sum() if squares else torch.zeros((), device=device)
+    if pp_group is not None:
+        import torch.distributed as dist
+        dist.all_reduce(total, group=pp_group)
+    return total.sqrt()
+
+
+def clip_grad_norm(params, max_norm: float, pp_group=None) -> torch.Tensor:
+    """Scale gradients so their global 2-norm is at most max_norm; returns the norm before clipping."""
+    params = [p for p in params if p.grad is not None]
+    norm = total_grad_norm(params, pp_group)
+    if math.isfinite(max_norm):
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+    return norm

@@ -1,0 +1,119 @@
+"""Apply parallelism to a plain Kiln Transformer from outside, in torchtitan's order:
+tensor (+ sequence) parallel -> activation checkpointing -> compile -> FSDP2 or DDP.
+
+The model file knows nothing of this: every function here rewrites modules in place (DTensor
+parameters, hooks, wrappers) while keeping parameter names, so a checkpoint saved under one layout
+loads under any other.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from kiln.parallel.config import ParallelConfig
+from kiln.parallel.dims import ParallelDims
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh) -> None:
+    """Megatron-style column/row splits with sequence parallelism and a vocabulary-parallel loss.
+
+    Between blocks the residual stream is split along the sequence (Shard(1)): norms run on a
+    sequence shard, and each attention/FFN gathers the full sequence on entry and reduce-scatters
+    back on exit, which costs the same communication as plain TP's all-reduce but divides the
+    activation memory of norms and residuals by the TP degree. The head's logits stay sharded over
+    the vocabulary; the loss must run inside `torch.distributed.tensor.parallel.loss_parallel()`.
+    Column chunks of `wqkv` and `w13` are whole kv groups / gate-up pairs by the model's row layout.
+    """
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
+
+    parallelize_module(model, tp_mesh, {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
+    })
+    for block in model.layers:
+        plan = {
+            "attn_norm": SequenceParallel(),
+            "attn": PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                       desired_input_layouts=(Replicate(), None, None)),
+            "attn.wqkv": ColwiseParallel(),
+            "attn.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(),
+            "ffn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "ffn.w2": RowwiseParallel(output_layouts=Shard(1)),
+        }
+        if block.ffn.swiglu:
+            plan["ffn.w13"] = ColwiseParallel()
+        else:
+            plan["ffn.w1"] = ColwiseParallel()
+        parallelize_module(block, tp_mesh, plan)
+
+
+def apply_compile(model: nn.Module) -> None:
+    """Compile each block on its own: the graphs are small and identical, so one compilation
+    serves every layer, and FSDP's per-block hooks stay outside the compiled regions."""
+    for i, block in enumerate(model.layers):
+        model.layers[i] = torch.compile(block)
+
+
+def apply_fsdp(model: nn.Module, mesh, cfg: ParallelConfig, param_dtype: torch.dtype) -> None:
+    """FSDP2 per block, then the root (embeddings, final norm, head).
+
+    With bf16 compute the parameters are all-gathered in bf16 while the sharded master copy and the
+    gradient reduction stay fp32 (reduce_dtype), so low precision never accumulates in the update.
+    On a 2-D (replicate, shard) mesh this is HSDP: shards within a group, replicas across groups.
+    """
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=DTYPES[cfg.reduce_dtype]
+                              if param_dtype != torch.float32 else torch.float32)
+    # pin_memory needs an accelerator; on a CPU-only machine it fails at wrap time.
+    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cfg.offload else None
+    kwargs = {"mesh": mesh, "mp_policy": mp}
+    if offload is not None:
+        kwargs["offload_policy"] = offload
+    last = len(model.layers) - 1
+    for i, block in enumerate(model.layers):
+        # The last block's parameters are needed again at once by backward, so keeping them
+        # unsharded after forward saves one all-gather.
+        fully_shard(block, reshard_after_forward=cfg.reshard_after_forward and i < last, **kwargs)
+    fully_shard(model, reshard_after_forward=cfg.reshard_after_forward, **kwargs)
+
+
+def apply_ddp(model: nn.Module, dp_mesh) -> nn.Module:
+    from torch.nn.parallel import DistributedDataParallel
+    return DistributedDataParallel(model, process_group=dp_mesh.get_group() if dp_mesh is not None else None)
+
+
+def parallelize(model: nn.Module, dims: ParallelDims, mesh, cfg: ParallelConfig, *, compute_dtype: torch.dtype,
+                activation_checkpointing: bool, compile_blocks: bool) -> nn.Module:
+    """Apply every configured parallelism to `model` in place; returns the module to call for
+    training (the model itself, or its DDP wrapper)."""
+    from kiln.train.trainer import apply_activation_checkpointing
+
+    if dims.tp > 1:
+        apply_tensor_parallel(model, dims.submesh(mesh, "tp"))
+    if dims.ep > 1:
+        from kiln.parallel.expert import apply_expert_parallel
+        apply_expert_parallel(model, dims.submesh(mesh, "ep"))
+    if dims.cp > 1:
+        from kiln.parallel.context import apply_context_parallel
+        apply_context_parallel(model, dims.submesh(mesh, "cp"))
+    if activation_checkpointing:
+        apply_activation_checkpointing(model)
+    if compile_blocks:
+        apply_compile(model)
+    if dims.fsdp:
+        shard_mesh = dims.submesh(mesh, "dp_shard_cp")
+        if dims.dp_replicate > 1:  # HSDP: a 2-D (replicate, shard) mesh
+            shard_mesh = mesh[("dp_replicate", shard_mesh.mesh_dim_names[0])]
+        apply_fsdp(model, shard_mesh, cfg, compute_dtype)
+        return model
+    if dims.dp_replicate > 1 and not (dims.tp > 1 or dims.pp > 1):
+        return apply_ddp(model, dims.submesh(mesh, "dp_replicate"))
+    return model
