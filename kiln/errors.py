@@ -16,6 +16,10 @@ class ConfigError(ValueError):
         where = f"{source}: " if source else ""
         super().__init__(f"{where}{key}: {message}")
 
+    def __reduce__(self):
+        # Raised in a worker process and re-raised in the parent: rebuild from the parts.
+        return (ConfigError, (self.key, self.message, self.source))
+
     def within(self, section: str, source: str | None = None) -> "ConfigError":
         key = f"{section}.{self.key}" if section else self.key
         return ConfigError(key, self.message, source or self.source)
