@@ -19,6 +19,7 @@ from kiln.data.config import CorpusConfig, CurateConfig, PackConfig, TokenizerCo
 from kiln.errors import ConfigError
 from kiln.infer.config import SampleConfig
 from kiln.model.config import PRESETS, ModelConfig
+from kiln.parallel.config import ParallelConfig
 from kiln.train.config import TrainConfig
 
 STAGES = ("corpus", "data", "tokenizer", "pack", "pretrain", "sample")
@@ -47,6 +48,7 @@ class Recipe:
     pack: PackConfig = field(default_factory=PackConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)
 
     @property

@@ -56,30 +56,57 @@ def run_recipe(recipe: Recipe, stages: list[str] | None = None, force: bool = Fa
     """Run ``stages`` (default: the recipe's) in pipeline order; return each stage's stats."""
     wanted = stages if stages is not None else recipe.run.stages
     results: dict[str, Any] = {}
-    recipe.run_dir.mkdir(parents=True, exist_ok=True)
-    (recipe.run_dir / "recipe.json").write_text(json.dumps(recipe_to_dict(recipe), indent=2))
+    # Under torchrun every rank runs this function; only pretraining needs them all. Rank 0 runs the
+    # other stages and owns the run folder's files while the other ranks wait at a barrier.
+    rank, world = _rank_and_world()
+    if rank == 0:
+        recipe.run_dir.mkdir(parents=True, exist_ok=True)
+        (recipe.run_dir / "recipe.json").write_text(json.dumps(recipe_to_dict(recipe), indent=2))
     for stage in (s for s in STAGES if s in wanted):
         out = stage_dir(recipe, stage)
-        if not force and is_done(recipe, stage):
-            print(f"[{stage}] done already in {out}, skipping")
-            results[stage] = json.loads((out / MARKER).read_text()).get("stats", {})
-            continue
         marker = out / MARKER
-        if out.exists() and (marker.exists() or stage != "pretrain" or force):
-            # Stale or partial output of a stage that cannot resume: rebuild from scratch.
-            shutil.rmtree(out)
-        out.mkdir(parents=True, exist_ok=True)
-        print(f"[{stage}] -> {out}")
+        if not force and is_done(recipe, stage):
+            if rank == 0:
+                print(f"[{stage}] done already in {out}, skipping")
+            results[stage] = json.loads(marker.read_text()).get("stats", {})
+            continue
+        if rank == 0:
+            if out.exists() and (marker.exists() or stage != "pretrain" or force):
+                # Stale or partial output of a stage that cannot resume: rebuild from scratch.
+                shutil.rmtree(out)
+            out.mkdir(parents=True, exist_ok=True)
+            print(f"[{stage}] -> {out}")
+        _barrier(world)
         started = time.time()
-        stats = STAGE_RUNNERS[stage](recipe, out, resume=resume, init_from=init_from)
+        stats = None
+        if rank == 0 or stage == "pretrain":
+            stats = STAGE_RUNNERS[stage](recipe, out, resume=resume, init_from=init_from)
         seconds = round(time.time() - started, 1)
-        print(f"[{stage}] finished in {seconds} s")
-        if not (out / "stats.json").exists():
-            (out / "stats.json").write_text(json.dumps(stats, indent=2, default=str))
-        marker.write_text(json.dumps({"fingerprint": fingerprint(recipe, stage), "seconds": seconds,
-                                      "stats": stats}, indent=2, default=str))
-        results[stage] = stats
+        if rank == 0:
+            print(f"[{stage}] finished in {seconds} s")
+            if not (out / "stats.json").exists():
+                (out / "stats.json").write_text(json.dumps(stats, indent=2, default=str))
+            marker.write_text(json.dumps({"fingerprint": fingerprint(recipe, stage), "seconds": seconds,
+                                          "stats": stats}, indent=2, default=str))
+        _barrier(world)
+        results[stage] = stats if stats is not None else json.loads(marker.read_text()).get("stats", {})
     return results
+
+
+def _rank_and_world() -> tuple[int, int]:
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return 0, 1
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _barrier(world: int) -> None:
+    if world > 1:
+        import torch.distributed as dist
+        dist.barrier()
 
 
 def _corpus(recipe: Recipe, out: Path, **_) -> dict:
@@ -123,7 +150,8 @@ def resolved_model_config(recipe: Recipe):
 def _pretrain(recipe: Recipe, out: Path, resume: str = "auto", init_from: str | None = None, **_) -> dict:
     from kiln.train.trainer import Trainer
     trainer = Trainer(resolved_model_config(recipe), recipe.train, stage_dir(recipe, "pack"), out,
-                      recipe_dict=recipe_to_dict(recipe), resume=resume, init_from=init_from)
+                      recipe_dict=recipe_to_dict(recipe), resume=resume, init_from=init_from,
+                      parallel=recipe.parallel)
     return trainer.fit()
 
 
