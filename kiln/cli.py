@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -68,11 +69,18 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("out")
     e.add_argument("--tokenizer", help="tokenizer.json (default: found next to the checkpoint)")
 
+    e = fmt.add_parser("single", help="one-file checkpoint (model.safetensors + manifest), e.g. from a sharded one")
+    e.add_argument("checkpoint")
+    e.add_argument("out")
+
     p = verbs.add_parser("import", help="import a checkpoint from another format")
     fmt = p.add_subparsers(dest="format", required=True, metavar="FORMAT")
     i = fmt.add_parser("hf", help="local Llama / Mistral / Qwen2 folder into a Kiln checkpoint")
     i.add_argument("folder")
     i.add_argument("out")
+
+    from kiln.parallel.plan_cli import add_plan_parser
+    add_plan_parser(verbs)
     return parser
 
 
@@ -103,6 +111,12 @@ def _dispatch(args: argparse.Namespace) -> int:
     from kiln.pipeline import run_recipe
 
     stage_of_verb = {"corpus": "corpus", "data": "data", "tokenizer": "tokenizer", "pack": "pack", "pretrain": "pretrain"}
+    if args.verb in ("run", *stage_of_verb) and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # Started by torchrun (directly, or through `kiln launch`, Slurm or Kubernetes): join the job.
+        import torch
+
+        from kiln.parallel.dims import init_distributed
+        init_distributed("cuda" if torch.cuda.is_available() else "cpu")
     if args.verb == "run":
         recipe = load_recipe(args.recipe, args.overrides)
         stages = args.stages.split(",") if args.stages else None
@@ -131,8 +145,17 @@ def _dispatch(args: argparse.Namespace) -> int:
         stats = train_from_files(args.positive, args.negative, args.out)
         print(json.dumps(stats, indent=1))
         return 0
+    if args.verb == "plan":
+        from kiln.parallel.plan_cli import run_plan
+        return run_plan(args)
     if args.verb == "generate":
         return _generate(args)
+    if args.verb == "export" and args.format == "single":
+        from kiln.train.checkpoint import load_weights, save_weights
+        cfg, state, manifest = load_weights(args.checkpoint)
+        save_weights(args.out, cfg, state, {"step": manifest.get("step"), "converted_from": str(args.checkpoint)})
+        print(f"wrote {args.out}/model.safetensors ({len(state)} tensors, step {manifest.get('step')})")
+        return 0
     if args.verb == "export":
         from kiln.hf import export_checkpoint_to_hf
         tokenizer = Path(args.tokenizer) if args.tokenizer else find_tokenizer(args.checkpoint)

@@ -32,6 +32,9 @@ DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float
 # ---- name mapping -------------------------------------------------------------------------------
 
 def kiln_to_hf_state(cfg: ModelConfig, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    if any(cfg.is_moe_layer(i) for i in range(cfg.n_layers)):
+        raise ConfigError("model.moe_every", "exporting MoE models to Hugging Face is not supported yet; "
+                                             "export a dense model")
     # .contiguous() copies the row slices: safetensors refuses views into a larger tensor.
     out = {"model.embed_tokens.weight": state_dict["tok_embeddings.weight"],
            "model.norm.weight": state_dict["norm.weight"]}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from kiln.errors import ConfigError
 
@@ -27,6 +27,17 @@ class ModelConfig:
     tie_embeddings: bool = False
     qkv_bias: bool = False       # Qwen2 has biases on q, k, v
     init_std: float = 0.02
+    # Mixture of experts (docs/moe.md): which layers replace the dense FFN by routed SwiGLU experts.
+    moe_every: int = 0           # 0: all dense; 1: every layer; 2: layers 1, 3, 5...; n: every n-th layer
+    moe_layers: list[int] = field(default_factory=list)  # 0-based layer ids; when set, used instead of moe_every
+    n_experts: int = 8
+    moe_top_k: int = 2
+    moe_hidden: int = 0          # 0: ffn_hidden_size, each expert the shape of the dense FFN it replaces
+    moe_norm_topk: bool = True   # divide the k gates by their sum (Mixtral); False: raw softmax probabilities
+    moe_capacity_factor: float = 0.0  # 0: dropless; cf > 0: an expert takes at most ceil(cf * tokens * k / E)
+    moe_aux_loss_weight: float = 0.01   # Switch Transformer's alpha
+    moe_z_loss_weight: float = 0.001    # ST-MoE's router z-loss coefficient
+    moe_shared_expert: bool = False     # also a dense SwiGLU of width moe_hidden for every token (DeepSeekMoE)
 
     @property
     def kv_heads(self) -> int:
@@ -46,6 +57,17 @@ class ModelConfig:
         # count of a 4*dim GELU MLP (Shazeer 2020); then round up for matmul efficiency.
         hidden = int(self.ffn_multiplier * int(2 * 4 * self.dim / 3))
         return self.multiple_of * -(-hidden // self.multiple_of)
+
+    @property
+    def moe_hidden_size(self) -> int:
+        return self.moe_hidden or self.ffn_hidden_size
+
+    def is_moe_layer(self, layer: int) -> bool:
+        if self.moe_layers:
+            return layer in self.moe_layers
+        # Counting from 1 keeps the first layer dense whenever moe_every > 1: early-layer routing is
+        # the least stable (DeepSeekMoE keeps its first layers dense for the same reason).
+        return self.moe_every > 0 and (layer + 1) % self.moe_every == 0
 
     def validate(self) -> None:
         for key in ("dim", "n_layers", "n_heads", "max_seq_len", "multiple_of"):
@@ -70,12 +92,35 @@ class ModelConfig:
         if self.norm_eps <= 0 or self.rope_theta <= 0 or self.init_std <= 0:
             raise ConfigError("norm_eps" if self.norm_eps <= 0 else "rope_theta" if self.rope_theta <= 0
                               else "init_std", "must be positive")
+        self._validate_moe()
+
+    def _validate_moe(self) -> None:
+        for key in ("moe_every", "moe_hidden", "moe_capacity_factor", "moe_aux_loss_weight", "moe_z_loss_weight"):
+            if getattr(self, key) < 0:
+                raise ConfigError(key, f"must be >= 0, got {getattr(self, key)}")
+        for layer in self.moe_layers:
+            if not 0 <= layer < self.n_layers:
+                raise ConfigError("moe_layers", f"layer {layer} is outside 0..{self.n_layers - 1} (n_layers={self.n_layers})")
+        if len(set(self.moe_layers)) != len(self.moe_layers):
+            raise ConfigError("moe_layers", f"lists a layer twice: {self.moe_layers}")
+        if not (self.moe_every or self.moe_layers):
+            return
+        if self.n_experts < 1:
+            raise ConfigError("n_experts", f"must be >= 1, got {self.n_experts}")
+        if not 1 <= self.moe_top_k <= self.n_experts:
+            raise ConfigError("moe_top_k", f"must be between 1 and n_experts={self.n_experts}, got {self.moe_top_k}")
+        if self.ffn != "swiglu":
+            raise ConfigError("ffn", f"MoE experts are SwiGLU; set ffn = 'swiglu' or turn MoE off, got {self.ffn!r}")
 
 
 # Shapes follow the published models: GPT-2 small for 125M, Llama 3.2 1B, Llama 3 8B and 70B.
 PRESETS: dict[str, ModelConfig] = {
     # Fits a 2-core CPU: ~4M non-embedding parameters train at a few thousand tokens/s in bf16.
     "tiny": ModelConfig(dim=256, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=256),
+    # The tiny model with every FFN replaced by 8 experts of half the dense width, top-2: the same
+    # active FFN compute per token as "tiny", four times its FFN parameters.
+    "tiny-moe": ModelConfig(dim=256, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=256,
+                            moe_every=1, n_experts=8, moe_top_k=2, moe_hidden=352),
     "125m": ModelConfig(dim=768, n_layers=12, n_heads=12, max_seq_len=2048),
     "1b": ModelConfig(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_hidden=8192,
                       rope_theta=500000.0, max_seq_len=8192, tie_embeddings=True),

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from kiln.errors import ConfigError
 from kiln.model.config import ModelConfig
+from kiln.model.moe import MoEFeedForward
 
 
 def rope_tables(head_dim: int, max_seq_len: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,12 +139,12 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         self.attn_norm = make_norm(cfg)
         self.attn = Attention(cfg)
         self.ffn_norm = make_norm(cfg)
-        self.ffn = FeedForward(cfg)
+        self.ffn = MoEFeedForward(cfg) if cfg.is_moe_layer(layer) else FeedForward(cfg)
 
     def forward(self, x, cos=None, sin=None):
         x = x + self.attn(self.attn_norm(x), cos, sin)
@@ -160,7 +161,7 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         if cfg.pos == "learned":
             self.pos_embeddings = nn.Embedding(cfg.max_seq_len, cfg.dim)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(Block(cfg, layer) for layer in range(cfg.n_layers))
         self.norm = make_norm(cfg)
         # With tied embeddings the head reuses tok_embeddings.weight in forward rather than sharing
         # a Parameter object: a shared Parameter would be split in two by to_empty() on the meta path.
@@ -199,6 +200,9 @@ class Transformer(nn.Module):
                 nn.init.zeros_(block.attn.wqkv.bias)
             nn.init.normal_(block.attn.wo.weight, std=residual_std)
             ffn = block.ffn
+            if isinstance(ffn, MoEFeedForward):
+                ffn.init_weights(cfg.init_std, residual_std)
+                continue
             nn.init.normal_(ffn.w13.weight if ffn.swiglu else ffn.w1.weight, std=cfg.init_std)
             nn.init.normal_(ffn.w2.weight, std=residual_std)
         self.norm.reset_parameters()
@@ -237,8 +241,9 @@ class Transformer(nn.Module):
         for block in self.layers:
             x = block(x, cos, sin)
         x = self.norm(x)
-        weight = self.tok_embeddings.weight if self.output is None else self.output.weight
-        return F.linear(x, weight)
+        if self.output is None:
+            return F.linear(x, self.tok_embeddings.weight)
+        return self.output(x)  # through the module, so a parallelised head's layouts apply
 
 
 def build_model(cfg: ModelConfig, device="cpu") -> Transformer:
@@ -252,13 +257,17 @@ def build_model(cfg: ModelConfig, device="cpu") -> Transformer:
     return model
 
 
-def count_params(model_or_cfg, non_embedding: bool = False) -> int:
+def count_params(model_or_cfg, non_embedding: bool = False, active: bool = False) -> int:
     """Number of parameters. non_embedding=True leaves out every vocabulary-sized matrix (token
     embeddings and the output head) and learned position embeddings (Kaplan et al. 2020), the
-    quantity scaling laws are stated in."""
+    quantity scaling laws are stated in. active=True counts, in MoE layers, only the moe_top_k
+    experts a token runs through (plus router and shared expert): the parameters that cost FLOPs."""
+    cfg = model_or_cfg.cfg if isinstance(model_or_cfg, nn.Module) else model_or_cfg
+    n_moe = sum(cfg.is_moe_layer(layer) for layer in range(cfg.n_layers))
+    idle_experts = n_moe * (cfg.n_experts - cfg.moe_top_k) * 3 * cfg.dim * cfg.moe_hidden_size if active else 0
     if isinstance(model_or_cfg, nn.Module):
         model = model_or_cfg
-        total = sum(p.numel() for p in model.parameters())
+        total = sum(p.numel() for p in model.parameters()) - idle_experts
         if non_embedding:
             total -= model.tok_embeddings.weight.numel()
             if model.output is not None:
@@ -266,13 +275,14 @@ def count_params(model_or_cfg, non_embedding: bool = False) -> int:
             if hasattr(model, "pos_embeddings"):
                 total -= model.pos_embeddings.weight.numel()
         return total
-    cfg = model_or_cfg
     dim, hidden, head_dim = cfg.dim, cfg.ffn_hidden_size, cfg.head_dim
     norm = dim if cfg.norm == "rmsnorm" else 2 * dim  # LayerNorm also has a bias
     qkv_out = (cfg.n_heads + 2 * cfg.kv_heads) * head_dim
     attn = dim * qkv_out + (qkv_out if cfg.qkv_bias else 0) + cfg.n_heads * head_dim * dim
     ffn = (3 if cfg.ffn == "swiglu" else 2) * dim * hidden
-    total = cfg.n_layers * (attn + ffn + 2 * norm) + norm
+    # An MoE layer: router, n_experts SwiGLU experts, and the optional shared expert, instead of the FFN.
+    moe = dim * cfg.n_experts + (cfg.n_experts + cfg.moe_shared_expert) * 3 * dim * cfg.moe_hidden_size
+    total = cfg.n_layers * (attn + 2 * norm) + (cfg.n_layers - n_moe) * ffn + n_moe * moe + norm - idle_experts
     if non_embedding:
         return total
     total += cfg.vocab_size * dim * (1 if cfg.tie_embeddings else 2)
@@ -285,10 +295,12 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token: forward + backward = 3x forward, 2 FLOPs per multiply-add.
 
     6 * N counts the weight matmuls, with N the non-embedding parameters plus the output head (the
-    embedding lookup does no arithmetic, but the head is a dim x vocab matmul even when tied).
+    embedding lookup does no arithmetic, but the head is a dim x vocab matmul even when tied). In MoE
+    layers N has only the active experts (count_params(active=True)); capacity drops are not
+    subtracted, so with moe_capacity_factor > 0 this is an upper bound.
     The attention scores and the weighted sum of values add 2 * 2 * seq_len * dim per token per layer
     forward, i.e. 12 * n_layers * dim * seq_len for training (PaLM, appendix B). Causal masking could
     skip half of it; the convention (and MFU comparisons across codebases) counts all of it.
     """
-    n = count_params(cfg, non_embedding=True) + cfg.vocab_size * cfg.dim
+    n = count_params(cfg, non_embedding=True, active=True) + cfg.vocab_size * cfg.dim
     return 6.0 * n + 12.0 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len

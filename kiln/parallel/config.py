@@ -26,6 +26,9 @@ class ParallelConfig:
     pp_schedule: str = "1f1b"            # gpipe | 1f1b | interleaved_1f1b
     pp_microbatches: int = 0             # 0: 2 x pp (halves the bubble vs pp microbatches)
     pp_stages_per_rank: int = 1          # > 1 only with interleaved_1f1b (virtual stages)
+    # Context parallel
+    cp_backend: str = "auto"             # auto (torch on NCCL, else ring) | ring | allgather | torch
+    cp_load_balance: bool = True         # rank r gets sequence chunks r and 2cp-1-r: equal causal work
     # Checkpoints
     async_checkpoint: bool = False       # sharded save runs in the background while training goes on
 
@@ -42,6 +45,8 @@ class ParallelConfig:
         if self.pp_stages_per_rank > 1 and self.pp_schedule != "interleaved_1f1b":
             raise ConfigError("pp_stages_per_rank", "more than one stage per rank needs pp_schedule = "
                               f"'interleaved_1f1b', got {self.pp_schedule!r}")
+        if self.cp_backend not in ("auto", "ring", "allgather", "torch"):
+            raise ConfigError("cp_backend", f"must be one of auto, ring, allgather, torch, got {self.cp_backend!r}")
         if self.reduce_dtype not in ("fp32", "bf16"):
             raise ConfigError("reduce_dtype", f"must be fp32 or bf16, got {self.reduce_dtype!r}")
 

@@ -69,14 +69,19 @@ class ParallelDims:
                                   f"holds whole key/value groups), got {self.tp}")
             if model_cfg.ffn_hidden_size % self.tp:
                 raise ConfigError("parallel.tp", f"must divide the FFN width {model_cfg.ffn_hidden_size}, got {self.tp}")
+            if any(model_cfg.is_moe_layer(i) for i in range(model_cfg.n_layers)):
+                raise ConfigError("parallel.tp", "tensor parallelism does not split MoE experts; spread them "
+                                  "with parallel.ep instead")
             if model_cfg.tie_embeddings:
                 raise ConfigError("parallel.tp", "tensor parallelism needs model.tie_embeddings = false "
                                   "(the embedding and the output head are sharded on different layouts)")
             if model_cfg.pos != "rope":
                 raise ConfigError("parallel.tp", f"sequence parallelism needs model.pos = 'rope' (an absolute "
                                   f"position table would be added to a sequence shard), got {model_cfg.pos!r}")
-        if self.cp > 1 and model_cfg.pos != "rope":
-            raise ConfigError("parallel.cp", f"context parallelism needs model.pos = 'rope', got {model_cfg.pos!r}")
+        if self.ep > 1 and not any(model_cfg.is_moe_layer(i) for i in range(model_cfg.n_layers)):
+            raise ConfigError("parallel.ep", "expert parallelism needs MoE layers (model.moe_every or model.moe_layers)")
+        if self.ep > 1 and model_cfg.n_experts % self.ep:
+            raise ConfigError("parallel.ep", f"must divide model.n_experts={model_cfg.n_experts}, got {self.ep}")
         if self.pp > 1 and model_cfg.n_layers < self.pp:
             raise ConfigError("parallel.pp", f"cannot exceed model.n_layers={model_cfg.n_layers}, got {self.pp}")
 

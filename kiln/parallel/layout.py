@@ -36,6 +36,7 @@ class Layout:
         # context-parallel ranks (each holds a slice of every sequence). TP ranks hold the same loss.
         self.loss_group = loss_mesh.get_group() if loss_mesh is not None else None
         self.forward_model = None
+        self.stages, self.schedule, self.is_first, self.is_last = [], None, True, True
 
     def _sub(self, name: str):
         return self.dims.submesh(self.mesh, name) if self.mesh is not None else None
@@ -52,19 +53,53 @@ class Layout:
 
     def parallelize(self, model, compute_dtype: torch.dtype, activation_checkpointing: bool,
                     compile_blocks: bool):
+        """(module whose parameters and state dict are this rank's, module to call for training).
+        Without pipelining both are the model (or the model and its DDP wrapper); with it, the first
+        is the rank's stages under the unsplit names and training runs through `self.schedule`."""
         from kiln.parallel.parallelize import parallelize
         if self.mesh is None:
             self.forward_model = model
-            return model
-        self.forward_model = parallelize(model, self.dims, self.mesh, self.cfg, compute_dtype=compute_dtype,
-                                         activation_checkpointing=activation_checkpointing,
-                                         compile_blocks=compile_blocks)
-        return self.forward_model
+            return model, model
+        kwargs = dict(compute_dtype=compute_dtype, activation_checkpointing=activation_checkpointing,
+                      compile_blocks=compile_blocks)
+        if self.dims.pp == 1:
+            self.forward_model = parallelize(model, self.dims, self.mesh, self.cfg, **kwargs)
+            return model, self.forward_model
+        from kiln.parallel.pipeline import PipelineParts, build_pipeline_schedule, split_model
+        self.stages = split_model(model, self.pp_mesh.get_local_rank(), self.dims.pp, self.cfg.pp_stages_per_rank)
+        for stage in self.stages:
+            parallelize(stage, self.dims, self.mesh, self.cfg, **kwargs)
+        # scale_grads=False: the trainer accumulates several schedule steps per optimizer step and
+        # divides the summed micro-batch gradients once (Trainer.train_step).
+        self.schedule = build_pipeline_schedule(self.stages, self.pp_mesh, self.cfg, scale_grads=False,
+                                                device=next(model.parameters()).device)
+        self.is_first = any(stage.is_first for stage in self.stages)
+        self.is_last = any(stage.is_last for stage in self.stages)
+        return PipelineParts(self.stages), None
+
+    @property
+    def pipelined(self) -> bool:
+        return self.dims.pp > 1
+
+    def pipeline_step(self, batch: tuple, train: bool) -> torch.Tensor:
+        """One batch through the pipeline; its mean loss on the last stage's rank, 0 elsewhere."""
+        from kiln.parallel.pipeline import pipeline_eval_step, pipeline_train_step
+        inputs, targets = batch[:2]
+        run = pipeline_train_step if train else pipeline_eval_step
+        loss = run(self.schedule, inputs if self.is_first else None, targets if self.is_last else None,
+                   self.is_first, self.is_last)
+        return loss if loss is not None else torch.zeros((), device=inputs.device)
+
+    def bubble_fraction(self) -> float:
+        from kiln.parallel.pipeline import bubble_fraction
+        if not self.pipelined:
+            return 0.0
+        return bubble_fraction(self.cfg.pp_schedule, self.dims.pp, self.cfg.microbatches, self.cfg.pp_stages_per_rank)
 
     def gradient_sync(self, last_micro_batch: bool):
         """Reduce gradients across data-parallel ranks only in the last micro-batch's backward."""
         model = self.forward_model
-        if last_micro_batch or model is None:
+        if last_micro_batch or model is None or self.pipelined:
             return nullcontext()
         if hasattr(model, "no_sync"):  # DDP
             return model.no_sync()
@@ -87,12 +122,21 @@ class Layout:
             return batch
         from kiln.parallel.context import shard_sequence
         inputs, targets = batch[:2]
-        return shard_sequence(inputs, targets, self.cp_rank, self.dims.cp, load_balance=True)
+        return shard_sequence(inputs, targets, self.cp_rank, self.dims.cp, load_balance=self.cfg.cp_load_balance)
 
-    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+    def reduce_loss_stats(self, loss_sum: torch.Tensor, tokens: int) -> tuple[torch.Tensor, int]:
+        """(sum of token losses, token count) of the whole step from this rank's share. Under
+        pipelining only the last stage has the loss, so it is first summed over the pp group."""
+        if self.world_size == 1:
+            return loss_sum, tokens
+        if self.pp_mesh is not None:
+            loss_sum = loss_sum.clone()
+            dist.all_reduce(loss_sum, group=self.pp_mesh.get_group())
+        stats = torch.stack([loss_sum.to(torch.float64), torch.tensor(float(tokens), dtype=torch.float64,
+                                                                      device=loss_sum.device)])
         if self.loss_group is not None:
-            dist.all_reduce(tensor, group=self.loss_group)
-        return tensor
+            dist.all_reduce(stats, group=self.loss_group)
+        return stats[0].to(loss_sum.dtype), int(stats[1].item())
 
     def clip_grad_norm(self, params, max_norm: float) -> torch.Tensor:
         if not self.sharded:

@@ -31,11 +31,27 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh) -> None:
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                    SequenceParallel, parallelize_module)
 
-    parallelize_module(model, tp_mesh, {
+    top = {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "norm": SequenceParallel(),
         "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
-    })
+    }
+    # A pipeline stage holds only some of these (the first the embedding, the last norm and head).
+    top = {name: style for name, style in top.items() if getattr(model, name, None) is not None}
+    if getattr(model, "is_first", True) is False:
+        # A later pipeline stage receives the residual stream whole from the previous stage; its
+        # first block takes a sequence shard, as it would from the embedding on the first stage.
+        # (On the block, not the stage: the stage sizes the RoPE tables from the whole sequence.)
+        parallelize_module(model.layers[0], tp_mesh, PrepareModuleInput(
+            input_layouts=(Replicate(), None, None), desired_input_layouts=(Shard(1), None, None),
+            use_local_output=True))
+    if getattr(model, "is_last", True) is False:
+        # ... and gives the next stage a whole tensor, not a sequence shard.
+        from torch.distributed.tensor.parallel import PrepareModuleOutput
+        top[""] = (top.get("", None), PrepareModuleOutput(output_layouts=(Shard(1),),
+                                                          desired_output_layouts=(Replicate(),),
+                                                          use_local_output=True))
+    _parallelize_top(model, tp_mesh, top)
     for block in model.layers:
         plan = {
             "attn_norm": SequenceParallel(),
@@ -54,6 +70,20 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh) -> None:
         parallelize_module(block, tp_mesh, plan)
 
 
+def _parallelize_top(model, tp_mesh, top: dict) -> None:
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    root = top.pop("", None)
+    if isinstance(root, tuple):
+        for style in root:
+            if style is not None:
+                parallelize_module(model, tp_mesh, style)
+    elif root is not None:
+        parallelize_module(model, tp_mesh, root)
+    if top:
+        parallelize_module(model, tp_mesh, top)
+
+
 def apply_compile(model: nn.Module) -> None:
     """Compile each block on its own: the graphs are small and identical, so one compilation
     serves every layer, and FSDP's per-block hooks stay outside the compiled regions."""
@@ -61,7 +91,7 @@ def apply_compile(model: nn.Module) -> None:
         model.layers[i] = torch.compile(block)
 
 
-def apply_fsdp(model: nn.Module, mesh, cfg: ParallelConfig, param_dtype: torch.dtype) -> None:
+def apply_fsdp(model: nn.Module, mesh, cfg: ParallelConfig, param_dtype: torch.dtype, experts_mesh=None) -> None:
     """FSDP2 per block, then the root (embeddings, final norm, head).
 
     With bf16 compute the parameters are all-gathered in bf16 while the sharded master copy and the
@@ -79,6 +109,12 @@ def apply_fsdp(model: nn.Module, mesh, cfg: ParallelConfig, param_dtype: torch.d
         kwargs["offload_policy"] = offload
     last = len(model.layers) - 1
     for i, block in enumerate(model.layers):
+        experts = getattr(getattr(block, "ffn", None), "experts", None)
+        if experts is not None and experts_mesh is not None:
+            # Expert weights are already split over the ep ranks; FSDP shards them further only over
+            # the data-parallel ranks outside the ep group (a block-level wrap would meet their
+            # ep DTensors). Their gradients keep FSDP's default averaging, matching the all-to-all's.
+            fully_shard(experts, reshard_after_forward=cfg.reshard_after_forward, **{**kwargs, "mesh": experts_mesh})
         # The last block's parameters are needed again at once by backward, so keeping them
         # unsharded after forward saves one all-gather.
         fully_shard(block, reshard_after_forward=cfg.reshard_after_forward and i < last, **kwargs)
@@ -92,8 +128,8 @@ def apply_ddp(model: nn.Module, dp_mesh) -> nn.Module:
 
 def parallelize(model: nn.Module, dims: ParallelDims, mesh, cfg: ParallelConfig, *, compute_dtype: torch.dtype,
                 activation_checkpointing: bool, compile_blocks: bool) -> nn.Module:
-    """Apply every configured parallelism to `model` in place; returns the module to call for
-    training (the model itself, or its DDP wrapper)."""
+    """Apply every configured parallelism except pipelining to `model` (the whole model, or one
+    pipeline stage) in place; returns the module to call for training (it, or its DDP wrapper)."""
     from kiln.train.trainer import apply_activation_checkpointing
 
     if dims.tp > 1:
@@ -103,7 +139,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh, cfg: ParallelConfig,
         apply_expert_parallel(model, dims.submesh(mesh, "ep"))
     if dims.cp > 1:
         from kiln.parallel.context import apply_context_parallel
-        apply_context_parallel(model, dims.submesh(mesh, "cp"))
+        apply_context_parallel(model, dims.submesh(mesh, "cp"), load_balance=cfg.cp_load_balance,
+                               backend=cfg.cp_backend)
     if activation_checkpointing:
         apply_activation_checkpointing(model)
     if compile_blocks:
@@ -112,7 +149,11 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh, cfg: ParallelConfig,
         shard_mesh = dims.submesh(mesh, "dp_shard_cp")
         if dims.dp_replicate > 1:  # HSDP: a 2-D (replicate, shard) mesh
             shard_mesh = mesh[("dp_replicate", shard_mesh.mesh_dim_names[0])]
-        apply_fsdp(model, shard_mesh, cfg, compute_dtype)
+        experts_mesh = None
+        if dims.ep > 1:
+            outside = [n for n in ("dp_replicate", "dp_shard_mod_ep", "cp") if n in mesh.mesh_dim_names]
+            experts_mesh = mesh[tuple(outside)] if outside else None
+        apply_fsdp(model, shard_mesh, cfg, compute_dtype, experts_mesh)
         return model
     if dims.dp_replicate > 1 and not (dims.tp > 1 or dims.pp > 1):
         return apply_ddp(model, dims.submesh(mesh, "dp_replicate"))

@@ -24,6 +24,7 @@ from tqdm import tqdm
 from kiln.data.loader import TokenLoader
 from kiln.errors import ConfigError
 from kiln.model import ModelConfig, build_model, count_params, flops_per_token
+from kiln.model.moe import moe_aux_loss
 from kiln.parallel.config import ParallelConfig
 from kiln.parallel.layout import Layout
 from kiln.train.checkpoint import (CheckpointManager, capture_rng_state, complete_checkpoints,
@@ -44,6 +45,12 @@ def next_token_loss(model: torch.nn.Module, batch: tuple) -> tuple[torch.Tensor,
     logits = model(inputs, *positions)
     # In float32: a softmax over a large vocabulary in bf16 loses the small probabilities.
     loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+    if torch.is_grad_enabled():
+        # MoE load-balancing and router z-losses train with the LM loss (and so show in the logged
+        # training loss); validation reports the LM loss alone.
+        aux = moe_aux_loss(model)
+        if aux is not None:
+            loss = loss + aux
     return loss, targets.numel()
 
 
@@ -153,8 +160,10 @@ class Trainer:
             apply_activation_checkpointing(self.model)
         # Training calls go through forward_model (the model, or its DDP wrapper); state is always
         # read from self.model, whose parameter names no wrapper prefixes.
-        self.forward_model = self.layout.parallelize(self.model, self.compute_dtype, cfg.activation_checkpointing,
-                                                     compile_blocks=cfg.compile)
+        if self.layout.pipelined and loss_fn is not None:
+            raise ConfigError("parallel.pp", "pipeline parallelism runs the pretraining loss only")
+        self.model, self.forward_model = self.layout.parallelize(self.model, self.compute_dtype,
+                                                                 cfg.activation_checkpointing, compile_blocks=cfg.compile)
         self.optimizer = build_optimizer(self.model, cfg)
         self.resumed_from = self._resume(found, init_from) if found is not None else None
         self.metrics = None
@@ -258,19 +267,22 @@ class Trainer:
                 if i == 0:
                     nominal = batch[1].numel() * len(micro_batches)  # a context-parallel slice under CP
                 with self._autocast(), self.layout.loss_context():
-                    loss, n_tokens = loss_fn(self.forward_model, batch)
-                    self.scaler.scale(loss * (n_tokens / nominal)).backward()
+                    if self.layout.pipelined:  # the schedule runs forward and backward itself
+                        loss, n_tokens = self.layout.pipeline_step(batch, train=True), batch[1].numel()
+                    else:
+                        loss, n_tokens = loss_fn(self.forward_model, batch)
+                        self.scaler.scale(loss * (n_tokens / nominal)).backward()
             loss_sum += _local(loss.detach()).float() * n_tokens
             tokens += int(n_tokens)
-        if self.world_size > 1:
-            stats = torch.stack([loss_sum, torch.tensor(float(tokens), device=self.device)])
-            self.layout.all_reduce_sum(stats)
-            loss_sum, tokens = stats[0], int(stats[1].item())
+        loss_sum, tokens = self.layout.reduce_loss_stats(loss_sum, tokens)
         params = [p for p in self.model.parameters() if p.grad is not None]
         self.scaler.unscale_(self.optimizer)
         # The data-parallel reduction averaged the ranks' gradients, so the nominal count of the step
-        # is per rank x those ranks.
+        # is per rank x those ranks. A pipeline backpropagates each of its microbatches' mean loss
+        # unweighted, pp_microbatches of them per micro-batch.
         correction = tokens / (nominal * self.layout.grad_average_ranks)
+        if self.layout.pipelined:
+            correction *= len(micro_batches) * self.layout.cfg.microbatches
         if correction != 1.0:
             torch._foreach_div_([p.grad for p in params], correction)
         max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
@@ -291,17 +303,19 @@ class Trainer:
         self.model.eval()
         total, tokens = 0.0, 0
         for batch in self.val_loader.iter_batches(self.cfg.eval_batches):
+            batch = self._batch_to_device(batch)
             with self._autocast(), self.layout.loss_context():
-                loss, n_tokens = self.loss_fn(self.model, self._batch_to_device(batch))
-            total += _local(loss).float().item() * n_tokens
+                if self.layout.pipelined:
+                    loss, n_tokens = self.layout.pipeline_step(batch, train=False), batch[1].numel()
+                else:
+                    loss, n_tokens = self.loss_fn(self.model, batch)
+            total += _local(loss).double().item() * n_tokens
             tokens += int(n_tokens)
         self.model.train()
-        stats = torch.tensor([total, float(tokens)], dtype=torch.float64)
-        if self.world_size > 1:
-            self.layout.all_reduce_sum(stats)
-        if stats[1] == 0:
+        total, tokens = self.layout.reduce_loss_stats(torch.tensor(total, dtype=torch.float64), tokens)
+        if tokens == 0:
             raise ConfigError("eval_batches", f"the validation split of {self.pack_dir} yielded no batches")
-        val_loss = stats[0].item() / stats[1].item()
+        val_loss = total.item() / tokens
         # Bits per byte divides out the tokenizer: loss in nats per token -> bits per token -> per byte.
         val_bpb = val_loss / math.log(2) / self.val_loader.bytes_per_token
         return val_loss, val_bpb
@@ -384,9 +398,9 @@ class Trainer:
             "tokens_per_s": tokens_per_s,
             "mfu": model_flops_utilization(self.flops_per_token, tokens_per_s, self.peak_flops, self.world_size),
             "peak_flops": self.peak_flops, "flops_per_token": self.flops_per_token,
-            "peak_mem_mb": peak_memory_mb(self.device), "params": count_params(self.model),
-            "non_embedding_params": count_params(self.model, non_embedding=True),
-            "accum_steps": self.accum_steps, "precision": self.cfg.precision, "device": str(self.device),
+            "peak_mem_mb": peak_memory_mb(self.device), "params": count_params(self.model_cfg),
+            "non_embedding_params": count_params(self.model_cfg, non_embedding=True),
+            "accum_steps": self.accum_steps, "pipeline_bubble": self.layout.bubble_fraction(), "precision": self.cfg.precision, "device": str(self.device),
             "resumed_from": self.resumed_from, "wall_s": time.perf_counter() - start_wall,
             "checkpoint": str(self.ckpt.root / self.ckpt.latest_name) if self.ckpt.latest_name else None,
         }

@@ -1,0 +1,567 @@
+"""The training-cluster planner behind `kiln plan`: for a model, a cluster, a sequence length and a
+global batch, estimate each parallel layout's per-GPU memory, step time and MFU, and rank the
+layouts that fit.
+
+Pure arithmetic (no torch). Formulas, sources and the checks against published training runs are in
+docs/plan.md; in short:
+- model states follow the ZeRO paper (Rajbhandari et al. 2019): mixed-precision Adam keeps
+  2 + 2 + 12 = 16 bytes per parameter, partitioned over the data-parallel shards stage by stage;
+- activations are counted tensor by tensor as Korthikanti et al. 2022 do; for a GPT-3 layer with
+  dropout and materialised attention scores the count is their s*b*h*(34 + 5*a*s/h);
+- time is compute (matmuls and attention at stated fractions of peak, the rest at HBM speed), plus
+  the pipeline bubble, the tensor- and expert-parallel collectives, and whatever data- and
+  context-parallel traffic outlasts the compute it overlaps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from dataclasses import dataclass
+
+from kiln.model.config import ModelConfig
+from kiln.parallel.config import PP_SCHEDULES, ParallelConfig
+from kiln.parallel.hardware import GB, ClusterConfig
+
+AC_MODES = ("none", "selective", "full")
+
+
+# ----------------------------------------------------------------------------- model accounting
+def is_moe(cfg: ModelConfig, layer: int) -> bool:
+    check = getattr(cfg, "is_moe_layer", None)  # the MoE fields of ModelConfig
+    return bool(check and check(layer))
+
+
+def moe_layer_count(cfg: ModelConfig) -> int:
+    return sum(is_moe(cfg, i) for i in range(cfg.n_layers))
+
+
+def layer_params(cfg: ModelConfig, moe: bool = False, active: bool = False) -> int:
+    """Parameters of one block, as kiln.model.transformer.count_params counts them. For an MoE block
+    `active` keeps only the moe_top_k experts a token runs through (the ones that cost FLOPs)."""
+    h = cfg.dim
+    qkv = (cfg.n_heads + 2 * cfg.kv_heads) * cfg.head_dim
+    attn = h * qkv + (qkv if cfg.qkv_bias else 0) + cfg.n_heads * cfg.head_dim * h
+    norms = 2 * (h if cfg.norm == "rmsnorm" else 2 * h)
+    if not moe:
+        return attn + norms + (3 if cfg.ffn == "swiglu" else 2) * h * cfg.ffn_hidden_size
+    experts = cfg.moe_top_k if active else cfg.n_experts
+    return attn + norms + h * cfg.n_experts + (experts + cfg.moe_shared_expert) * 3 * h * cfg.moe_hidden_size
+
+
+def routed_expert_params(cfg: ModelConfig) -> int:
+    """The routed experts of one MoE block: the part that expert parallelism splits."""
+    return cfg.n_experts * 3 * cfg.dim * cfg.moe_hidden_size
+
+
+def embedding_params(cfg: ModelConfig) -> int:
+    return cfg.vocab_size * cfg.dim + (cfg.max_seq_len * cfg.dim if cfg.pos == "learned" else 0)
+
+
+def total_params(cfg: ModelConfig) -> int:
+    norm = cfg.dim if cfg.norm == "rmsnorm" else 2 * cfg.dim
+    head = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.dim
+    n_moe = moe_layer_count(cfg)
+    layers = (cfg.n_layers - n_moe) * layer_params(cfg) + (n_moe * layer_params(cfg, True) if n_moe else 0)
+    return layers + norm + embedding_params(cfg) + head
+
+
+def attention_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs of one layer's score and value matmuls (PaLM appendix B convention)."""
+    return 12.0 * cfg.n_heads * cfg.head_dim * seq_len
+
+
+def model_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """kiln.model.transformer.flops_per_token's convention, so a planned MFU is the MFU the trainer
+    reports: 6 x (active non-embedding parameters + output head) + the attention matmuls."""
+    norm = cfg.dim if cfg.norm == "rmsnorm" else 2 * cfg.dim
+    n_moe = moe_layer_count(cfg)
+    n = (cfg.n_layers - n_moe) * layer_params(cfg) + (n_moe * layer_params(cfg, True, active=True) if n_moe else 0)
+    return 6.0 * (n + norm + cfg.vocab_size * cfg.dim) + cfg.n_layers * attention_flops_per_token(cfg, seq_len)
+
+
+# ----------------------------------------------------------------------------- layouts
+@dataclass(frozen=True)
+class Layout:
+    """One candidate: ParallelConfig's mesh degrees plus what the planner also chooses."""
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    # What data parallelism shards (ZeRO stages) and how Kiln's FSDP2 does it: 0 nothing (DDP);
+    # 1 optimizer states (FSDP, reshard off, gradients reduced once per step on the last micro-batch);
+    # 2 + gradients (FSDP, reshard off, reduced every micro-batch); 3 + parameters (FSDP default).
+    zero: int = 0
+    ac: str = "none"               # activation checkpointing: none | selective | full
+    micro_batch: int = 1           # sequences per micro-batch per data-parallel rank
+    pp_schedule: str = "1f1b"
+    pp_stages_per_rank: int = 1
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def shard_degree(self) -> int:
+        # FSDP shards over dp_shard x cp: the context-parallel ranks hold the same weights.
+        return self.dp_shard * self.cp if self.zero else 1
+
+    def label(self) -> str:
+        dp = f"{self.dp_replicate}x{self.dp_shard}" if self.dp_replicate > 1 and self.dp_shard > 1 else str(self.dp)
+        ep = f" ep={self.ep}" if self.ep > 1 else ""
+        sched = "" if self.pp == 1 else f" {self.pp_schedule}" + (
+            f"/v{self.pp_stages_per_rank}" if self.pp_stages_per_rank > 1 else "")
+        return (f"dp={dp} tp={self.tp} pp={self.pp} cp={self.cp}{ep} zero={self.zero} ac={self.ac} "
+                f"mb={self.micro_batch}{sched}")
+
+    def to_parallel_config(self, microbatches: int) -> ParallelConfig:
+        return ParallelConfig(dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, tp=self.tp, pp=self.pp,
+                              cp=self.cp, ep=self.ep, reshard_after_forward=self.zero == 3,
+                              pp_schedule=self.pp_schedule, pp_microbatches=microbatches if self.pp > 1 else 0,
+                              pp_stages_per_rank=self.pp_stages_per_rank)
+
+
+@dataclass(frozen=True)
+class Workload:
+    seq_len: int
+    global_batch_tokens: int
+
+    @property
+    def global_seqs(self) -> int:
+        return self.global_batch_tokens // self.seq_len
+
+
+def layout_problems(cfg: ModelConfig, lay: Layout, cluster: ClusterConfig, work: Workload) -> list[str]:
+    """Why a layout cannot run at all (empty when it can); memory is judged separately."""
+    out = []
+    if lay.world != cluster.world:
+        out.append(f"dp_replicate*dp_shard*tp*pp*cp = {lay.world}, not the world size {cluster.world}")
+    if lay.tp > cluster.gpus_per_node:
+        out.append(f"tp={lay.tp} exceeds gpus_per_node={cluster.gpus_per_node} (tensor parallelism stays in a node)")
+    for name, value in (("n_heads", cfg.n_heads), ("n_kv_heads", cfg.kv_heads), ("ffn_hidden", cfg.ffn_hidden_size)):
+        if value % lay.tp:
+            out.append(f"tp={lay.tp} does not divide {name}={value}")
+    if lay.pp * lay.pp_stages_per_rank > cfg.n_layers:
+        out.append(f"pp*pp_stages_per_rank={lay.pp * lay.pp_stages_per_rank} exceeds n_layers={cfg.n_layers}")
+    if lay.pp_schedule not in PP_SCHEDULES:
+        out.append(f"pp_schedule {lay.pp_schedule!r} is not one of {', '.join(PP_SCHEDULES)}")
+    if lay.pp_stages_per_rank > 1 and lay.pp_schedule != "interleaved_1f1b":
+        out.append("pp_stages_per_rank > 1 needs pp_schedule=interleaved_1f1b")
+    if lay.cp > 1 and work.seq_len % (2 * lay.cp):
+        out.append(f"cp={lay.cp}: seq_len={work.seq_len} must split into 2*cp equal chunks (load-balanced causal)")
+    if lay.ep > 1 and not moe_layer_count(cfg):
+        out.append(f"ep={lay.ep}: the model is dense (no experts to place)")
+    elif lay.ep > 1 and (cfg.n_experts % lay.ep or (lay.dp_shard * lay.cp) % lay.ep):
+        out.append(f"ep={lay.ep} must divide n_experts={cfg.n_experts} and dp_shard*cp={lay.dp_shard * lay.cp}")
+    if lay.ac not in AC_MODES:
+        out.append(f"ac {lay.ac!r} is not one of {', '.join(AC_MODES)}")
+    if lay.zero not in (0, 1, 2, 3):
+        out.append(f"zero={lay.zero} is not 0, 1, 2 or 3")
+    elif lay.zero == 0 and lay.dp_shard > 1:
+        out.append("zero=0 replicates (DDP): dp_shard must be 1")
+    elif lay.zero > 0 and lay.dp_shard * lay.cp == 1:
+        out.append(f"zero={lay.zero} needs dp_shard*cp > 1 to shard over")
+    if work.global_batch_tokens % work.seq_len:
+        out.append(f"global_batch_tokens={work.global_batch_tokens} is not a multiple of seq_len={work.seq_len}")
+    elif work.global_seqs % lay.dp or (work.global_seqs // lay.dp) % lay.micro_batch:
+        out.append(f"{work.global_seqs} sequences per step do not split into dp={lay.dp} x "
+                   f"micro_batch={lay.micro_batch}")
+    elif lay.pp > 1:
+        m = work.global_seqs // lay.dp // lay.micro_batch
+        if m < lay.pp:
+            out.append(f"{m} microbatches < pp={lay.pp}: the pipeline would never fill")
+        elif lay.pp_schedule == "interleaved_1f1b" and m % lay.pp:
+            out.append(f"interleaved_1f1b needs microbatches ({m}) divisible by pp={lay.pp}")
+    return out
+
+
+def stage_layer_ids(n_layers: int, pp: int, v: int = 1) -> list[list[int]]:
+    """Layer ids held by each pipeline rank (virtual stage c lives on rank c % pp). When the split is
+    uneven, the first and the last virtual stages get the fewer layers, as they also hold the
+    embedding and the output head (Llama 3 405B: 126 layers on 16 stages, one fewer on each end)."""
+    chunks = pp * v
+    base, extra = divmod(n_layers, chunks)
+    sizes = [base + (1 if extra else 0)] * chunks
+    for i in range(chunks - extra if extra else 0):  # short stages from both ends inwards
+        sizes[i // 2 if i % 2 == 0 else chunks - 1 - i // 2] = base
+    ids, start = [[] for _ in range(pp)], 0
+    for c, size in enumerate(sizes):
+        ids[c % pp].extend(range(start, start + size))
+        start += size
+    return ids
+
+
+# ----------------------------------------------------------------------------- memory
+@dataclass(frozen=True)
+class ActivationModel:
+    """Which tensors autograd keeps per layer. KILN is Kiln's model under PyTorch: SDPA (flash)
+    attention, no dropout, and PyTorch sequence parallelism, whose column-parallel linears save their
+    all-gathered input. MEGATRON is Korthikanti et al.'s GPT-3: materialised attention scores,
+    dropout, and sequence-sharded saved inputs."""
+
+    flash: bool = True
+    dropout: bool = False
+    sp_gathered_inputs: bool = True
+
+
+KILN = ActivationModel()
+MEGATRON = ActivationModel(flash=False, dropout=True, sp_gathered_inputs=False)
+
+
+def layer_activation_bytes(cfg: ModelConfig, seq_len: int, tokens: int, tp: int = 1, ac: str = "none",
+                           act: ActivationModel = KILN, moe: bool = False) -> float:
+    """Bytes one layer keeps for backward for `tokens` tokens (16-bit activations, 1-byte masks).
+
+    Per token: each norm's input 2h; q 2h, k and v 2h*kv_heads/n_heads each; the attention output
+    2h (the output projection's input); the inputs of the qkv and first MLP matmuls 2h each; the MLP
+    inside (GELU: 2f before and 2f after the activation; SwiGLU: the fused gate|up output 4f, silu(gate)
+    2f and the product 2f); with dropout a 1-byte mask after attention and after the MLP; without
+    flash attention the scores, a*s*(2 softmax [+ 1 mask + 2 dropout output]). A GPT-3 layer sums to
+    h*(34 + 5*a*s/h). Sequence parallelism divides it all by tp, but for the all-gathered matmul
+    inputs that PyTorch keeps (ActivationModel.sp_gathered_inputs). An MoE layer (Kiln's eager
+    MoEFeedForward) keeps instead of the MLP: its input 2h and float32 copy 4h, router logits and
+    probabilities 8E, per routed copy the gathered input 2h, the SwiGLU 8*hm and the output 2h, and
+    the shared expert's 8*hm; all sequence-sharded.
+    """
+    h, a = cfg.dim, cfg.n_heads
+    if ac == "full":  # only the block input (sequence-sharded under SP) is kept
+        return tokens * 2 * h / tp
+    mask = h if act.dropout else 0
+    sharded = 2 * h + 2 * h + 4 * h * cfg.kv_heads / a + 2 * h + mask + 2 * h  # attention side, ffn norm
+    gathered = 2 * h
+    if moe:
+        hm = cfg.moe_hidden_size
+        sharded += 6 * h + 8 * cfg.n_experts + cfg.moe_top_k * (4 * h + 8 * hm) + cfg.moe_shared_expert * 8 * hm
+    else:
+        sharded += (8 if cfg.ffn == "swiglu" else 4) * cfg.ffn_hidden_size + mask
+        gathered += 2 * h
+    scores = 0.0 if act.flash or ac == "selective" else a * seq_len * (5 if act.dropout else 2)
+    return tokens * ((sharded + scores) / tp + (gathered if act.sp_gathered_inputs else gathered / tp))
+
+
+def in_flight(lay: Layout, rank: int, microbatches: int) -> float:
+    """Micro-batches whose activations a pipeline rank holds at its peak, in units of its layers."""
+    p, m, v = lay.pp, microbatches, lay.pp_stages_per_rank
+    if p == 1:
+        return 1.0  # gradient accumulation runs micro-batches one after another
+    if lay.pp_schedule == "gpipe":
+        return float(m)
+    if lay.pp_schedule == "interleaved_1f1b":
+        # Megatron's warm-up count for rank r in chunks of layers/v; on rank 0, p*(v+1)-1 chunks:
+        # the (1 + (p-1)/(p*v)) factor of Korthikanti et al. sec. 4.2.3.
+        return min((p - rank - 1) * 2 + (v - 1) * p + 1, m * v) / v
+    return float(min(p - rank, m))
+
+
+def model_state_bytes(psi: float, zero: int, shards: int) -> tuple[float, float, float]:
+    """(parameters, gradients, optimizer states) in bytes for psi parameters (ZeRO paper sec. 5):
+    fp16 weights 2, fp16 gradients 2, fp32 master weights + Adam m + v 12, partitioned by stage."""
+    d = max(shards, 1)
+    return 2 * psi / (d if zero >= 3 else 1), 2 * psi / (d if zero >= 2 else 1), 12 * psi / (d if zero >= 1 else 1)
+
+
+@dataclass
+class Memory:
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    logits: float
+    buffers: float
+    rank: int
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations + self.logits + self.buffers
+
+    def as_gb(self) -> dict:
+        out = {k: round(v / GB, 2) for k, v in dataclasses.asdict(self).items() if k != "rank"}
+        return out | {"total": round(self.total / GB, 2), "pipeline_rank": self.rank}
+
+
+def stage_counts(cfg: ModelConfig, lay: Layout) -> list[tuple[int, int]]:
+    """(layers, of which MoE layers) on each pipeline rank."""
+    moe = [is_moe(cfg, i) for i in range(cfg.n_layers)]
+    stages = stage_layer_ids(cfg.n_layers, lay.pp, lay.pp_stages_per_rank)
+    return [(len(ids), sum(moe[i] for i in ids)) for ids in stages]
+
+
+def representative_ranks(counts: list[tuple[int, int]]) -> list[int]:
+    """The pipeline ranks that can hold a peak: the first, the last, and the first of each distinct
+    (layers, MoE layers) in between (later ranks with the same layers hold fewer micro-batches)."""
+    ranks, seen = {0, len(counts) - 1}, set()
+    for r in range(1, len(counts) - 1):
+        if counts[r] not in seen:
+            seen.add(counts[r])
+            ranks.add(r)
+    return sorted(ranks)
+
+
+def rank_params(cfg: ModelConfig, lay: Layout, layers: int, n_moe: int, rank: int) -> tuple[float, float]:
+    """(parameters split by TP, routed-expert parameters split by EP) on a pipeline rank."""
+    experts = n_moe * routed_expert_params(cfg) if n_moe else 0
+    dense = (layers - n_moe) * layer_params(cfg) + (n_moe * layer_params(cfg, True) - experts if n_moe else 0)
+    if rank == 0:
+        dense += embedding_params(cfg)
+    if rank == lay.pp - 1 and (not cfg.tie_embeddings or lay.pp > 1):
+        dense += cfg.vocab_size * cfg.dim  # with pipelining a tied head still needs its own copy
+    return dense / lay.tp, experts / lay.ep
+
+
+def block_params(cfg: ModelConfig, lay: Layout, moe: bool) -> float:
+    """Parameters of one block on one rank: what FSDP gathers at a time."""
+    experts = routed_expert_params(cfg) if moe else 0
+    return (layer_params(cfg, moe) - experts) / lay.tp + experts / lay.ep
+
+
+def memory(cfg: ModelConfig, lay: Layout, work: Workload, act: ActivationModel = KILN,
+           counts: list[tuple[int, int]] | None = None) -> Memory:
+    """Peak bytes per GPU: the largest over the pipeline ranks."""
+    counts = counts or stage_counts(cfg, lay)
+    m = work.global_seqs // lay.dp // lay.micro_batch
+    tokens = lay.micro_batch * work.seq_len // lay.cp
+    kinds = (False, True) if any(n_moe for _, n_moe in counts) else (False,)
+    per_layer = {moe: layer_activation_bytes(cfg, work.seq_len, tokens, lay.tp, lay.ac, act, moe) for moe in kinds}
+    per_layer.setdefault(True, 0.0)
+    worst = None
+    for r in representative_ranks(counts):
+        layers, n_moe = counts[r]
+        dense, experts = rank_params(cfg, lay, layers, n_moe, r)
+        states = [a + b for a, b in zip(model_state_bytes(dense, lay.zero, lay.shard_degree),
+                                        model_state_bytes(experts, lay.zero, lay.shard_degree // lay.ep))]
+        acts = in_flight(lay, r, m) * ((layers - n_moe) * per_layer[False] + n_moe * per_layer[True])
+        if lay.ac == "full":  # backward rematerialises one checkpointed block at a time
+            acts += layer_activation_bytes(cfg, work.seq_len, tokens, lay.tp, "none", act, n_moe > 0)
+        block = max(block_params(cfg, lay, False) if layers > n_moe else 0.0,
+                    block_params(cfg, lay, True) if n_moe else 0.0)
+        # FSDP's unsharded working set: bf16 weights of the current and the prefetched block, and the
+        # current block's fp32 gradients before their reduce-scatter.
+        buffers = {3: block * (2 * 2 + 4), 2: block * 4}.get(lay.zero, 0.0)
+        logits = 0.0
+        if r == lay.pp - 1:
+            # bf16 logits, their fp32 copy for the loss and its fp32 gradient (vocabulary-parallel
+            # under TP), plus the final norm's input and the head's gathered input.
+            logits = tokens * (cfg.vocab_size * 10 / lay.tp + 2 * cfg.dim / lay.tp + 2 * cfg.dim)
+        mem = Memory(*states, acts, logits, buffers, r)
+        if worst is None or mem.total > worst.total:
+            worst = mem
+    return worst
+
+
+# ----------------------------------------------------------------------------- time
+def _group_bw(cluster: ClusterConfig, stride: int, size: int) -> float:
+    """Bandwidth of a ring of `size` ranks `stride` apart. The mesh is laid out like torchtitan's
+    (pp, dp_replicate, dp_shard, cp, tp) with tp innermost, so a group stays in one node exactly when
+    stride * size <= gpus_per_node; otherwise each GPU's own NIC carries its part of the ring."""
+    return cluster.intra if stride * size <= cluster.gpus_per_node else cluster.inter
+
+
+def _ring(n: int, nbytes: float, bw: float, allreduce: bool = False) -> float:
+    """All-gather or reduce-scatter of an `nbytes` tensor over n ranks, (n-1)/n * bytes / bw; an
+    all-reduce is both. An all-to-all moves the same (n-1)/n share."""
+    return 0.0 if n <= 1 else (2 if allreduce else 1) * (n - 1) / n * nbytes / bw
+
+
+@dataclass
+class Estimate:
+    layout: Layout
+    memory: Memory
+    fits: bool
+    microbatches: int
+    step_time: float
+    compute_time: float          # busiest pipeline rank: kernels, over the step's micro-batches
+    bubble_time: float
+    tp_time: float               # tensor- and expert-parallel collectives (exposed)
+    cp_time: float               # exposed part only
+    pp_time: float
+    dp_time: float               # exposed part only
+    optimizer_time: float
+    mfu: float
+    tokens_per_s: float
+
+
+def layer_seconds_per_token(cfg: ModelConfig, seq_len: int, cluster: ClusterConfig, ac: str,
+                            act: ActivationModel = KILN, moe: bool = False) -> float:
+    """One layer, one token, one GPU (before tensor-parallel division): matmuls and attention kernels
+    at their efficiencies, and the memory-bound rest (norms, RoPE, activation functions, residuals,
+    casts) as HBM traffic of ~3x the bytes the layer saves (written in forward, read twice in backward)."""
+    t_attn = attention_flops_per_token(cfg, seq_len) / (cluster.peak_flops * cluster.attention_efficiency)
+    t = (6.0 * layer_params(cfg, moe, active=True) / (cluster.peak_flops * cluster.matmul_efficiency) + t_attn
+         + 3 * layer_activation_bytes(cfg, seq_len, 1, 1, "none", act, moe) / cluster.spec.hbm_bw)
+    # Recomputation costs time that MFU does not credit: a whole block forward under full
+    # checkpointing; under selective, the attention core (nothing with flash attention, whose
+    # backward recomputes the scores inside the kernel in any case).
+    return t + {"full": t / 3, "selective": 0.0 if act.flash else t_attn / 3}.get(ac, 0.0)
+
+
+def estimate(cfg: ModelConfig, lay: Layout, cluster: ClusterConfig, work: Workload,
+             act: ActivationModel = KILN) -> Estimate:
+    """Memory and step time of a layout that layout_problems accepts."""
+    counts = stage_counts(cfg, lay)
+    mem = memory(cfg, lay, work, act, counts)
+    m = work.global_seqs // lay.dp // lay.micro_batch
+    p, v, s, h = lay.pp, lay.pp_stages_per_rank, work.seq_len, cfg.dim
+    tokens = lay.micro_batch * s // lay.cp
+    kinds = (False, True) if any(n_moe for _, n_moe in counts) else (False,)
+    per_layer = {moe: layer_seconds_per_token(cfg, s, cluster, lay.ac, act, moe) for moe in kinds}
+    per_layer.setdefault(True, 0.0)
+    # Output head, and the loss's softmax over ~10 bytes per logit, read and written three times.
+    t_head = (6.0 * cfg.vocab_size * h / (cluster.peak_flops * cluster.matmul_efficiency)
+              + 30.0 * cfg.vocab_size / cluster.spec.hbm_bw)
+    t_attn = attention_flops_per_token(cfg, s) / (cluster.peak_flops * cluster.attention_efficiency)
+    act_bytes = tokens * h * 2  # one [tokens, h] bf16 activation, before sequence sharding
+    redo = lay.ac == "full"
+    kv_bytes = tokens * 2 * cfg.kv_heads * cfg.head_dim * 2 / lay.tp
+    cp_bw = _group_bw(cluster, lay.tp, lay.cp)
+    ep_bw = _group_bw(cluster, lay.tp, lay.ep)
+    pp_bw = _group_bw(cluster, lay.tp * lay.cp * lay.dp, p)
+    slots = {}
+    for r in representative_ranks(counts):
+        layers, n_moe = counts[r]
+        compute = tokens * ((layers - n_moe) * per_layer[False] + n_moe * per_layer[True]
+                            + (t_head if r == p - 1 else 0.0)) / lay.tp
+        # TP collectives sit between dependent matmuls and are counted in full (no async-TP
+        # overlap): sequence parallelism all-gathers and reduce-scatters around attention and MLP,
+        # in forward and backward (and again in a recomputed forward).
+        comm = layers * (8 + 4 * redo) * _ring(lay.tp, act_bytes, cluster.intra)
+        # Expert parallelism: dispatch and combine all-to-alls of the k routed copies, fwd and bwd.
+        if n_moe and lay.ep > 1:
+            comm += n_moe * (4 + 2 * redo) * _ring(lay.ep, act_bytes / lay.tp * cfg.moe_top_k, ep_bw)
+        # Ring attention passes K/V around the cp ring (fwd) and K/V plus their gradients (bwd),
+        # hidden behind the layer's attention kernels when those take longer.
+        cp_t = 0.0 if lay.cp == 1 else layers * max(0.0, 3 * (lay.cp - 1) * kv_bytes / cp_bw - tokens * t_attn / lay.tp)
+        pp_t = 2 * act_bytes / lay.tp / pp_bw if p > 1 else 0.0
+        slots[r] = (compute, comm, cp_t, pp_t)
+    busiest = max(slots, key=lambda r: sum(slots[r]))
+    compute, tp_t, cp_t, pp_t = slots[busiest]
+
+    dense, experts = rank_params(cfg, lay, *counts[busiest], busiest)
+    d, rep = lay.shard_degree, lay.dp_replicate
+    shard_bw = _group_bw(cluster, lay.tp, lay.dp_shard * lay.cp)
+    rep_bw = _group_bw(cluster, lay.tp * lay.cp * lay.dp_shard, rep)
+    fwd, bwd = compute / 3, compute * 2 / 3
+    local = dense / d + experts / max(d // lay.ep, 1) if lay.zero else dense + experts  # after sharding
+
+    def gather(nbytes: float) -> float:  # FSDP traffic: dense over dp_shard*cp, experts over that / ep
+        return _ring(d, nbytes * dense, shard_bw) + _ring(d // lay.ep, nbytes * experts, shard_bw)
+
+    # Data-parallel traffic overlaps compute (FSDP prefetch, DDP buckets): only what outlasts the
+    # compute it can hide behind is exposed. Gradients are reduced in fp32 (Kiln's reduce_dtype).
+    per_mb = per_step = 0.0
+    if lay.zero == 0:
+        ring_bw = rep_bw if rep > 1 else shard_bw
+        per_step += max(0.0, _ring(lay.dp * lay.cp, 4 * (dense + experts), ring_bw, True) - bwd)
+    else:
+        rs, ag = gather(4), gather(2)
+        if lay.zero == 3:    # gathered for forward and again for backward, reduce-scattered every micro-batch
+            per_mb += max(0.0, ag - fwd) + max(0.0, ag + rs - bwd)
+        elif lay.zero == 2:  # gathered once per step, gradients reduce-scattered every micro-batch
+            per_mb += max(0.0, rs - bwd)
+            per_step += max(0.0, ag - fwd)
+        else:                # gradients accumulate unsharded: one reduce-scatter and one gather per step
+            per_step += max(0.0, rs - bwd) + max(0.0, ag - fwd)
+        if rep > 1:          # HSDP: all-reduce the gradient shard across the replicas once per step
+            per_step += max(0.0, _ring(rep, 4 * local, rep_bw, True) - bwd)
+    slot = compute + tp_t + cp_t + pp_t + per_mb
+    # 1F1B/GPipe idle (p-1) slots per step, a (p-1)/(m+p-1) share; interleaving divides that by v.
+    bubble = (p - 1) / v * slot
+    # Adam touches ~32 bytes per local parameter (fp32 weight, gradient, m and v, read and written).
+    opt = 32 * local / cluster.spec.hbm_bw
+    step = m * slot + bubble + per_step + opt
+    tokens_step = work.global_seqs * s
+    mfu = model_flops_per_token(cfg, s) * tokens_step / (cluster.world * cluster.peak_flops * step)
+    return Estimate(lay, mem, mem.total <= cluster.usable_memory, m, step, m * compute, bubble, m * tp_t,
+                    m * cp_t, m * pp_t, m * per_mb + per_step, opt, mfu, tokens_step / step)
+
+
+# ----------------------------------------------------------------------------- search
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(cfg: ModelConfig, cluster: ClusterConfig, work: Workload, act: ActivationModel = KILN):
+    """The layouts the search considers: tp over the divisors of a node, pp over the divisors of
+    what is left (up to n_layers), cp where each rank keeps >= 2048 tokens, then DDP, FSDP (ZeRO 1, 2,
+    3) or HSDP (a node-sized shard group) for the data-parallel rest, ep over the divisors of
+    n_experts that fit in dp_shard*cp, activation checkpointing off or full (and selective where
+    attention is not flash), micro-batches dividing each replica's batch, and 1F1B or interleaved
+    1F1B with 2, 4 or 8 stages per rank."""
+    world, moe = cluster.world, moe_layer_count(cfg) > 0
+    for tp in [t for t in _divisors(cluster.gpus_per_node) if world % t == 0]:
+        for pp in [d for d in _divisors(world // tp) if d <= cfg.n_layers]:
+            for cp in [c for c in _divisors(world // tp // pp)
+                       if c == 1 or (c & (c - 1) == 0 and work.seq_len // c >= 2048)]:
+                dp = world // (tp * pp * cp)
+                per_replica = work.global_seqs // dp if work.global_seqs % dp == 0 else 0
+                splits = {(dp, 1, 0)} | ({(1, dp, z) for z in (1, 2, 3)} if dp * cp > 1 else set())
+                node_shard = cluster.gpus_per_node // (tp * cp) if cluster.gpus_per_node % (tp * cp) == 0 else 0
+                if 1 < node_shard < dp and dp % node_shard == 0:
+                    splits |= {(dp // node_shard, node_shard, z) for z in (1, 2, 3)}
+                stages = [1] + [v for v in (2, 4, 8) if pp > 1 and pp * v <= cfg.n_layers]
+                for rep, shard, zero in sorted(splits):
+                    eps = [e for e in _divisors(cfg.n_experts) if (shard * cp) % e == 0] if moe else [1]
+                    for ep in eps:
+                        for ac in ("none", "full") if act.flash else AC_MODES:
+                            for mb in [b for b in (1, 2, 4, 8, 16, 32, 64) if per_replica % b == 0]:
+                                for v in stages:
+                                    yield Layout(rep, shard, tp, pp, cp, ep, zero, ac, mb,
+                                                 "1f1b" if v == 1 else "interleaved_1f1b", v)
+
+
+@dataclass
+class Plan:
+    model: ModelConfig
+    cluster: ClusterConfig
+    work: Workload
+    ranked: list[Estimate]           # layouts that fit, fastest first
+    too_big: list[Estimate]          # valid layouts that do not fit, smallest first
+    rejected: dict[str, int]         # kind of problem -> layouts excluded for it
+
+
+def plan(cfg: ModelConfig, cluster: ClusterConfig, work: Workload, act: ActivationModel = KILN,
+         fixed: dict | None = None) -> Plan:
+    """Estimate every candidate; `fixed` holds Layout fields to keep, e.g. {"tp": 8, "pp": 16}."""
+    pool = list(candidates(cfg, cluster, work, act))
+    if fixed:
+        # Values the search generates select among its candidates; values it never generates (tp
+        # beyond a node, ep on a dense model, an odd micro-batch) are forced on, to say why they fail.
+        chosen = [lay for lay in pool if all(getattr(lay, k) == v for k, v in fixed.items())]
+        pool = chosen or list(dict.fromkeys(dataclasses.replace(lay, **fixed) for lay in pool))
+    ranked, too_big, rejected = [], [], {}
+    for lay in pool:
+        problems = layout_problems(cfg, lay, cluster, work)
+        for reason in problems:
+            key = re.sub(r"\d+", "N", reason)  # count kinds of problem, not each number
+            rejected[key] = rejected.get(key, 0) + 1
+        if not problems:
+            est = estimate(cfg, lay, cluster, work, act)
+            (ranked if est.fits else too_big).append(est)
+    # Estimates within 0.5% tie; fewer parallel dimensions win, then the larger micro-batch (bigger
+    # matmuls run closer to peak, which the model does not credit), then less memory.
+    ranked.sort(key=lambda e: (round(math.log(e.step_time) / 0.005), _dims(e.layout), -e.layout.micro_batch,
+                               e.memory.total))
+    too_big.sort(key=lambda e: e.memory.total)
+    return Plan(cfg, cluster, work, ranked, too_big, rejected)
+
+
+def _dims(lay: Layout) -> int:
+    return sum(d > 1 for d in (lay.dp_replicate, lay.dp_shard, lay.tp, lay.pp, lay.cp, lay.ep,
+                               lay.pp_stages_per_rank))
+
+
+def budget(est: Estimate, cluster: ClusterConfig, tokens: float) -> dict:
+    """Wall time, GPU-hours, cost and energy to train on `tokens` tokens with this layout. Energy is
+    GPU board power at TDP only: no host, network or cooling overhead."""
+    seconds = tokens / est.tokens_per_s
+    gpu_hours = seconds / 3600 * cluster.world
+    return {"tokens": tokens, "days": seconds / 86400, "gpu_hours": gpu_hours,
+            "cost_usd": gpu_hours * cluster.gpu_hour_price, "energy_mwh": gpu_hours * cluster.spec.power / 1e6,
+            "price_per_gpu_hour": cluster.gpu_hour_price}
