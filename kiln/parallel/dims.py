@@ -133,5 +133,11 @@ def init_distributed(device_type: str) -> tuple[int, int]:
     backend = "nccl" if device_type == "cuda" else "gloo"
     if device_type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend)
+    # torchrun keeps one key-value store across elastic restarts. Without a per-attempt namespace, a
+    # restarted rank can read the address a dead rank of the previous attempt published, and gloo's
+    # connect then fails ("Connection refused") or hangs.
+    store, rank, world = next(dist.rendezvous("env://"))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group(backend, store=dist.PrefixStore(f"kiln/attempt-{attempt}", store), rank=rank,
+                            world_size=world)
     return dist.get_rank(), dist.get_world_size()
