@@ -79,7 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("folder")
     i.add_argument("out")
 
+    from kiln.parallel.launch import add_launch_parser
     from kiln.parallel.plan_cli import add_plan_parser
+    add_launch_parser(verbs)
     add_plan_parser(verbs)
     return parser
 
@@ -145,6 +147,9 @@ def _dispatch(args: argparse.Namespace) -> int:
         stats = train_from_files(args.positive, args.negative, args.out)
         print(json.dumps(stats, indent=1))
         return 0
+    if args.verb == "launch":
+        from kiln.parallel.launch import run_launch
+        return run_launch(args)
     if args.verb == "plan":
         from kiln.parallel.plan_cli import run_plan
         return run_plan(args)

@@ -14,16 +14,23 @@ import math
 import torch
 
 
-def total_grad_norm(params, pp_group=None) -> torch.Tensor:
+def _by_layout(grads) -> dict[object, list[torch.Tensor]]:
+    """Gradients grouped by (mesh, placements): DTensor ops refuse to mix meshes."""
     from torch.distributed.tensor import DTensor
 
-    grads = [p.grad for p in params if p.grad is not None]
     groups: dict[object, list[torch.Tensor]] = {}
     for g in grads:
         key = (g.device_mesh, g.placements) if isinstance(g, DTensor) else None
         groups.setdefault(key, []).append(g)
+    return groups
+
+
+def total_grad_norm(params, pp_group=None) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in params if p.grad is not None]
     squares = []
-    for key, members in groups.items():
+    for members in _by_layout(grads).values():
         norm = torch.nn.utils.get_total_norm(members, norm_type=2.0, foreach=True)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
@@ -41,5 +48,8 @@ def clip_grad_norm(params, max_norm: float, pp_group=None) -> torch.Tensor:
     params = [p for p in params if p.grad is not None]
     norm = total_grad_norm(params, pp_group)
     if math.isfinite(max_norm):
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+        # The same rule as torch.nn.utils.clip_grad_norm_: scale by max_norm / (norm + 1e-6), capped at 1.
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for members in _by_layout(p.grad for p in params).values():
+            torch._foreach_mul_(members, coef.to(members[0].device))
     return norm

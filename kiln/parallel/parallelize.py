@@ -110,15 +110,24 @@ def apply_fsdp(model: nn.Module, mesh, cfg: ParallelConfig, param_dtype: torch.d
     last = len(model.layers) - 1
     for i, block in enumerate(model.layers):
         experts = getattr(getattr(block, "ffn", None), "experts", None)
-        if experts is not None and experts_mesh is not None:
+        block_kwargs = kwargs
+        if experts is not None and experts_mesh is not None and not isinstance(experts_mesh, _NoMesh):
             # Expert weights are already split over the ep ranks; FSDP shards them further only over
             # the data-parallel ranks outside the ep group (a block-level wrap would meet their
             # ep DTensors). Their gradients keep FSDP's default averaging, matching the all-to-all's.
             fully_shard(experts, reshard_after_forward=cfg.reshard_after_forward, **{**kwargs, "mesh": experts_mesh})
+        elif experts is not None and isinstance(experts_mesh, _NoMesh):
+            # Every data-parallel rank is in the ep group: each expert lives on one rank and its
+            # gradient already sums every rank's tokens (the all-to-all), so FSDP leaves it alone.
+            block_kwargs = {**kwargs, "ignored_params": set(experts.parameters())}
         # The last block's parameters are needed again at once by backward, so keeping them
         # unsharded after forward saves one all-gather.
-        fully_shard(block, reshard_after_forward=cfg.reshard_after_forward and i < last, **kwargs)
+        fully_shard(block, reshard_after_forward=cfg.reshard_after_forward and i < last, **block_kwargs)
     fully_shard(model, reshard_after_forward=cfg.reshard_after_forward, **kwargs)
+
+
+class _NoMesh:
+    """Expert parallelism covers every data-parallel rank: no mesh is left to shard experts over."""
 
 
 def apply_ddp(model: nn.Module, dp_mesh) -> nn.Module:
@@ -152,7 +161,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh, cfg: ParallelConfig,
         experts_mesh = None
         if dims.ep > 1:
             outside = [n for n in ("dp_replicate", "dp_shard_mod_ep", "cp") if n in mesh.mesh_dim_names]
-            experts_mesh = mesh[tuple(outside)] if outside else None
+            experts_mesh = mesh[tuple(outside)] if outside else _NoMesh()
         apply_fsdp(model, shard_mesh, cfg, compute_dtype, experts_mesh)
         return model
     if dims.dp_replicate > 1 and not (dims.tp > 1 or dims.pp > 1):
