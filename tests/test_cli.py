@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 
 from kiln.cli import main
 
@@ -89,3 +90,22 @@ def test_classifier_train_verb(tmp_path, capsys):
                  "--negative", str(tmp_path / "neg.jsonl"), "--out", str(model)]) == 0
     assert json.loads(capsys.readouterr().out)["heldout_accuracy"] > 0.9
     assert model.exists() and model.with_suffix(".json").exists()
+
+
+@pytest.mark.slow
+def test_launch_local_trains_sharded_and_generates(tmp_path, capsys):
+    """`kiln launch local --nproc 2`: rank 0 builds corpus, tokenizer and pack while rank 1 waits,
+    both ranks pretrain under FSDP2, the sharded checkpoint serves `kiln generate`."""
+    run = [f'run.out_dir="{tmp_path}"', "run.name=mini", *MINI, "parallel.dp_shard=2"]
+    assert main(["launch", "local", "--nproc", "2", "recipes/tiny.toml", *run]) == 0
+    run_dir = tmp_path / "mini"
+    for stage in ("corpus", "tokenizer", "pack", "pretrain"):
+        assert (run_dir / stage / "DONE").exists(), stage
+    summary = json.loads((run_dir / "pretrain" / "summary.json").read_text())
+    assert summary["steps"] == 12 and summary["final_val_loss"] < summary["best_val_loss"] + 1e-9
+    latest = (run_dir / "pretrain" / "checkpoints" / "latest").read_text().strip()
+    assert (run_dir / "pretrain" / "checkpoints" / latest / "sharded" / ".metadata").is_file()
+    capsys.readouterr()
+    assert main(["generate", str(run_dir / "pretrain"), "--prompt", "import", "--max-new-tokens", "5",
+                 "--temperature", "0"]) == 0
+    assert capsys.readouterr().out.startswith("import")
