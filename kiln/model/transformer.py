@@ -85,9 +85,13 @@ def split_gate_up(w13: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return pairs[:, 0], pairs[:, 1]
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa: bool) -> torch.Tensor:
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa: bool,
+                     mask: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, H, T, hd], k and v [B, KV, T, hd] -> [B, H, T, hd]. enable_gqa lets each group of query
-    heads read its shared k/v head in place, instead of materialising repeated copies of k and v."""
+    heads read its shared k/v head in place, instead of materialising repeated copies of k and v.
+    mask [B, 1, T, T] (True = may attend) replaces the plain causal mask, e.g. for packed documents."""
+    if mask is not None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=enable_gqa)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=enable_gqa)
 
 
@@ -103,7 +107,8 @@ class Attention(nn.Module):
         self.wqkv = nn.Linear(cfg.dim, qkv_out, bias=cfg.qkv_bias)
         self.wo = nn.Linear(self.n_heads * self.head_dim, cfg.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
         batch, seq, _ = x.shape
         # -1 groups: under tensor parallelism this rank holds only some of the key/value groups.
         group = self.n_heads // self.n_kv_heads
@@ -116,7 +121,8 @@ class Attention(nn.Module):
         # [B, heads, T, head_dim]; query head g*group + j reads kv head g, the order HF models use.
         q = q.flatten(2, 3).transpose(1, 2)
         k, v = k.squeeze(3).transpose(1, 2), v.squeeze(3).transpose(1, 2)
-        out = self.attention(q, k, v, enable_gqa=group > 1)
+        # The mask is passed only when set, so swapped-in attentions need not know about it.
+        out = self.attention(q, k, v, enable_gqa=group > 1, **({"mask": mask} if mask is not None else {}))
         return self.wo(out.transpose(1, 2).flatten(2))
 
 
@@ -146,8 +152,8 @@ class Block(nn.Module):
         self.ffn_norm = make_norm(cfg)
         self.ffn = MoEFeedForward(cfg) if cfg.is_moe_layer(layer) else FeedForward(cfg)
 
-    def forward(self, x, cos=None, sin=None):
-        x = x + self.attn(self.attn_norm(x), cos, sin)
+    def forward(self, x, cos=None, sin=None, mask=None):
+        x = x + self.attn(self.attn_norm(x), cos, sin, **({"mask": mask} if mask is not None else {}))
         return x + self.ffn(self.ffn_norm(x))
 
 
@@ -209,10 +215,12 @@ class Transformer(nn.Module):
         if self.output is not None:
             nn.init.normal_(self.output.weight, std=cfg.init_std)
 
-    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [B, T] -> logits [B, T, vocab]. position_ids [B, T] (default 0..T-1 in every row)
-        only set the positions used by RoPE or the absolute embeddings; attention stays causal over
-        the whole row."""
+        only set the positions used by RoPE or the absolute embeddings. Attention is causal over the
+        whole row unless document_ids [B, T] are given: then a token attends only to earlier tokens of
+        its own document, so several sequences packed in one row do not see each other."""
         seq = tokens.shape[1]
         if seq > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {seq} exceeds model max_seq_len={self.cfg.max_seq_len}")
@@ -238,8 +246,13 @@ class Transformer(nn.Module):
             x = x + self.pos_embeddings(position_ids if position_ids is not None else torch.arange(seq, device=x.device))
         else:
             x = x + self.pos_table[positions]
+        mask = None
+        if document_ids is not None:
+            causal = torch.ones(seq, seq, dtype=torch.bool, device=tokens.device).tril()
+            mask = (document_ids[:, :, None] == document_ids[:, None, :]) & causal
+            mask = mask.unsqueeze(1)  # [B, 1, T, T], broadcast over heads
         for block in self.layers:
-            x = block(x, cos, sin)
+            x = block(x, cos, sin, mask) if mask is not None else block(x, cos, sin)
         x = self.norm(x)
         if self.output is None:
             return F.linear(x, self.tok_embeddings.weight)

@@ -224,3 +224,18 @@ def test_fused_layouts_split_into_self_contained_row_chunks(heads, kv_heads, chu
     for i, block in enumerate(w13.chunk(chunks)):
         g, u = split_gate_up(block)
         assert torch.equal(g, gate.chunk(chunks)[i]) and torch.equal(u, up.chunk(chunks)[i])
+
+
+def test_document_ids_keep_packed_sequences_apart():
+    # Two sequences packed in one row with restarting positions give exactly the logits each
+    # gives alone: no attention crosses the document boundary.
+    model = build_model(tiny())
+    a, b = torch.randint(0, 97, (1, 10)), torch.randint(0, 97, (1, 6))
+    packed = torch.cat([a, b], dim=1)
+    positions = torch.cat([torch.arange(10), torch.arange(6)]).unsqueeze(0)
+    docs = torch.cat([torch.zeros(10), torch.ones(6)]).long().unsqueeze(0)
+    out = model(packed, position_ids=positions, document_ids=docs)
+    torch.testing.assert_close(out[:, :10], model(a), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out[:, 10:], model(b), rtol=1e-5, atol=1e-5)
+    # Without document_ids the second sequence would attend to the first.
+    assert not torch.allclose(model(packed, position_ids=positions)[:, 10:], model(b), atol=1e-3)
