@@ -45,7 +45,7 @@ def next_token_loss(model: torch.nn.Module, batch: tuple) -> tuple[torch.Tensor,
     logits = model(inputs, *positions)
     # In float32: a softmax over a large vocabulary in bf16 loses the small probabilities.
     loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-    if torch.is_grad_enabled():
+    if torch.is_grad_enabled() and isinstance(model, torch.nn.Module):
         # MoE load-balancing and router z-losses train with the LM loss (and so show in the logged
         # training loss); validation reports the LM loss alone.
         aux = moe_aux_loss(model)
@@ -76,13 +76,16 @@ class Trainer:
     def __init__(self, model_cfg: ModelConfig, train_cfg: TrainConfig, pack_dir, out_dir,
                  recipe_dict: dict | None = None, resume: str = "auto", init_from=None,
                  loss_fn: LossFn | None = None, device: str | None = None,
-                 parallel: ParallelConfig | None = None):
+                 parallel: ParallelConfig | None = None, data: tuple | None = None,
+                 prepare_model: Callable[[torch.nn.Module], object] | None = None,
+                 eval_loss_fn: LossFn | None = None):
         train_cfg.validate()
         cfg = self.cfg = train_cfg
-        self.pack_dir = Path(pack_dir)
+        self.pack_dir = Path(pack_dir) if pack_dir is not None else None
         self.out_dir = Path(out_dir)
         self.recipe_dict = recipe_dict
         self.loss_fn = loss_fn or next_token_loss
+        self.eval_loss_fn = eval_loss_fn or self.loss_fn
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if cfg.threads > 0:
             torch.set_num_threads(cfg.threads)
@@ -102,9 +105,14 @@ class Trainer:
         def make_loader(split: str):
             return TokenLoader(self.pack_dir, split=split, seq_len=cfg.seq_len, batch_size=cfg.micro_batch_size,
                                rank=self.layout.dp_rank, world_size=self.layout.dp_size, seed=cfg.seed)
-        self.train_loader = make_loader("train")
-        # The validation set is fixed: iter_batches(n) yields the same first n batches every time.
-        self.val_loader = make_loader("val")
+        if data is not None:
+            # A post-training stage brings its own (train, val) sources with the TokenLoader interface:
+            # iteration, state_dict/load_state_dict, iter_batches(n), vocab_size, bytes_per_token.
+            self.train_loader, self.val_loader = data
+        else:
+            self.train_loader = make_loader("train")
+            # The validation set is fixed: iter_batches(n) yields the same first n batches every time.
+            self.val_loader = make_loader("val")
 
         if model_cfg.vocab_size == 0:
             model_cfg = dataclasses.replace(model_cfg, vocab_size=self.train_loader.vocab_size)
@@ -143,10 +151,14 @@ class Trainer:
         self.stopped_early = False
         # Full weights (a single-file checkpoint, or init_from) load before the model is split, so
         # they fit any layout; sharded checkpoints load after, through DCP, which reshards.
+        # prepare_model (e.g. adding LoRA weights) runs after the base weights of init_from load, but
+        # before a resumed checkpoint's, which already holds the added weights.
         found = self._find_checkpoint(resume)
         if found is None and init_from is not None:
             self._init_from(init_from)
-        elif found is not None and found[2] is not None:
+        if prepare_model is not None:
+            prepare_model(self.model)
+        if found is not None and found[2] is not None:
             self.model.load_state_dict(found[2])
 
         # Compiling the loss function (which calls the model) puts the output head and the loss in
@@ -255,8 +267,9 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         # Each micro-batch's mean loss is weighted by its share of the step's tokens. The share is
-        # computed against the nominal token count (the only one known before the last backward)
-        # and corrected after, so pretraining (every batch full) does no extra arithmetic at all.
+        # computed against a nominal count (the first micro-batch's count times the number of
+        # micro-batches: the only one known before the last backward) and corrected after, so
+        # pretraining (every batch full) does no extra arithmetic at all.
         loss_fn = self._training_loss_fn()
         loss_sum = torch.zeros((), device=self.device)
         tokens = 0
@@ -264,13 +277,14 @@ class Trainer:
             # Gradients are reduced across data-parallel ranks once, in the last micro-batch's backward.
             with self.layout.gradient_sync(last_micro_batch=i == len(micro_batches) - 1):
                 batch = self._batch_to_device(batch)
-                if i == 0:
-                    nominal = batch[1].numel() * len(micro_batches)  # a context-parallel slice under CP
                 with self._autocast(), self.layout.loss_context():
                     if self.layout.pipelined:  # the schedule runs forward and backward itself
                         loss, n_tokens = self.layout.pipeline_step(batch, train=True), batch[1].numel()
+                        nominal = n_tokens * len(micro_batches)
                     else:
                         loss, n_tokens = loss_fn(self.forward_model, batch)
+                        if i == 0:  # in the loss function's unit: tokens, or pairs, or sequences
+                            nominal = max(int(n_tokens), 1) * len(micro_batches)
                         self.scaler.scale(loss * (n_tokens / nominal)).backward()
             loss_sum += _local(loss.detach()).float() * n_tokens
             tokens += int(n_tokens)
@@ -308,7 +322,7 @@ class Trainer:
                 if self.layout.pipelined:
                     loss, n_tokens = self.layout.pipeline_step(batch, train=False), batch[1].numel()
                 else:
-                    loss, n_tokens = self.loss_fn(self.model, batch)
+                    loss, n_tokens = self.eval_loss_fn(self.model, batch)
             total += _local(loss).double().item() * n_tokens
             tokens += int(n_tokens)
         self.model.train()
@@ -317,7 +331,8 @@ class Trainer:
             raise ConfigError("eval_batches", f"the validation split of {self.pack_dir} yielded no batches")
         val_loss = total.item() / tokens
         # Bits per byte divides out the tokenizer: loss in nats per token -> bits per token -> per byte.
-        val_bpb = val_loss / math.log(2) / self.val_loader.bytes_per_token
+        bytes_per_token = getattr(self.val_loader, "bytes_per_token", None)
+        val_bpb = val_loss / math.log(2) / bytes_per_token if bytes_per_token else float("nan")
         return val_loss, val_bpb
 
     # ---- checkpoints -----------------------------------------------------------------------------

@@ -1,0 +1,88 @@
+"""Batch sources for post-training stages, with the TokenLoader interface the training loop uses:
+endless iteration, `state_dict`/`load_state_dict` (exact resume), `iter_batches(n)` for validation.
+
+`ExampleSource` serves fixed, pre-tokenised examples (SFT rows, preference pairs) shuffled per epoch;
+`OnlineSource` asks a function for each batch (RL rollouts sampled from the current policy), seeded
+by the step so a resumed run samples the same rollouts.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+
+class ExampleSource:
+    def __init__(self, rows: list[tuple[torch.Tensor, ...]], batch_size: int, rank: int = 0, world_size: int = 1,
+                 seed: int = 0, shuffle: bool = True, vocab_size: int = 0):
+        if not rows:
+            raise ValueError("no examples to train on")
+        self.rows, self.batch_size, self.rank, self.world_size = rows, batch_size, rank, world_size
+        self.seed, self.shuffle, self.vocab_size = seed, shuffle, vocab_size
+        self.bytes_per_token = None  # bits per byte is a pretraining measure
+        self.global_batch = batch_size * world_size
+        self.batches_per_epoch = max(1, len(rows) // self.global_batch)
+        self.epoch, self.position = 0, 0
+
+    def _order(self, epoch: int) -> torch.Tensor:
+        if not self.shuffle:
+            return torch.arange(len(self.rows))
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        return torch.randperm(len(self.rows), generator=g)
+
+    def _batch(self, order: torch.Tensor, index: int) -> tuple[torch.Tensor, ...]:
+        # A global batch is global_batch consecutive examples of the epoch's order; rank r takes its
+        # slice, so every rank advances the same state and resume works on any world size.
+        start = index * self.global_batch + self.rank * self.batch_size
+        picked = [self.rows[int(i)] for i in order[start:start + self.batch_size]]
+        return tuple(torch.stack(parts) for parts in zip(*picked))
+
+    def __iter__(self):
+        while True:
+            order = self._order(self.epoch)
+            while self.position < self.batches_per_epoch:
+                batch = self._batch(order, self.position)
+                self.position += 1
+                yield batch
+            self.epoch, self.position = self.epoch + 1, 0
+
+    def iter_batches(self, n: int):
+        order = self._order(0) if not self.shuffle else torch.arange(len(self.rows))
+        for index in range(min(n, self.batches_per_epoch)):
+            yield self._batch(order, index)
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position, "examples": len(self.rows), "seed": self.seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("examples") != len(self.rows) or state.get("seed") != self.seed:
+            raise ValueError(f"source state is for {state.get('examples')} examples with seed {state.get('seed')}, "
+                             f"this source has {len(self.rows)} with seed {self.seed}")
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+
+
+class OnlineSource:
+    """Each batch comes from make_batch(step_seed); the step counter is the whole state."""
+
+    def __init__(self, make_batch: Callable[[int], tuple[torch.Tensor, ...]], seed: int = 0,
+                 val_batches: list | None = None, vocab_size: int = 0):
+        self.make_batch, self.seed, self.vocab_size = make_batch, seed, vocab_size
+        self.val = val_batches or []
+        self.bytes_per_token = None
+        self.batches = 0
+
+    def __iter__(self):
+        while True:
+            batch = self.make_batch(self.seed * 1_000_003 + self.batches)
+            self.batches += 1
+            yield batch
+
+    def iter_batches(self, n: int):
+        yield from self.val[:n]
+
+    def state_dict(self) -> dict:
+        return {"batches": self.batches, "seed": self.seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.batches = int(state["batches"])
