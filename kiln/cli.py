@@ -83,6 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     from kiln.parallel.plan_cli import add_plan_parser
     add_launch_parser(verbs)
     add_plan_parser(verbs)
+    from kiln.report import add_report_parser
+    add_report_parser(verbs)
     return parser
 
 
@@ -150,6 +152,9 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.verb == "launch":
         from kiln.parallel.launch import run_launch
         return run_launch(args)
+    if args.verb == "report":
+        from kiln.report import run_report
+        return run_report(args)
     if args.verb == "plan":
         from kiln.parallel.plan_cli import run_plan
         return run_plan(args)

@@ -1,0 +1,561 @@
+"""`kiln report RUN`: one self-contained HTML page (or a plain-text summary) of a run folder.
+
+The page is a list of sections. A section is a function registered with `@section`: it reads what
+it needs from the run folder and returns a `Part` (HTML, plus lines for `--text`), or None when its
+inputs do not exist, and the report then leaves it out. A section whose input is malformed turns
+into a warning at the top of the page instead of failing the whole report.
+"""
+
+from __future__ import annotations
+
+import datetime
+import html
+import importlib
+import json
+import math
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from kiln.config import STAGES
+from kiln.data.funnel import funnel_html, funnel_text
+from kiln.errors import ConfigError, DataError
+from kiln.report_plots import MAX_POINTS, Plot, Series, cards, fmt_value, kv_table, line_plot, page, table
+
+TRAIN_FIELDS = ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "peak_mem_mb", "tokens_seen")
+VAL_FIELDS = ("val_loss", "val_bpb", "tokens_seen")
+SHOWN_SKIPS = 5  # malformed lines listed by number in a warning; the rest are counted
+HEADLINE = ("steps", "tokens_seen", "final_val_loss", "final_val_bpb", "best_val_loss", "best_step",
+            "tokens_per_s", "mfu", "peak_mem_mb", "wall_s", "device")  # of summary.json, for --text
+SAMPLE_CHARS = 64_000  # of sample/samples.txt shown; the rest is cut with a note
+
+
+@dataclass
+class ReportOptions:
+    loss_scale: str = "linear"   # "linear" or "log": the y axis of the loss plots
+    max_points: int = MAX_POINTS  # per plotted series; longer ones are thinned keeping extremes
+    strict: bool = False          # a malformed metrics line fails the report instead of being skipped
+
+
+@dataclass
+class Part:
+    """What a section function returns: its HTML, and its plain-text lines for `--text` ("" omits)."""
+    html: str
+    text: str = ""
+
+
+@dataclass(frozen=True)
+class SectionSpec:
+    key: str                     # HTML id of the section
+    title: str
+    order: float                 # position on the page, ascending
+    inputs: tuple[str, ...]      # paths in the run folder it reads, named in its warnings
+    render: Callable[["Run", ReportOptions], Part | None]
+
+
+SECTIONS: dict[str, SectionSpec] = {}
+# Modules elsewhere in Kiln that register sections of their own. They are imported when a report is
+# built, not when this module loads, so they may import kiln.report without an import cycle.
+SECTION_MODULES: list[str] = []
+
+
+def section(key: str, title: str, order: float, inputs: tuple[str, ...] = ()):
+    """Register `fn(run, opts) -> Part | None` as a report section."""
+    def register(fn):
+        if key in SECTIONS:
+            raise ValueError(f"report section {key!r} is registered twice")
+        SECTIONS[key] = SectionSpec(key, title, order, tuple(inputs), fn)
+        return fn
+    return register
+
+
+@dataclass
+class Metrics:
+    """The records of one metrics.jsonl, by kind, and the lines that could not be read."""
+    path: Path
+    train: list[dict] = field(default_factory=list)
+    val: list[dict] = field(default_factory=list)
+    events: list[dict] = field(default_factory=list)
+    other: int = 0                                                 # records of kinds not drawn
+    skipped: list[tuple[int, str]] = field(default_factory=list)  # (line number, why)
+
+
+def _check_record(record) -> str | None:
+    """Why a parsed line cannot be used, or None."""
+    if not isinstance(record, dict):
+        return "not a JSON object"
+    step = record.get("step")
+    if isinstance(step, bool) or not isinstance(step, int):
+        return "no integer 'step'"
+    for key in {"train": TRAIN_FIELDS, "val": VAL_FIELDS}.get(record.get("kind", "train"), ()):
+        value = record.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            return f"{key!r} is not a number: {value!r:.40}"
+    return None
+
+
+def read_metrics(path, strict: bool = False) -> Metrics:
+    """Parse a metrics.jsonl. A malformed line (a crash cuts the last one short; a hand edit breaks
+    one) is skipped and recorded with its number, or raises DataError naming path:line if strict."""
+    path = Path(path)
+    metrics = Metrics(path)
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                record, why = None, f"not JSON ({e.msg} at column {e.colno})"
+            else:
+                why = _check_record(record)
+            if why:
+                if strict:
+                    raise DataError(f"{path}:{number}: {why}")
+                metrics.skipped.append((number, why))
+                continue
+            kind = record.get("kind", "train")  # MetricsLogger treats a record without a kind as training
+            if kind == "train":
+                metrics.train.append(record)
+            elif kind == "val":
+                metrics.val.append(record)
+            elif kind == "event":
+                metrics.events.append(record)
+            else:
+                metrics.other += 1
+    return metrics
+
+
+class Run:
+    """A run folder (runs/<name>/) and cached, forgiving reads of its files."""
+
+    def __init__(self, path, strict: bool = False):
+        path = Path(path)
+        if not path.exists():
+            raise DataError(f"{path}: no such run folder")
+        if not path.is_dir():
+            raise DataError(f"{path}: not a folder; pass a run folder such as runs/<name>")
+        if not (path / "recipe.json").is_file():
+            if (path.parent / "recipe.json").is_file():
+                raise DataError(f"{path}: is a stage folder of the run {path.parent}; pass {path.parent}")
+            raise DataError(f"{path}: not a Kiln run folder (no recipe.json; `kiln run` writes one into "
+                            f"runs/<name>/)")
+        self.path = path
+        self.strict = strict
+        self.warnings: list[str] = []
+        self._json: dict[str, object] = {}
+        self._metrics: dict[str, Metrics | None] = {}
+        recipe = self.json("recipe.json")
+        self.recipe = recipe if isinstance(recipe, dict) else {}
+        run_table = self.recipe.get("run") if isinstance(self.recipe.get("run"), dict) else {}
+        self.name = str(run_table.get("name") or path.resolve().name)
+
+    def warn(self, message: str) -> None:
+        if message not in self.warnings:
+            self.warnings.append(message)
+
+    def json(self, rel: str):
+        """The parsed JSON file at `rel`, or None if it is missing or malformed (malformed warns)."""
+        if rel not in self._json:
+            path, value = self.path / rel, None
+            if path.is_file():
+                try:
+                    value = json.loads(path.read_text(encoding="utf-8"))
+                except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                    if self.strict:
+                        raise DataError(f"{path}: not valid JSON ({e})") from None
+                    self.warn(f"{path}: not valid JSON ({e}); what it holds is left out")
+            self._json[rel] = value
+        return self._json[rel]
+
+    def metrics(self, stage: str) -> Metrics | None:
+        """The stage's metrics.jsonl, or None if it has none."""
+        if stage not in self._metrics:
+            path = self.path / stage / "metrics.jsonl"
+            metrics = read_metrics(path, self.strict) if path.is_file() else None
+            if metrics is not None and metrics.skipped:
+                listed = "; ".join(f"line {n}: {why}" for n, why in metrics.skipped[:SHOWN_SKIPS])
+                more = f"; and {len(metrics.skipped) - SHOWN_SKIPS} more" if len(metrics.skipped) > SHOWN_SKIPS else ""
+                self.warn(f"{path}: skipped {len(metrics.skipped)} malformed line(s) ({listed}{more})")
+            self._metrics[stage] = metrics
+        return self._metrics[stage]
+
+
+@dataclass
+class Report:
+    run: Run
+    parts: list[tuple[SectionSpec, Part]]
+    generated: str
+
+    @property
+    def warnings(self) -> list[str]:
+        return self.run.warnings
+
+    def html(self) -> str:
+        subtitle = f"{self.run.path.resolve()} · generated {self.generated}"
+        return page(f"Kiln report: {self.run.name}", subtitle, self.warnings,
+                    [(spec.key, spec.title, part.html) for spec, part in self.parts])
+
+    def text(self) -> str:
+        lines = [f"Kiln run {self.run.name} ({self.run.path})"]
+        for spec, part in self.parts:
+            if part.text:
+                lines += ["", f"== {spec.title} ==", part.text]
+        if self.warnings:
+            lines += ["", "== Warnings =="] + [f"- {w}" for w in self.warnings]
+        return "\n".join(lines)
+
+
+def build_report(run_dir, opts: ReportOptions | None = None) -> Report:
+    """Render every registered section that has something to show."""
+    opts = opts or ReportOptions()
+    if opts.loss_scale not in ("linear", "log"):
+        raise ConfigError("loss_scale", f"must be linear or log, got {opts.loss_scale!r}")
+    for name in SECTION_MODULES:
+        importlib.import_module(name)
+    run = Run(run_dir, strict=opts.strict)
+    parts = []
+    for spec in sorted(SECTIONS.values(), key=lambda s: s.order):
+        inputs = " / ".join(str(run.path / p) for p in spec.inputs) or str(run.path)
+        try:
+            part = spec.render(run, opts)
+        except DataError as e:
+            if opts.strict:
+                raise
+            run.warn(f"section {spec.title!r} left out: {e}")
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
+            # Files written by other versions or edited by hand: one section is lost, not the report.
+            if opts.strict:
+                raise DataError(f"{inputs}: unexpected content ({type(e).__name__}: {e})") from e
+            run.warn(f"section {spec.title!r} left out: {inputs} has unexpected content "
+                     f"({type(e).__name__}: {e})")
+        else:
+            if part is not None:
+                parts.append((spec, part))
+    generated = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    return Report(run, parts, generated)
+
+
+def write_report(run_dir, out=None, opts: ReportOptions | None = None) -> tuple[Path, Report]:
+    """Write the HTML report to `out` (default RUN/report.html; a folder gets report.html inside)."""
+    report = build_report(run_dir, opts)
+    out = Path(out) if out else report.run.path / "report.html"
+    if out.is_dir():
+        out = out / "report.html"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    tmp.write_text(report.html(), encoding="utf-8")
+    tmp.replace(out)  # a browser reloading mid-write never sees half a page
+    return out, report
+
+
+# ---------------------------------------------------------------- sections
+
+def _num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _dict(v) -> dict:
+    return v if isinstance(v, dict) else {}
+
+
+def _stage_rows(run: Run) -> list[list]:
+    listed = _dict(run.recipe.get("run")).get("stages") or []
+    names = [s for s in STAGES if s in listed or (run.path / s).is_dir()]
+    names += sorted(d.name for d in run.path.iterdir() if d.is_dir() and d.name not in names
+                    and ((d / "DONE").is_file() or (d / "metrics.jsonl").is_file()))
+    rows = []
+    for name in names:
+        if not (run.path / name).is_dir():
+            rows.append([name, "not run", None])
+        elif (run.path / name / "DONE").is_file():
+            rows.append([name, "done", _dict(run.json(f"{name}/DONE")).get("seconds")])
+        else:
+            rows.append([name, "unfinished", None])
+    return rows
+
+
+@section("overview", "Run", 10, ("recipe.json", "pretrain/summary.json"))
+def _overview(run: Run, opts: ReportOptions) -> Part:
+    rows = _stage_rows(run)
+    parts = [table(["stage", "status", "seconds"], rows)]
+    text = ["stages: " + ", ".join(f"{n} {st}" + (f" ({sec:.1f} s)" if _num(sec) else "") for n, st, sec in rows)]
+    summary = run.json("pretrain/summary.json")
+    if isinstance(summary, dict):
+        parts.append("<h3>Pretraining summary</h3>" + cards(summary))
+        text.append("pretrain: " + ", ".join(f"{k} {fmt_value(summary[k], k)}" for k in HEADLINE if k in summary))
+    return Part("".join(parts), "\n".join(text))
+
+
+def _series(records: list[dict], x: str, y: str, name: str, scale: float = 1.0, **style) -> Series | None:
+    points = sorted(((r[x], r[y] * scale) for r in records if _num(r.get(x)) and _num(r.get(y))),
+                    key=lambda p: p[0])
+    return Series(name, [p[0] for p in points], [p[1] for p in points], **style) if points else None
+
+
+def _event_label(event: dict) -> tuple[str, str]:
+    """(type, details) of an event record."""
+    kind = str(event.get("type") or event.get("event") or event.get("name") or "event")
+    details = ", ".join(f"{k}={fmt_value(v, k)}" for k, v in event.items()
+                        if k not in ("kind", "step", "type", "event", "name"))
+    return kind, details
+
+
+def training_plots(stage: str, m: Metrics, opts: ReportOptions, grad_clip=None) -> list[Plot]:
+    """The plots of one training stage's metrics; those without data are left out."""
+    log = opts.loss_scale == "log"
+    events = [(e["step"], f"step {e['step']}: " + " ".join(_event_label(e))) for e in m.events]
+    t, v = m.train, m.val
+    clip = [(float(grad_clip), "grad_clip")] if _num(grad_clip) and grad_clip > 0 else []
+    plots = [
+        Plot(f"{stage}-loss", "Loss", "step", "loss (nats/token)",
+             [_series(t, "step", "loss", "train loss"), _series(v, "step", "val_loss", "val loss", markers=True)],
+             log_y=log, vlines=events),
+        Plot(f"{stage}-loss-tokens", "Loss vs tokens", "tokens seen", "loss (nats/token)",
+             [_series(t, "tokens_seen", "loss", "train loss"),
+              _series(v, "tokens_seen", "val_loss", "val loss", markers=True)], log_y=log),
+        Plot(f"{stage}-val-bpb", "Validation bits per byte", "step", "bits/byte",
+             [_series(v, "step", "val_bpb", "val bpb", markers=True)]),
+        Plot(f"{stage}-lr", "Learning rate", "step", "lr", [_series(t, "step", "lr", "lr")]),
+        Plot(f"{stage}-grad-norm", "Gradient norm (before clipping)", "step", "global L2 norm",
+             [_series(t, "step", "grad_norm", "grad norm")], hlines=clip, vlines=events),
+        Plot(f"{stage}-throughput", "Throughput", "step", "tokens/s", [_series(t, "step", "tokens_per_s", "tokens/s")]),
+        Plot(f"{stage}-mfu", "Model FLOPs utilization", "step", "MFU (%)", [_series(t, "step", "mfu", "MFU", 100.0)]),
+        Plot(f"{stage}-memory", "Peak memory", "step", "MB", [_series(t, "step", "peak_mem_mb", "peak memory")]),
+    ]
+    for plot in plots:
+        plot.series = [s for s in plot.series if s is not None]
+    return [p for p in plots if p.series]
+
+
+def _training(run: Run, opts: ReportOptions, stage: str, config_table: str) -> Part | None:
+    m = run.metrics(stage)
+    if m is None:
+        return None
+    plots = training_plots(stage, m, opts, _dict(run.recipe.get(config_table)).get("grad_clip"))
+    other = f", {m.other} of other kinds" if m.other else ""
+    note = (f'<p class="note">{len(m.train)} training and {len(m.val)} validation records, '
+            f"{len(m.events)} events{other}, from {html.escape(str(m.path))}.</p>")
+    svgs = "".join(line_plot(p, max_points=opts.max_points) for p in plots)
+    text = [f"{len(m.train)} training records, {len(m.val)} validation records, {len(m.events)} events"]
+    losses = [r for r in m.train if _num(r.get("loss"))]
+    if losses:
+        low = min(losses, key=lambda r: r["loss"] if math.isfinite(r["loss"]) else float("inf"))
+        text.append(f"train loss {losses[0]['loss']:.4f} at step {losses[0]['step']} -> {losses[-1]['loss']:.4f} "
+                    f"at step {losses[-1]['step']} (lowest {low['loss']:.4f} at step {low['step']})")
+    vals = [r for r in m.val if _num(r.get("val_loss"))]
+    if vals:
+        text.append(f"val loss {vals[-1]['val_loss']:.4f} at step {vals[-1]['step']}")
+    last = m.train[-1] if m.train else {}
+    if _num(last.get("tokens_per_s")):
+        text.append(f"last logged: {last['tokens_per_s']:.0f} tokens/s, MFU {fmt_value(last.get('mfu'), 'mfu')}, "
+                    f"peak memory {fmt_value(last.get('peak_mem_mb'))} MB")
+    return Part(note + f'<div class="plots">{svgs}</div>', "\n".join(text))
+
+
+def _checkpoints(run: Run, stage: str) -> Part | None:
+    root = run.path / stage / "checkpoints"
+    if not root.is_dir():
+        return None
+    pointers = {p: (root / p).read_text().strip() for p in ("latest", "best") if (root / p).is_file()}
+    folders = [d for d in root.iterdir() if d.is_dir() and d.name.split("step-")[0] in ("", "abandoned-")]
+    rows = []
+    def step_of(d: Path) -> int:
+        digits = d.name.rsplit("-", 1)[-1]
+        return int(digits) if digits.isdigit() else -1
+
+    for d in sorted(folders, key=lambda d: (step_of(d), d.name)):
+        notes = [p for p, name in pointers.items() if name == d.name]
+        notes += ["abandoned"] if d.name.startswith("abandoned-") else []
+        manifest = run.json(f"{stage}/checkpoints/{d.name}/manifest.json")
+        if not isinstance(manifest, dict):
+            rows.append([d.name, None, None, None, None, ", ".join(notes + ["no readable manifest"])])
+            continue
+        notes += ["sharded"] if manifest.get("layout") == "sharded" else []
+        size = sum(f.get("bytes", 0) for f in _dict(manifest.get("files")).values() if isinstance(f, dict))
+        rows.append([d.name, manifest.get("step"), manifest.get("tokens_seen"), manifest.get("val_loss"),
+                     size / 2**20, ", ".join(notes)])
+    if not rows:
+        return None
+    text = "; ".join(f"{r[0]} val {fmt_value(r[3])}" + (f" ({r[5]})" if r[5] else "") for r in rows)
+    return Part(table(["checkpoint", "step", "tokens seen", "val loss", "MB", "notes"], rows,
+                      ["checkpoint", "step", "tokens_seen", "val_loss", "mb", "notes"]), text)
+
+
+def _events(run: Run, stage: str) -> Part | None:
+    m = run.metrics(stage)
+    if m is None or not m.events:
+        return None
+    rows = [[e["step"], *_event_label(e)] for e in m.events]
+    counts: dict[str, int] = {}
+    for _, kind, _ in rows:
+        counts[kind] = counts.get(kind, 0) + 1
+    text = f"{len(rows)} events: " + ", ".join(f"{k} {n}" for k, n in counts.items())
+    return Part(table(["step", "event", "details"], rows), text)
+
+
+def training_section(stage: str, title: str, order: float, config_table: str) -> None:
+    """Register the sections of a training stage that logs metrics.jsonl and keeps checkpoints/:
+    its plots, its checkpoints and its events. Post-training stages add themselves with one call."""
+    section(f"{stage}-training", title, order, (f"{stage}/metrics.jsonl",))(
+        lambda run, opts: _training(run, opts, stage, config_table))
+    section(f"{stage}-checkpoints", f"{title}: checkpoints", order + 0.1, (f"{stage}/checkpoints",))(
+        lambda run, opts: _checkpoints(run, stage))
+    section(f"{stage}-events", f"{title}: events", order + 0.2, (f"{stage}/metrics.jsonl",))(
+        lambda run, opts: _events(run, stage))
+
+
+training_section("pretrain", "Pretraining", 20, "train")
+
+
+def _flatten(data, prefix: str = "", out: dict | None = None, limit: int = 500) -> dict:
+    out = {} if out is None else out
+    items = data.items() if isinstance(data, dict) else enumerate(data) if isinstance(data, list) else None
+    if items is None:
+        out[prefix or "value"] = data
+        return out
+    for k, v in items:
+        if len(out) >= limit:
+            break
+        _flatten(v, f"{prefix}.{k}" if prefix else str(k), out, limit)
+    return out
+
+
+@section("eval", "Evaluation", 40, ("eval",))
+def _eval(run: Run, opts: ReportOptions) -> Part | None:
+    """Any JSON results under eval/, as tables; scores across checkpoints when results name a step."""
+    root = run.path / "eval"
+    files = sorted(root.rglob("*.json")) if root.is_dir() else []
+    rels = [f.relative_to(run.path).as_posix() for f in files]
+    results = [(rel, _flatten(run.json(rel))) for rel in rels if run.json(rel) is not None]
+    if not results:
+        return None
+    parts, text = [], []
+    stepped = sorted(((flat["step"], flat) for _, flat in results if _num(flat.get("step"))), key=lambda p: p[0])
+    if len(stepped) >= 2:
+        keys = [k for k, v in stepped[0][1].items() if _num(v) and k not in ("step", "tokens_seen")
+                and all(_num(flat.get(k)) for _, flat in stepped)][:8]
+        series = [Series(k, [s for s, _ in stepped], [flat[k] for _, flat in stepped], markers=True) for k in keys]
+        if series:
+            plot = Plot("eval-scores", "Evaluation scores across checkpoints", "step", "score", series)
+            parts.append(f'<div class="plots">{line_plot(plot, max_points=opts.max_points)}</div>')
+    for rel, flat in results:
+        parts.append(f"<h3>{html.escape(rel)}</h3>" + kv_table(flat))
+        shown = [f"{k}={fmt_value(v, k)}" for k, v in flat.items() if _num(v)][:8]
+        text.append(f"{rel}: " + ", ".join(shown))
+    return Part("".join(parts), "\n".join(text))
+
+
+@section("corpus", "Corpus", 45, ("corpus/stats.json",))
+def _corpus(run: Run, opts: ReportOptions) -> Part | None:
+    stats = run.json("corpus/stats.json")
+    if not isinstance(stats, dict):
+        return None
+    sources = _dict(stats.get("sources"))
+    rows = [[name, s.get("documents"), s.get("bytes"), s.get("candidates"),
+             ", ".join(f"{k} {v}" for k, v in _dict(s.get("dropped")).items())] for name, s in sources.items()]
+    totals = {k: v for k, v in stats.items() if k != "sources"}
+    text = (f"{fmt_value(stats.get('documents'))} documents, {fmt_value(stats.get('bytes'))} bytes "
+            f"from {len(sources)} sources")
+    return Part(kv_table(totals) + table(["source", "documents", "bytes", "candidates", "dropped"], rows), text)
+
+
+@section("data", "Data curation", 50, ("data/stats.json",))
+def _data(run: Run, opts: ReportOptions) -> Part | None:
+    stats = run.json("data/stats.json")
+    if stats is None:
+        return None
+    funnel_page = funnel_html(stats, "Data funnel")
+    # funnel_html makes a whole page; its chart and table start at the <svg>.
+    chart = funnel_page[funnel_page.index("<svg"):]
+    docs_in, docs_out = stats.get("docs_in"), stats.get("docs_out")
+    kept = f" ({100 * docs_out / docs_in:.1f}% kept)" if _num(docs_in) and _num(docs_out) and docs_in else ""
+    intro = (f"<p>{fmt_value(docs_in)} documents in, {fmt_value(docs_out)} out{kept}, in "
+             f"{fmt_value(stats.get('tasks'))} tasks. Documents (blue) and bytes (orange) kept after each step, "
+             f"as a share of what was read.</p>")
+    return Part(intro + f'<div class="wide">{chart}</div>', funnel_text(stats))
+
+
+@section("tokenizer", "Tokenizer", 60, ("tokenizer/stats.json",))
+def _tokenizer(run: Run, opts: ReportOptions) -> Part | None:
+    stats = run.json("tokenizer/stats.json")
+    if not isinstance(stats, dict):
+        return None
+    by_source = _dict(stats.get("heldout_by_source"))
+    rows = [[name, s.get("documents"), s.get("bytes"), s.get("tokens"), s.get("bytes_per_token")]
+            for name, s in by_source.items()]
+    html_ = kv_table({k: v for k, v in stats.items() if k != "heldout_by_source"})
+    if rows:
+        html_ += "<h3>Held-out text by source</h3>" + table(
+            ["source", "documents", "bytes", "tokens", "bytes/token"], rows)
+    text = (f"vocabulary {fmt_value(stats.get('vocab_size'))}, {fmt_value(stats.get('bytes_per_token'))} "
+            f"bytes/token on held-out text")
+    return Part(html_, text)
+
+
+@section("pack", "Token shards", 65, ("pack/stats.json",))
+def _pack(run: Run, opts: ReportOptions) -> Part | None:
+    stats = run.json("pack/stats.json")
+    if not isinstance(stats, dict):
+        return None
+    splits = [[split, _dict(stats.get(split)).get("documents"), _dict(stats.get(split)).get("tokens"),
+               _dict(stats.get(split)).get("bytes")] for split in ("train", "val") if split in stats]
+    weights = _dict(stats.get("weights"))
+    sources = [[name, _dict(s.get("train")).get("tokens"), _dict(s.get("val")).get("tokens"), weights.get(name)]
+               for name, s in _dict(stats.get("sources")).items()]
+    html_ = (f"<p>dtype {html.escape(fmt_value(stats.get('dtype')))}, vocabulary "
+             f"{html.escape(fmt_value(stats.get('vocab_size')))}.</p>"
+             + table(["split", "documents", "tokens", "bytes"], splits))
+    if sources:
+        html_ += "<h3>Mixture</h3>" + table(["source", "train tokens", "val tokens", "weight"], sources)
+    text = ", ".join(f"{r[0]} {fmt_value(r[2])} tokens" for r in splits)
+    return Part(html_, text)
+
+
+@section("samples", "Samples", 70, ("sample/samples.txt",))
+def _samples(run: Run, opts: ReportOptions) -> Part | None:
+    path = run.path / "sample" / "samples.txt"
+    if not path.is_file():
+        return None
+    text = path.read_text(encoding="utf-8", errors="replace")
+    step = _dict(run.json("sample/stats.json")).get("checkpoint_step")
+    note = f"from the checkpoint of step {step}, " if step is not None else ""
+    cut = f" (first {SAMPLE_CHARS:,} of {len(text):,} characters)" if len(text) > SAMPLE_CHARS else ""
+    html_ = (f'<p class="note">Generated text {html.escape(note)}as written to {html.escape(str(path))}{cut}.</p>'
+             f"<pre>{html.escape(text[:SAMPLE_CHARS])}</pre>")
+    return Part(html_, text[:600] + (" ..." if len(text) > 600 else ""))
+
+
+@section("config", "Configuration", 90, ("recipe.json",))
+def _config(run: Run, opts: ReportOptions) -> Part | None:
+    if not run.recipe:
+        return None
+    parts = [f"<h3>[{html.escape(name)}]</h3>" + kv_table(values) if isinstance(values, dict)
+             else f"<h3>{html.escape(name)}</h3>" + kv_table({name: values}) for name, values in run.recipe.items()]
+    return Part('<p class="note">The resolved recipe of the latest invocation (recipe.json).</p>' + "".join(parts))
+
+
+# ---------------------------------------------------------------- command line
+
+def add_report_parser(verbs) -> None:
+    p = verbs.add_parser("report", help="HTML report of a run: loss curves, throughput, data funnel, samples")
+    p.add_argument("run", help="run folder, e.g. runs/tiny")
+    p.add_argument("--out", help="HTML file to write (default: RUN/report.html)")
+    p.add_argument("--text", action="store_true", help="print a plain-text summary instead of writing HTML")
+    p.add_argument("--loss-scale", choices=("linear", "log"), default="linear", help="y axis of the loss plots")
+    p.add_argument("--strict", action="store_true",
+                   help="fail on a malformed metrics line or stats file instead of skipping it with a warning")
+
+
+def run_report(args) -> int:
+    opts = ReportOptions(loss_scale=args.loss_scale, strict=args.strict)
+    if args.text:
+        print(build_report(args.run, opts).text())
+        return 0
+    out, report = write_report(args.run, args.out, opts)
+    for warning in report.warnings:
+        print(f"kiln report: warning: {warning}", file=sys.stderr)
+    print(f"wrote {out} ({len(report.parts)} sections); open it in a browser, no network needed")
+    return 0
