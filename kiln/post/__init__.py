@@ -1,0 +1,1 @@
+"""Post-training: chat format, data, verifiable tasks, losses and the SFT/RM/DPO/PPO/GRPO/distill stages."""
