@@ -108,7 +108,7 @@ class Attention(nn.Module):
         self.wo = nn.Linear(self.n_heads * self.head_dim, cfg.dim, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
+                mask: torch.Tensor | None = None, *, kv_cache=None) -> torch.Tensor:
         batch, seq, _ = x.shape
         # -1 groups: under tensor parallelism this rank holds only some of the key/value groups.
         group = self.n_heads // self.n_kv_heads
@@ -121,6 +121,13 @@ class Attention(nn.Module):
         # [B, heads, T, head_dim]; query head g*group + j reads kv head g, the order HF models use.
         q = q.flatten(2, 3).transpose(1, 2)
         k, v = k.squeeze(3).transpose(1, 2), v.squeeze(3).transpose(1, 2)
+        if kv_cache is not None:
+            # Inference (kiln.infer.engine.KVCache): the new keys join the row's cached ones, and the
+            # cache says how to mask queries that sit at an offset in their row (plain is_causal
+            # would align them with the first cached key).
+            k, v, masking = kv_cache.update(k, v)
+            out = F.scaled_dot_product_attention(q, k, v, enable_gqa=group > 1, **masking)
+            return self.wo(out.transpose(1, 2).flatten(2))
         # The mask is passed only when set, so swapped-in attentions need not know about it.
         out = self.attention(q, k, v, enable_gqa=group > 1, **({"mask": mask} if mask is not None else {}))
         return self.wo(out.transpose(1, 2).flatten(2))
@@ -152,8 +159,11 @@ class Block(nn.Module):
         self.ffn_norm = make_norm(cfg)
         self.ffn = MoEFeedForward(cfg) if cfg.is_moe_layer(layer) else FeedForward(cfg)
 
-    def forward(self, x, cos=None, sin=None, mask=None):
-        x = x + self.attn(self.attn_norm(x), cos, sin, **({"mask": mask} if mask is not None else {}))
+    def forward(self, x, cos=None, sin=None, mask=None, *, kv_cache=None):
+        extra = {"mask": mask} if mask is not None else {}
+        if kv_cache is not None:
+            extra["kv_cache"] = kv_cache
+        x = x + self.attn(self.attn_norm(x), cos, sin, **extra)
         return x + self.ffn(self.ffn_norm(x))
 
 
@@ -216,14 +226,22 @@ class Transformer(nn.Module):
             nn.init.normal_(self.output.weight, std=cfg.init_std)
 
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None,
-                document_ids: torch.Tensor | None = None) -> torch.Tensor:
+                document_ids: torch.Tensor | None = None, kv_cache=None) -> torch.Tensor:
         """tokens [B, T] -> logits [B, T, vocab]. position_ids [B, T] (default 0..T-1 in every row)
         only set the positions used by RoPE or the absolute embeddings. Attention is causal over the
         whole row unless document_ids [B, T] are given: then a token attends only to earlier tokens of
-        its own document, so several sequences packed in one row do not see each other."""
+        its own document, so several sequences packed in one row do not see each other.
+        kv_cache (a kiln.infer.engine.KVCache): tokens are appended after each row's cached tokens,
+        attend to them, and are cached in turn; positions then default to each row's cache length
+        onwards."""
         seq = tokens.shape[1]
         if seq > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {seq} exceeds model max_seq_len={self.cfg.max_seq_len}")
+        if kv_cache is not None:
+            if document_ids is not None:
+                raise ValueError("document_ids cannot be combined with kv_cache (one sequence per cached row)")
+            cache_positions = kv_cache.prepare(seq)
+            position_ids = cache_positions if position_ids is None else position_ids
         if position_ids is None:
             positions = slice(0, seq)   # [T, ...] tables broadcast over the batch
             head_axis = 1               # cos/sin [T, 1, head_dim] against q/k [B, T, heads, head_dim]
@@ -251,8 +269,13 @@ class Transformer(nn.Module):
             causal = torch.ones(seq, seq, dtype=torch.bool, device=tokens.device).tril()
             mask = (document_ids[:, :, None] == document_ids[:, None, :]) & causal
             mask = mask.unsqueeze(1)  # [B, 1, T, T], broadcast over heads
-        for block in self.layers:
-            x = block(x, cos, sin, mask) if mask is not None else block(x, cos, sin)
+        if kv_cache is not None:
+            for layer, block in enumerate(self.layers):
+                x = block(x, cos, sin, kv_cache=kv_cache.layer(layer))
+            kv_cache.advance(seq)
+        else:
+            for block in self.layers:
+                x = block(x, cos, sin, mask) if mask is not None else block(x, cos, sin)
         x = self.norm(x)
         if self.output is None:
             return F.linear(x, self.tok_embeddings.weight)

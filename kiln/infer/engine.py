@@ -1,0 +1,426 @@
+"""The inference engine: a preallocated KV cache, batched prefill then decode, sampling, stop rules
+and streaming text that never splits a character.
+
+Batches of prompts of different lengths are laid out with per-row lengths rather than left padding:
+every row starts at cache slot 0 and position 0, so a prompt gets the same positions and the same
+keys whether it runs alone or in a batch, and a row can be dropped from (or, later, added to) the
+batch without moving the others. Prefill right-pads the prompts to the longest one; the padded
+slots of a shorter row are past its length, are never attended to, and are overwritten by the row's
+next tokens. See docs/inference.md for the sampling parameters and which log-probabilities are
+returned.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import torch
+
+from kiln.errors import ConfigError
+from kiln.infer.sample import filter_logits
+
+
+class KVCache:
+    """Keys and values of every layer for a batch of rows: k and v [layers, B, kv_heads, max_len,
+    head_dim], allocated once, and each row's length (how many slots hold its tokens).
+
+    Transformer.forward(tokens, kv_cache=cache) appends tokens [B, T] after each row's cached tokens
+    and advances every row by T; a caller that right-padded rows of different lengths then sets the
+    true lengths with set_lengths."""
+
+    def __init__(self, n_layers: int, batch: int, n_kv_heads: int, max_len: int, head_dim: int,
+                 dtype: torch.dtype = torch.float32, device=None):
+        shape = (n_layers, batch, n_kv_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.max_len = max_len
+        # On the host: the shapes of the next step depend on them, and reading them from the device
+        # would wait for the GPU at every step.
+        self.lengths: list[int] = [0] * batch
+        self._layers = [_LayerCache(self, layer) for layer in range(n_layers)]
+        self._step: tuple | None = None
+
+    @classmethod
+    def for_model(cls, model, batch: int, max_len: int | None = None) -> "KVCache":
+        cfg = model.cfg
+        max_len = cfg.max_seq_len if max_len is None else max_len
+        if not 0 < max_len <= cfg.max_seq_len:
+            raise ValueError(f"KV cache max_len must be in 1..max_seq_len={cfg.max_seq_len}, got {max_len}")
+        param = next(model.parameters())
+        return cls(cfg.n_layers, batch, cfg.kv_heads, max_len, cfg.head_dim, param.dtype, param.device)
+
+    @property
+    def batch(self) -> int:
+        return self.k.shape[1]
+
+    def layer(self, layer: int) -> "_LayerCache":
+        return self._layers[layer]
+
+    def prepare(self, seq: int) -> torch.Tensor:
+        """Plan a step that appends seq tokens to every row; returns their positions [B, seq]."""
+        longest, shortest = max(self.lengths), min(self.lengths)
+        if longest + seq > self.max_len:
+            raise ValueError(f"KV cache full: a row holds {longest} tokens, {seq} more exceed max_len={self.max_len}")
+        device = self.k.device
+        positions = torch.tensor(self.lengths, device=device)[:, None] + torch.arange(seq, device=device)
+        width = longest + seq  # keys any row can see this step
+        if longest == shortest:
+            write = slice(longest, width)
+            if seq == 1:
+                masking = {}  # one query per row, every cached key is before it
+            elif longest == 0:
+                masking = {"is_causal": True}  # queries and keys both start at slot 0
+            else:
+                masking = {"attn_mask": torch.arange(width, device=device) <= positions[0, :, None]}
+        else:
+            # Rows at different lengths: row b's query t sits at slot lengths[b] + t and sees the
+            # keys up to it; the slots of longer rows beyond that are masked out.
+            rows = torch.arange(self.batch, device=device)[:, None].expand(-1, seq)
+            write = (rows, positions)
+            mask = torch.arange(width, device=device) <= positions[:, :, None]  # [B, T, width]
+            masking = {"attn_mask": mask.unsqueeze(1)}  # broadcast over heads
+        self._step = (write, width, masking)
+        return positions
+
+    def advance(self, seq: int) -> None:
+        self.lengths = [length + seq for length in self.lengths]
+        self._step = None
+
+    def set_lengths(self, lengths: Sequence[int]) -> None:
+        if len(lengths) != self.batch or not all(0 <= n <= self.max_len for n in lengths):
+            raise ValueError(f"need {self.batch} lengths in 0..{self.max_len}, got {list(lengths)}")
+        self.lengths = list(lengths)
+
+    def keep(self, rows: Sequence[int]) -> None:
+        """Keep only these rows (in this order): finished requests stop costing compute."""
+        index = torch.tensor(rows, dtype=torch.long, device=self.k.device)
+        self.k = self.k.index_select(1, index)
+        self.v = self.v.index_select(1, index)
+        self.lengths = [self.lengths[r] for r in rows]
+
+
+class _LayerCache:
+    """One layer's view of the cache, handed to Attention.forward."""
+
+    def __init__(self, cache: KVCache, layer: int):
+        self.cache, self.index = cache, layer
+
+    def update(self, k: torch.Tensor, v: torch.Tensor):
+        """k, v [B, kv_heads, T, head_dim] of the new tokens -> all keys and values the step can
+        see [B, kv_heads, width, head_dim] and the masking arguments for SDPA."""
+        cache = self.cache
+        if cache._step is None:
+            raise RuntimeError("KVCache.prepare(seq) must run before the layers use the cache")
+        write, width, masking = cache._step
+        k_all, v_all = cache.k[self.index], cache.v[self.index]
+        if isinstance(write, slice):
+            k_all[:, :, write] = k
+            v_all[:, :, write] = v
+        else:
+            rows, slots = write  # indices on dims 0 and 2 put [B, T] first: [B, T, kv_heads, head_dim]
+            k_all[rows, :, slots] = k.transpose(1, 2)
+            v_all[rows, :, slots] = v.transpose(1, 2)
+        return k_all[:, :, :width], v_all[:, :, :width], masking
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0         # 0: greedy
+    top_k: int = 0                   # 0: off
+    top_p: float = 1.0               # 1: off
+    min_p: float = 0.0               # 0: off
+    repetition_penalty: float = 1.0  # 1: off
+
+    def validate(self) -> None:
+        if self.temperature < 0:
+            raise ConfigError("temperature", f"must be >= 0 (0 is greedy), got {self.temperature}")
+        if self.top_k < 0:
+            raise ConfigError("top_k", f"must be >= 0 (0 is off), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError("top_p", f"must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            raise ConfigError("min_p", f"must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty <= 0:
+            raise ConfigError("repetition_penalty", f"must be > 0 (1 is off), got {self.repetition_penalty}")
+
+
+def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """CTRL's penalty (Keskar et al. 2019) as transformers applies it: a token already in the prompt
+    or the completion has a positive logit divided by `penalty` and a negative one multiplied by it."""
+    penalised = torch.where(logits < 0, logits * penalty, logits / penalty)
+    return torch.where(seen, penalised, logits)
+
+
+def min_p_filter(logits: torch.Tensor, min_p: float) -> torch.Tensor:
+    """Drop tokens whose probability is below min_p times the most likely token's (Nguyen et al. 2024)."""
+    if min_p <= 0:
+        return logits
+    probs = logits.softmax(dim=-1)
+    threshold = min_p * probs.max(dim=-1, keepdim=True).values
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def sampling_logits(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None = None) -> torch.Tensor:
+    """Logits [B, vocab] whose softmax is the distribution a token is drawn from (temperature > 0),
+    in transformers' order: repetition penalty, temperature, top-k, top-p, min-p."""
+    if seen is not None and params.repetition_penalty != 1.0:
+        logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
+    logits = filter_logits(logits / params.temperature, params.top_k, params.top_p)
+    return min_p_filter(logits, params.min_p)
+
+
+@dataclass
+class StreamToken:
+    """One generated token. text is what the token completes: "" while a character's bytes are still
+    incomplete or while the text might be the start of a stop string; the last token of a request
+    carries finish_reason and whatever text was held back."""
+    id: int
+    text: str
+    logprob: float
+    temperature_logprob: float
+    sampling_logprob: float
+    finish_reason: str | None = None
+    stop: int | str | None = None
+
+
+@dataclass
+class Completion:
+    """ids include a stop token that ended the request (RL trains on it) and the token that completed
+    a stop string; text (with a tokenizer) leaves out the stop token, and ends before a stop string."""
+    ids: list[int]
+    text: str | None
+    finish_reason: str  # "stop" | "length"
+    logprobs: list[float] = field(default_factory=list)
+    temperature_logprobs: list[float] = field(default_factory=list)
+    sampling_logprobs: list[float] = field(default_factory=list)
+    stop: int | str | None = None  # the stop token id or stop string that matched
+    prompt_tokens: int = 0
+
+
+class TextStream:
+    """Text of a growing list of token ids, given out in pieces that never end inside a character.
+
+    A byte-level tokenizer splits a multi-byte UTF-8 character across tokens; decoding a token alone
+    then gives U+FFFD. The ids after the last complete piece are decoded together with the token
+    before them (so decoders that strip a leading space treat them as a continuation), and the new
+    text is released only once it no longer ends in U+FFFD. With stop strings, text that could be
+    the start of one is held back until it is known not to be."""
+
+    def __init__(self, tokenizer, stop_strings: Sequence[str] = ()):
+        self.tokenizer = tokenizer
+        self.stop_strings = [s for s in stop_strings if s]
+        self.ids: list[int] = []
+        self.prefix = self.read = 0
+        self.text = ""       # all complete text so far (cut before a stop string once one matched)
+        self.released = 0    # characters of self.text already given out
+        self.stopped: str | None = None  # the stop string that matched; nothing is added after it
+
+    def push(self, token: int) -> tuple[str, str | None]:
+        """Add a token; returns (new text, the stop string that matched or None)."""
+        if self.stopped is not None:
+            return "", None
+        self.ids.append(token)
+        before = self.tokenizer.decode(self.ids[self.prefix:self.read])
+        now = self.tokenizer.decode(self.ids[self.prefix:])
+        if len(now) <= len(before) or now.endswith("\ufffd"):
+            return "", None
+        self.prefix, self.read = self.read, len(self.ids)
+        return self._add(now[len(before):], final=False)
+
+    def finish(self) -> str:
+        """The rest of the text at the end of the request (an incomplete character decodes to U+FFFD)."""
+        if self.stopped is not None:
+            return ""
+        if self.read < len(self.ids):
+            before = self.tokenizer.decode(self.ids[self.prefix:self.read])
+            rest = self.tokenizer.decode(self.ids[self.prefix:])[len(before):]
+            self.prefix = self.read = len(self.ids)
+            return self._add(rest, final=True)[0]
+        return self._add("", final=True)[0]
+
+    def _add(self, piece: str, final: bool) -> tuple[str, str | None]:
+        start = max(0, len(self.text) - max((len(s) for s in self.stop_strings), default=0) + 1)
+        self.text += piece
+        matched, cut = None, len(self.text)
+        for stop in self.stop_strings:
+            at = self.text.find(stop, start)
+            if 0 <= at < cut:
+                matched, cut = stop, at
+        self.text = self.text[:cut]
+        self.stopped = self.stopped or matched
+        end = len(self.text)
+        if matched is None and not final:
+            # Hold back the longest tail that some stop string starts with.
+            for size in range(min(end - self.released, max((len(s) for s in self.stop_strings), default=0)), 0, -1):
+                if any(s.startswith(self.text[end - size:]) for s in self.stop_strings):
+                    end -= size
+                    break
+        out, self.released = self.text[self.released:end], end
+        return out, matched
+
+
+class Engine:
+    """Generation from a kiln Transformer with a KV cache. tokenizer (anything with encode/decode)
+    is needed for text, stop strings and string prompts."""
+
+    def __init__(self, model, tokenizer=None):
+        self.model = model
+        self.tokenizer = tokenizer
+
+    def generate(self, prompts: Sequence[Sequence[int] | str], max_new_tokens: int, temperature: float = 1.0,
+                 top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, repetition_penalty: float = 1.0,
+                 stop_token_ids: Sequence[int] = (), stop_strings: Sequence[str] = (),
+                 seed: int | Sequence[int] | None = None) -> list[Completion]:
+        """One Completion per prompt, in order. Rows stop independently (stop token, stop string,
+        max_new_tokens, or the model's max_seq_len); a finished row leaves the batch. seed: an int
+        seeds row i with seed + i, a list gives each row its own; each row draws from its own
+        generator, so a row's tokens do not depend on the other rows in the batch."""
+        params = SamplingParams(temperature, top_k, top_p, min_p, repetition_penalty)
+        prompts = [self._encode(p) for p in prompts]
+        outs = [Completion([], None, "length", prompt_tokens=len(p)) for p in prompts]
+        for row, token in self._run(prompts, max_new_tokens, params, stop_token_ids, stop_strings, seed):
+            out = outs[row]
+            out.ids.append(token.id)
+            out.logprobs.append(token.logprob)
+            out.temperature_logprobs.append(token.temperature_logprob)
+            out.sampling_logprobs.append(token.sampling_logprob)
+            if self.tokenizer is not None:
+                out.text = (out.text or "") + token.text
+            if token.finish_reason is not None:
+                out.finish_reason, out.stop = token.finish_reason, token.stop
+        return outs
+
+    def stream(self, prompt: Sequence[int] | str, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
+               top_p: float = 1.0, min_p: float = 0.0, repetition_penalty: float = 1.0,
+               stop_token_ids: Sequence[int] = (), stop_strings: Sequence[str] = (),
+               seed: int | None = None) -> Iterator[StreamToken]:
+        """The tokens of one request as they are generated; the same tokens generate([prompt]) gives
+        with the same seed, and their texts join to its text."""
+        params = SamplingParams(temperature, top_k, top_p, min_p, repetition_penalty)
+        for _, token in self._run([self._encode(prompt)], max_new_tokens, params, stop_token_ids, stop_strings, seed):
+            yield token
+
+    def _encode(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ConfigError("prompts", "text prompts need a tokenizer (Engine(model, tokenizer))")
+            return self.tokenizer.encode(prompt)
+        return [int(t) for t in prompt]
+
+    def _generators(self, seed, batch: int, device) -> list[torch.Generator]:
+        if seed is None:
+            # Drawn from torch's global generator, so torch.manual_seed still makes a run repeatable.
+            seeds = torch.randint(0, 2**62, (batch,)).tolist()
+        elif isinstance(seed, int):
+            seeds = [seed + row for row in range(batch)]
+        else:
+            seeds = [int(s) for s in seed]
+            if len(seeds) != batch:
+                raise ConfigError("seed", f"got {len(seeds)} seeds for {batch} prompts")
+        return [torch.Generator(device=device).manual_seed(s) for s in seeds]
+
+    def _check(self, prompts, max_new_tokens, stop_strings) -> None:
+        max_seq_len, vocab = self.model.cfg.max_seq_len, self.model.cfg.vocab_size
+        if not prompts:
+            raise ConfigError("prompts", "no prompts given")
+        if max_new_tokens <= 0:
+            raise ConfigError("max_new_tokens", f"must be positive, got {max_new_tokens}")
+        if stop_strings and self.tokenizer is None:
+            raise ConfigError("stop_strings", "stop strings need a tokenizer (Engine(model, tokenizer))")
+        for i, prompt in enumerate(prompts):
+            if not prompt:
+                raise ConfigError("prompts", f"prompt {i} is empty; give at least one token (e.g. the eot id)")
+            if len(prompt) >= max_seq_len:
+                raise ConfigError("prompts", f"prompt {i} has {len(prompt)} tokens; the model's max_seq_len "
+                                  f"{max_seq_len} leaves no room to generate")
+            if min(prompt) < 0 or max(prompt) >= vocab:
+                raise ConfigError("prompts", f"prompt {i} has token ids outside 0..{vocab - 1}")
+
+    @torch.inference_mode()
+    def _run(self, prompts, max_new_tokens, params: SamplingParams, stop_token_ids, stop_strings, seed):
+        """Yields (prompt index, StreamToken) for each token of each row, step by step."""
+        params.validate()
+        self._check(prompts, max_new_tokens, stop_strings)
+        model = self.model
+        was_training = model.training
+        model.eval()
+        try:
+            device = next(model.parameters()).device
+            lengths = [len(p) for p in prompts]
+            batch, longest = len(prompts), max(lengths)
+            # A row's last token is sampled but never fed back, so it needs no slot.
+            cache = KVCache.for_model(model, batch, min(model.cfg.max_seq_len, longest + max_new_tokens - 1))
+            tokens = torch.zeros(batch, longest, dtype=torch.long, device=device)
+            for row, prompt in enumerate(prompts):
+                tokens[row, :len(prompt)] = torch.tensor(prompt, device=device)
+            logits = model(tokens, kv_cache=cache)
+            cache.set_lengths(lengths)
+            logits = logits[torch.arange(batch, device=device), torch.tensor(lengths, device=device) - 1].float()
+
+            seen = None
+            if params.repetition_penalty != 1.0:
+                seen = torch.zeros(batch, logits.shape[-1], dtype=torch.bool, device=device)
+                seen.scatter_(1, tokens, True)
+                seen[:, 0] = torch.tensor([0 in p for p in prompts], device=device)  # 0 was the padding id
+            rows = list(range(batch))  # the prompt index of each cache row
+            generators = self._generators(seed, batch, device)
+            texts = [TextStream(self.tokenizer, stop_strings) if self.tokenizer is not None else None
+                     for _ in range(batch)]
+            stop_ids = {int(t) for t in stop_token_ids}
+            generated = [0] * batch
+            while True:
+                new, logprob, temp_logprob, sample_logprob = _sample(logits, params, seen, generators)
+                keep = []
+                for r, row in enumerate(rows):
+                    token, text = new[r], texts[r]
+                    generated[row] += 1
+                    piece, finish, stop = "", None, None
+                    if token in stop_ids:
+                        finish, stop = "stop", token
+                    elif text is not None:
+                        piece, stop = text.push(token)
+                        finish = "stop" if stop is not None else None
+                    if finish is None and (generated[row] == max_new_tokens
+                                           or lengths[row] + generated[row] >= model.cfg.max_seq_len):
+                        finish = "length"
+                    if finish is not None and text is not None:
+                        piece += text.finish()
+                    if finish is None:
+                        keep.append(r)
+                    yield row, StreamToken(token, piece, logprob[r], temp_logprob[r], sample_logprob[r], finish, stop)
+                if not keep:
+                    return
+                next_ids = torch.tensor(new, device=device)
+                if seen is not None:
+                    seen[torch.arange(len(rows), device=device), next_ids] = True
+                if len(keep) < len(rows):
+                    cache.keep(keep)
+                    index = torch.tensor(keep, device=device)
+                    next_ids = next_ids[index]
+                    seen = seen[index] if seen is not None else None
+                    rows = [rows[r] for r in keep]
+                    generators = [generators[r] for r in keep]
+                    texts = [texts[r] for r in keep]
+                logits = model(next_ids[:, None], kv_cache=cache)[:, -1].float()
+        finally:
+            model.train(was_training)
+
+
+def _sample(logits: torch.Tensor, params: SamplingParams, seen, generators):
+    """Next token of each row and its log-probabilities: under the model (temperature 1), under the
+    model at the sampling temperature, and under the distribution actually sampled from."""
+    logprobs = logits.log_softmax(dim=-1)
+    if params.temperature == 0:
+        scores = apply_repetition_penalty(logits, seen, params.repetition_penalty) if seen is not None else logits
+        tokens = scores.argmax(dim=-1)
+        chosen = logprobs.gather(1, tokens[:, None])[:, 0]
+        # Greedy picks its token with probability 1 and has no sampling temperature to scale by.
+        return tokens.tolist(), chosen.tolist(), chosen.tolist(), [0.0] * len(generators)
+    final = sampling_logits(logits, params, seen)
+    probs = final.softmax(dim=-1)
+    tokens = torch.cat([torch.multinomial(probs[r], 1, generator=g) for r, g in enumerate(generators)])
+    index = tokens[:, None]
+    return (tokens.tolist(), logprobs.gather(1, index)[:, 0].tolist(),
+            (logits / params.temperature).log_softmax(dim=-1).gather(1, index)[:, 0].tolist(),
+            final.log_softmax(dim=-1).gather(1, index)[:, 0].tolist())
