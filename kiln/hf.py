@@ -111,7 +111,8 @@ def _tokenizer_file(tokenizer_path) -> Path:
     return path
 
 
-def export_hf(model_cfg: ModelConfig, state_dict: dict[str, torch.Tensor], tokenizer_path, out_dir) -> Path:
+def export_hf(model_cfg: ModelConfig, state_dict: dict[str, torch.Tensor], tokenizer_path, out_dir,
+              chat: bool = False) -> Path:
     """Write a transformers-loadable folder. tokenizer_path (tokenizer.json or a folder holding it)
     may be None to export weights only. Tensors keep the dtype they have in state_dict."""
     from tokenizers import Tokenizer as HFTokenizer
@@ -140,6 +141,14 @@ def export_hf(model_cfg: ModelConfig, state_dict: dict[str, torch.Tensor], token
                       "model_max_length": model_cfg.max_seq_len, "clean_up_tokenization_spaces": False}
         if tok.token_to_id("<|pad|>") is not None:
             tok_config["pad_token"] = "<|pad|>"
+        if all(tok.token_to_id(t) is not None for t in ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>")):
+            # The chat template travels with every export, so apply_chat_template gives Kiln's ids; a
+            # chat model (chat=True) also stops generating at the end of its turn.
+            from kiln.post.chat import hf_tokenizer_config_extra
+            tok_config.update(hf_tokenizer_config_extra(chat=chat))
+            if chat:
+                special_ids = {"bos_token_id": eot, "eos_token_id": [tok.token_to_id("<|end|>"), eot],
+                               "pad_token_id": tok.token_to_id("<|pad|>")}
         (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
 
     model_type = "qwen2" if model_cfg.qkv_bias else "llama"  # Llama's attention_bias would add an o_proj bias
@@ -273,9 +282,12 @@ def import_hf_to_checkpoint(folder, out_dir) -> Path:
     return Path(out)
 
 
-def export_checkpoint_to_hf(ckpt_path, tokenizer_path, out_dir) -> Path:
-    """Export a Kiln checkpoint (folder, checkpoints root or stage folder) to an HF folder."""
+def export_checkpoint_to_hf(ckpt_path, tokenizer_path, out_dir, chat: bool | None = None) -> Path:
+    """Export a Kiln checkpoint (folder, checkpoints root or stage folder) to an HF folder. chat=None:
+    a chat model when the checkpoint comes from a post-training stage (its recipe ran sft/dpo/grpo)."""
     from kiln.train.checkpoint import load_weights
 
-    cfg, state, _manifest = load_weights(ckpt_path)
-    return export_hf(cfg, state, tokenizer_path, out_dir)
+    cfg, state, manifest = load_weights(ckpt_path)
+    if chat is None:
+        chat = any(part in ("sft", "dpo", "grpo") for part in Path(ckpt_path).resolve().parts)
+    return export_hf(cfg, state, tokenizer_path, out_dir, chat=chat)
