@@ -51,6 +51,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", default="auto", help="auto (newest complete checkpoint), none, or a checkpoint path")
     p.add_argument("--init-from", help="start a new run from this checkpoint's weights")
 
+    for verb, what in (("sft", "supervised fine-tuning on conversations and the verifiable tasks"),
+                       ("dpo", "direct preference optimisation (sigmoid, IPO or conservative DPO)"),
+                       ("grpo", "group-relative policy optimisation with the task verifiers as rewards")):
+        p = verbs.add_parser(verb, help=what)
+        _recipe_args(p)
+        p.add_argument("--resume", default="auto", help="auto (newest complete checkpoint), none, or a path")
+        p.add_argument("--init-from", help="start from this checkpoint instead of the previous stage's")
+
     p = verbs.add_parser("generate", help="sample text from a checkpoint")
     p.add_argument("checkpoint", help="checkpoint folder, checkpoints root, or stage folder")
     p.add_argument("--prompt", default="def ")
@@ -114,7 +122,8 @@ def _dispatch(args: argparse.Namespace) -> int:
     from kiln.config import STAGES, load_recipe
     from kiln.pipeline import run_recipe
 
-    stage_of_verb = {"corpus": "corpus", "data": "data", "tokenizer": "tokenizer", "pack": "pack", "pretrain": "pretrain"}
+    stage_of_verb = {"corpus": "corpus", "data": "data", "tokenizer": "tokenizer", "pack": "pack", "pretrain": "pretrain",
+                     "sft": "sft", "dpo": "dpo", "grpo": "grpo"}
     if args.verb in ("run", *stage_of_verb) and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         # Started by torchrun (directly, or through `kiln launch`, Slurm or Kubernetes): join the job.
         import torch
@@ -133,7 +142,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         return 0
     if args.verb in stage_of_verb:
         recipe = load_recipe(args.recipe, args.overrides)
-        extra = {"resume": args.resume, "init_from": args.init_from} if args.verb == "pretrain" else {}
+        extra = {"resume": args.resume, "init_from": args.init_from} if hasattr(args, "init_from") else {}
         target = stage_of_verb[args.verb]
         # Unfinished upstream stages of the recipe run first (finished ones are skipped), so any verb
         # works on a fresh run folder. Curating explicit inputs needs no corpus.

@@ -20,16 +20,19 @@ from kiln.errors import ConfigError
 from kiln.infer.config import SampleConfig
 from kiln.model.config import PRESETS, ModelConfig
 from kiln.parallel.config import ParallelConfig
+from kiln.peft.config import PeftConfig
+from kiln.post.config import DPOConfig, GRPOConfig, SFTConfig, TaskConfig
 from kiln.train.config import TrainConfig
 
-STAGES = ("corpus", "data", "tokenizer", "pack", "pretrain", "sample")
+STAGES = ("corpus", "data", "tokenizer", "pack", "pretrain", "sample", "sft", "dpo", "grpo")
+POST_STAGES = ("sft", "dpo", "grpo")
 
 
 @dataclass
 class RunConfig:
     name: str = "tiny"
     out_dir: str = "runs"
-    stages: list[str] = field(default_factory=lambda: [s for s in STAGES if s != "data"])
+    stages: list[str] = field(default_factory=lambda: [s for s in STAGES if s != "data" and s not in POST_STAGES])
 
     def validate(self) -> None:
         if not self.name or "/" in self.name or self.name.startswith("."):
@@ -50,6 +53,11 @@ class Recipe:
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)
+    tasks: TaskConfig = field(default_factory=TaskConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    dpo: DPOConfig = field(default_factory=DPOConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    peft: PeftConfig = field(default_factory=PeftConfig)
 
     @property
     def run_dir(self) -> Path:
@@ -123,11 +131,11 @@ def recipe_from_dict(raw: dict[str, Any]) -> Recipe:
     return Recipe(**sections)
 
 
-def _build(cls: type, table: dict[str, Any], section: str):
+def _build(cls: type, table: dict[str, Any], section: str, base=None):
     # Fields only: class-level constants (ClassVar) are not configurable.
     all_hints = typing.get_type_hints(cls)
     hints = {f.name: all_hints[f.name] for f in dataclasses.fields(cls)}
-    base = cls()
+    base = base if base is not None else cls()
     preset_name = table.get("preset")
     if cls is ModelConfig and preset_name:
         if preset_name not in PRESETS:
@@ -137,7 +145,12 @@ def _build(cls: type, table: dict[str, Any], section: str):
     for key, value in table.items():
         if key not in hints:
             raise ConfigError(f"{section}.{key}", f"unknown key; known: {', '.join(hints)}")
-        values[key] = _coerce(value, hints[key], f"{section}.{key}")
+        if dataclasses.is_dataclass(hints[key]) and isinstance(value, dict):
+            # A nested table overrides the enclosing default's values (e.g. [dpo.train] keeps DPO's
+            # fine-tuning defaults for every key it does not set), not the nested class's own.
+            values[key] = _build(hints[key], value, f"{section}.{key}", base=getattr(base, key))
+        else:
+            values[key] = _coerce(value, hints[key], f"{section}.{key}")
     return dataclasses.replace(base, **values)
 
 

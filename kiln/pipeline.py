@@ -26,8 +26,13 @@ STAGE_INPUTS = {
     "pack": ("corpus", "data", "tokenizer", "pack"),
     "pretrain": ("corpus", "data", "tokenizer", "pack", "model", "train"),
     "sample": ("corpus", "data", "tokenizer", "pack", "model", "train", "sample"),
+    # A post-training stage starts from the one before it, so it depends on all of their tables.
+    "sft": ("corpus", "data", "tokenizer", "pack", "model", "train", "tasks", "peft", "sft"),
+    "dpo": ("corpus", "data", "tokenizer", "pack", "model", "train", "tasks", "peft", "sft", "dpo"),
+    "grpo": ("corpus", "data", "tokenizer", "pack", "model", "train", "tasks", "peft", "sft", "dpo", "grpo"),
 }
 MARKER = "DONE"
+RESUMABLE = ("pretrain", "sft", "dpo", "grpo")  # stages that continue from their own checkpoints
 
 
 def fingerprint(recipe: Recipe, stage: str) -> str:
@@ -71,7 +76,7 @@ def run_recipe(recipe: Recipe, stages: list[str] | None = None, force: bool = Fa
             results[stage] = json.loads(marker.read_text()).get("stats", {})
             continue
         if rank == 0:
-            if out.exists() and (marker.exists() or stage != "pretrain" or force):
+            if out.exists() and (marker.exists() or stage not in RESUMABLE or force):
                 # Stale or partial output of a stage that cannot resume: rebuild from scratch.
                 shutil.rmtree(out)
             out.mkdir(parents=True, exist_ok=True)
@@ -79,7 +84,7 @@ def run_recipe(recipe: Recipe, stages: list[str] | None = None, force: bool = Fa
         _barrier(world)
         started = time.time()
         stats = None
-        if rank == 0 or stage == "pretrain":
+        if rank == 0 or stage in RESUMABLE:
             stats = STAGE_RUNNERS[stage](recipe, out, resume=resume, init_from=init_from)
         seconds = round(time.time() - started, 1)
         if rank == 0:
@@ -173,5 +178,30 @@ def _sample(recipe: Recipe, out: Path, **_) -> dict:
     return {"checkpoint_step": manifest.get("step"), "samples": len(texts), "file": str(out / "samples.txt")}
 
 
+def init_checkpoint(recipe: Recipe, stage: str) -> Path:
+    """Where a post-training stage starts: the latest checkpoint of the post-training stage before it
+    in the run, else pretraining's best."""
+    from kiln.config import POST_STAGES
+    earlier = [s for s in POST_STAGES[:POST_STAGES.index(stage)] if s in recipe.run.stages]
+    if earlier:
+        previous = stage_dir(recipe, earlier[-1])
+        # A PEFT stage leaves its adapters merged into plain weights for the next stage.
+        return previous / "merged" if (previous / "merged").is_dir() else previous / "checkpoints"
+    checkpoints = stage_dir(recipe, "pretrain") / "checkpoints"
+    best = checkpoints / "best"
+    return checkpoints / best.read_text().strip() if best.exists() else checkpoints
+
+
+def _post(stage: str):
+    def run(recipe: Recipe, out: Path, resume: str = "auto", init_from: str | None = None, **_) -> dict:
+        from kiln.data.tokenizer import Tokenizer
+        from kiln.post import run as post
+        tokenizer = Tokenizer.load(stage_dir(recipe, "tokenizer"))
+        init = Path(init_from) if init_from else init_checkpoint(recipe, stage)
+        return getattr(post, f"run_{stage}")(recipe, out, init, tokenizer, resume=resume)
+    return run
+
+
 STAGE_RUNNERS = {"corpus": _corpus, "data": _data, "tokenizer": _tokenizer, "pack": _pack,
-                 "pretrain": _pretrain, "sample": _sample}
+                 "pretrain": _pretrain, "sample": _sample, "sft": _post("sft"), "dpo": _post("dpo"),
+                 "grpo": _post("grpo")}

@@ -117,3 +117,11 @@ def test_data_step_params_reach_the_step(tmp_path):
                                     '[data.params.gopher_quality]\nmin_doc_words = 7\nonly_sources = ["web"]\n'))
     (step,) = r.data.build_steps()
     assert (step.min_doc_words, step.only_sources) == (7, ["web"])
+
+
+def test_nested_table_keeps_the_enclosing_defaults():
+    from kiln.config import load_recipe
+    recipe = load_recipe(None, ["dpo.train.max_steps=40"])
+    assert recipe.dpo.train.max_steps == 40
+    # DPO's own fine-tuning defaults survive a partial [dpo.train] override.
+    assert recipe.dpo.train.lr == load_recipe(None).dpo.train.lr != load_recipe(None).sft.train.lr

@@ -1,0 +1,215 @@
+"""Drivers of the post-training stages: data -> batch source -> the spine's Trainer -> accuracy."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+
+from kiln.post import stages as S
+from kiln.post.sources import ExampleSource, OnlineSource
+
+
+def _trainer(recipe, out: Path, stage_cfg, data, loss_fn, init: Path, resume: str, rows_per_step: int = 1,
+             prepare_model=None, eval_loss_fn=None):
+    from kiln.config import recipe_to_dict
+    from kiln.train.checkpoint import load_weights
+    from kiln.train.trainer import Trainer
+
+    model_cfg = load_weights(init)[0]
+    train_cfg = stage_cfg.train.train_config(recipe.train, rows_per_step)
+    return Trainer(model_cfg, train_cfg, None, out, recipe_dict=recipe_to_dict(recipe), resume=resume,
+                   init_from=init, loss_fn=loss_fn, data=data, parallel=recipe.parallel, prepare_model=prepare_model,
+                   eval_loss_fn=eval_loss_fn)
+
+
+def _peft(recipe):
+    """The [peft] method applied to the stage's model after its weights load (None: full fine-tuning)."""
+    cfg = getattr(recipe, "peft", None)
+    if cfg is None or cfg.method == "none":
+        return None
+    from kiln.peft.config import apply_peft
+    return lambda model: apply_peft(model, cfg)
+
+
+def _finish(trainer, tokenizer, heldout: list[dict], before: dict, out: Path, extra: dict, recipe=None) -> dict:
+    summary = trainer.fit()
+    after = S.task_accuracy(trainer.model, tokenizer, heldout)
+    stats = {**extra, "train": summary, "heldout_before": before, "heldout_after": after}
+    peft = getattr(recipe, "peft", None)
+    if peft is not None and peft.method != "none" and trainer.is_main:
+        stats["peft"] = _save_peft_outputs(trainer, peft, out)
+    if trainer.is_main:
+        S.write_stats(out, stats)
+        print(f"[{out.name}] held-out task accuracy {before['accuracy']:.3f} -> {after['accuracy']:.3f} "
+              f"({', '.join(f'{k} {v:.2f}' for k, v in after['per_task'].items())})")
+    return stats
+
+
+def _save_peft_outputs(trainer, peft, out: Path) -> dict:
+    """The small trainable weights (PEFT format for LoRA/QLoRA, Kiln's own for adapters), and for
+    LoRA/QLoRA the merged plain weights the next stage and `kiln export hf` start from."""
+    from kiln.peft.config import parameter_counts
+    from kiln.peft.peft_io import merged_state_dict, save_peft_adapter, save_trainable
+    from kiln.train.checkpoint import save_weights
+
+    trainable, total = parameter_counts(trainer.model)
+    if peft.method in ("lora", "qlora"):
+        save_peft_adapter(trainer.model, trainer.model_cfg, out / "adapter", peft)
+        save_weights(out / "merged", trainer.model_cfg, merged_state_dict(trainer.model),
+                     {"step": trainer.step, "peft": peft.method})
+    else:
+        save_trainable(trainer.model, peft, out / "adapter")
+    return {"method": peft.method, "trainable_params": trainable, "total_params": total,
+            "adapter": str(out / "adapter")}
+
+
+def _baseline(init: Path, tokenizer, heldout: list[dict]) -> dict:
+    from kiln.infer.sample import load_model
+    model, _ = load_model(init)
+    return S.task_accuracy(model, tokenizer, heldout)
+
+
+def run_sft(recipe, out: Path, init: Path, tokenizer, resume: str = "auto") -> dict:
+    from kiln.post.tasks import task_sft_examples
+
+    cfg = recipe.sft
+    conversations, sources = [], {}
+    if cfg.tasks:
+        tasks = S.train_tasks(recipe.tasks)
+        conversations += task_sft_examples(tasks)
+        sources["tasks"] = len(tasks)
+    if cfg.files:
+        from kiln.post.data import read_sft
+        examples, read_stats = read_sft(cfg.files)
+        conversations += examples
+        sources["files"] = read_stats
+    heldout = S.heldout_tasks(recipe.tasks)
+    seq_len = cfg.train.seq_len
+    rows, row_stats = S.sft_rows(tokenizer, conversations, seq_len, cfg.packing)
+    val_rows, _ = S.sft_rows(tokenizer, task_sft_examples(heldout), seq_len, cfg.packing)
+    vocab = tokenizer.vocab_size
+    train = ExampleSource(rows, cfg.train.micro_batch_size, seed=recipe.train.seed, vocab_size=vocab)
+    val = ExampleSource(val_rows, cfg.train.micro_batch_size, shuffle=False, vocab_size=vocab)
+    before = _baseline(init, tokenizer, heldout)
+    trainer = _trainer(recipe, out, cfg, (train, val), S.sft_loss, init, resume, prepare_model=_peft(recipe))
+    return _finish(trainer, tokenizer, heldout, before, out, {"data": {**sources, **row_stats}}, recipe)
+
+
+def run_dpo(recipe, out: Path, init: Path, tokenizer, resume: str = "auto") -> dict:
+    from kiln.infer.sample import load_model
+    from kiln.post.tasks import task_preference_pairs
+
+    cfg = recipe.dpo
+    if cfg.files:
+        from kiln.post.data import read_preferences
+        pairs, _ = read_preferences(cfg.files)
+    else:
+        pairs = task_preference_pairs(S.train_tasks(recipe.tasks), seed=recipe.tasks.seed)
+    heldout = S.heldout_tasks(recipe.tasks)
+    seq_len = cfg.train.seq_len
+    reference, _ = load_model(init)
+    rows = S.reference_logprobs(reference, S.pair_rows(tokenizer, pairs, seq_len))
+    val_pairs = task_preference_pairs(heldout, seed=recipe.tasks.seed + 1)
+    val_rows = S.reference_logprobs(reference, S.pair_rows(tokenizer, val_pairs, seq_len))
+    before = S.task_accuracy(reference, tokenizer, heldout)
+    del reference
+    vocab = tokenizer.vocab_size
+    train = ExampleSource(rows, cfg.train.micro_batch_size, seed=recipe.train.seed, vocab_size=vocab)
+    val = ExampleSource(val_rows, cfg.train.micro_batch_size, shuffle=False, vocab_size=vocab)
+    trainer = _trainer(recipe, out, cfg, (train, val), S.make_dpo_loss(cfg), init, resume, rows_per_step=2,
+                       prepare_model=_peft(recipe))
+    stats = _finish(trainer, tokenizer, heldout, before, out, {"pairs": len(rows)}, recipe)
+    stats["heldout_preferences"] = preference_stats(trainer.model, val_rows, cfg.beta)
+    if trainer.is_main:
+        S.write_stats(out, stats)
+    return stats
+
+
+@torch.no_grad()
+def preference_stats(model, rows: list[tuple], beta: float) -> dict:
+    """Implicit-reward accuracy and margin on held-out pairs: reward = beta * (policy - reference)."""
+    was_training = model.training
+    model.eval()
+    correct, margins = 0, []
+    for start in range(0, len(rows), 32):
+        parts = [torch.stack(p) for p in zip(*rows[start:start + 32])]
+        pol_c, pol_r = S._pair_logprobs(model, *parts[:4])
+        margin = beta * ((pol_c - parts[4]) - (pol_r - parts[5]))
+        correct += int((margin > 0).sum())
+        margins += margin.tolist()
+    model.train(was_training)
+    return {"reward_accuracy": correct / len(margins), "mean_reward_margin": sum(margins) / len(margins)}
+
+
+def run_grpo(recipe, out: Path, init: Path, tokenizer, resume: str = "auto") -> dict:
+    from kiln.post.chat import render_prompt
+    from kiln.post.losses import group_advantages
+    from kiln.post.tasks import grade
+
+    cfg = recipe.grpo
+    prompts = S.train_tasks(recipe.tasks)
+    heldout = S.heldout_tasks(recipe.tasks)
+    before = _baseline(init, tokenizer, heldout)
+    pad = tokenizer.token_id("<|pad|>")
+    holder = {}
+    rollout_stats = {"rollouts": 0, "reward_sum": 0.0}
+
+    def make_batch(seed: int) -> tuple[torch.Tensor, ...]:
+        """Sample group_size completions for prompts_per_step prompts from the current policy and
+        score them with the task graders; the batch carries tokens, targets (completion only) and
+        each sequence's group-normalised advantage."""
+        rng = random.Random(seed)
+        picked = [prompts[rng.randrange(len(prompts))] for _ in range(cfg.prompts_per_step)]
+        model = holder["model"]
+        prompt_ids = [render_prompt(tokenizer, [{"role": "user", "content": ex["prompt"]}]) for ex in picked]
+        expanded = [p for p in prompt_ids for _ in range(cfg.group_size)]
+        was_training = model.training
+        model.eval()
+        completions = S.complete(model, tokenizer, expanded, cfg.max_new_tokens, temperature=cfg.temperature,
+                                 seed=seed)
+        model.train(was_training)
+        rewards = torch.tensor([grade(picked[i // cfg.group_size], tokenizer.decode(S.strip_stop(tokenizer, c)))
+                                for i, c in enumerate(completions)])
+        rollout_stats["rollouts"] += len(completions)
+        rollout_stats["reward_sum"] += float(rewards.sum())
+        advantages = group_advantages(rewards, cfg.group_size)
+        seq_len = cfg.train.seq_len
+        inputs, targets = [], []
+        for p, c in zip(expanded, completions):
+            ids = (p + c)[:seq_len + 1]  # c ends with <|end|> when the policy stopped by itself
+            target = [IGNORE_ID if i < len(p) - 1 else t for i, t in enumerate(ids[1:])]
+            inputs.append(S._pad(ids[:-1], seq_len, pad))
+            targets.append(S._pad(target, seq_len, IGNORE_ID))
+        return torch.tensor(inputs), torch.tensor(targets), advantages.float()
+
+    def loss_fn(model, batch):
+        from kiln.post.losses import grpo_loss, token_logprobs
+        inputs, targets, advantages = batch
+        logits = model(inputs)
+        logp = token_logprobs(logits, targets, temperature=cfg.temperature)  # as the rollouts were sampled
+        mask = targets != IGNORE_ID
+        # One optimisation pass per rollout batch: the sampling policy is the current one, so the
+        # old log-probs are the current ones detached (ratio 1, the clip inactive but kept general).
+        loss, _ = grpo_loss(logp, logp.detach(), advantages, mask, eps=cfg.clip_eps, beta=0.0,
+                            loss_type=cfg.loss_type)
+        return loss, inputs.shape[0]
+
+    val_rows = [S.sft_rows(tokenizer, [[{"role": "user", "content": ex["prompt"]},
+                                        {"role": "assistant", "content": ex["answer"]}]], cfg.train.seq_len,
+                           False)[0][0] for ex in heldout[:64]]
+    val_batches = [tuple(torch.stack(p) for p in zip(*val_rows[i:i + 16])) for i in range(0, len(val_rows), 16)]
+
+    def val_loss(model, batch):  # the validation metric: SFT loss of the reference answers
+        return S.sft_loss(model, batch)
+
+    source = OnlineSource(make_batch, seed=recipe.train.seed, val_batches=val_batches, vocab_size=tokenizer.vocab_size)
+    trainer = _trainer(recipe, out, cfg, (source, source), loss_fn, init, resume, prepare_model=_peft(recipe),
+                       eval_loss_fn=val_loss)
+    holder["model"] = trainer.model
+    stats = _finish(trainer, tokenizer, heldout, before, out, {"rollout": rollout_stats}, recipe)
+    return stats
+
+
+IGNORE_ID = S.IGNORE

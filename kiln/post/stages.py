@@ -1,0 +1,179 @@
+"""The post-training stages (`kiln sft`, `kiln dpo`, `kiln grpo`) on the spine's training loop.
+
+Each stage starts from the previous stage's checkpoint, brings its data as a batch source and its
+objective as a `loss_fn(model, batch) -> (loss, counted items)`, and otherwise trains, evaluates,
+checkpoints and resumes exactly as pretraining does. After training it measures held-out accuracy
+on Kiln's verifiable tasks, the headline number of every post-training stage.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from kiln.post.config import DPOConfig, GRPOConfig, SFTConfig, TaskConfig
+from kiln.post.sources import ExampleSource, OnlineSource
+
+IGNORE = -100
+
+
+# ---- held-out accuracy ---------------------------------------------------------------------------
+
+def heldout_tasks(cfg: TaskConfig) -> list[dict]:
+    from kiln.post.tasks import generate_tasks
+    return [ex for i, family in enumerate(cfg.families)
+            for ex in generate_tasks(family, cfg.heldout_per_family, split="heldout", difficulty=cfg.difficulty,
+                                     seed=cfg.seed + 7919 * (i + 1))]
+
+
+def train_tasks(cfg: TaskConfig) -> list[dict]:
+    from kiln.post.tasks import generate_tasks
+    return [ex for i, family in enumerate(cfg.families)
+            for ex in generate_tasks(family, cfg.train_per_family, split="train", difficulty=cfg.difficulty,
+                                     seed=cfg.seed + 104729 * (i + 1))]
+
+
+@torch.no_grad()
+def complete(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
+             seed: int = 0) -> list[list[int]]:
+    """Completion ids of each prompt from the KV-cache engine; a completion that ended at a stop
+    token (`<|end|>` or `<|endoftext|>`) keeps it, since RL trains on emitting it."""
+    from kiln.infer.engine import Engine
+    stop = (tokenizer.token_id("<|end|>"), tokenizer.eot_id)
+    outs = Engine(model).generate(prompts, max_new_tokens=max_new_tokens, temperature=temperature,
+                                  stop_token_ids=stop, seed=seed)
+    return [list(o.ids) for o in outs]
+
+
+def strip_stop(tokenizer, ids: list[int]) -> list[int]:
+    stop = {tokenizer.token_id("<|end|>"), tokenizer.eot_id}
+    return ids[:-1] if ids and ids[-1] in stop else ids
+
+
+def task_accuracy(model, tokenizer, examples: list[dict], max_new_tokens: int = 16) -> dict:
+    """Greedy accuracy on `examples`, overall and per task family."""
+    from kiln.post.chat import render_prompt
+    from kiln.post.tasks import grade
+
+    was_training = model.training
+    model.eval()
+    prompts = [render_prompt(tokenizer, [{"role": "user", "content": ex["prompt"]}]) for ex in examples]
+    completions = complete(model, tokenizer, prompts, max_new_tokens)
+    model.train(was_training)
+    scores: dict[str, list[float]] = {}
+    for ex, ids in zip(examples, completions):
+        scores.setdefault(ex["task"], []).append(grade(ex, tokenizer.decode(strip_stop(tokenizer, ids))))
+    flat = [s for v in scores.values() for s in v]
+    return {"accuracy": sum(flat) / len(flat), "examples": len(flat),
+            "per_task": {k: sum(v) / len(v) for k, v in sorted(scores.items())}}
+
+
+# ---- objectives ------------------------------------------------------------------------------------
+
+def sft_loss(model, batch: tuple) -> tuple[torch.Tensor, int]:
+    """Next-token cross-entropy on assistant tokens only; packed conversations are kept apart by
+    document masking and restart their positions."""
+    inputs, targets, positions, documents = batch
+    logits = model(inputs, position_ids=positions, document_ids=documents)
+    counted = int((targets != IGNORE).sum())
+    if counted == 0:
+        return logits.sum() * 0.0, 0
+    loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
+    return loss, counted
+
+
+def _pair_logprobs(model, chosen, chosen_targets, rejected, rejected_targets):
+    from kiln.post.losses import sequence_logprobs
+    logits = model(torch.cat([chosen, rejected]))
+    targets = torch.cat([chosen_targets, rejected_targets])
+    mask = targets != IGNORE
+    logps = sequence_logprobs(logits, targets, mask)
+    return logps.chunk(2)
+
+
+def make_dpo_loss(cfg: DPOConfig):
+    from kiln.post.losses import dpo_loss
+
+    loss_type = "sigmoid" if cfg.loss_type == "cdpo" else cfg.loss_type
+    smoothing = cfg.label_smoothing if cfg.loss_type == "cdpo" else 0.0
+
+    def loss_fn(model, batch: tuple) -> tuple[torch.Tensor, int]:
+        chosen, chosen_t, rejected, rejected_t, ref_chosen, ref_rejected = batch
+        pol_chosen, pol_rejected = _pair_logprobs(model, chosen, chosen_t, rejected, rejected_t)
+        # IPO's target margin is per token (TRL's normalisation), so it needs the answer lengths.
+        loss, _, _ = dpo_loss(pol_chosen, pol_rejected, ref_chosen, ref_rejected, beta=cfg.beta,
+                              loss_type=loss_type, label_smoothing=smoothing,
+                              chosen_lengths=(chosen_t != IGNORE).sum(-1),
+                              rejected_lengths=(rejected_t != IGNORE).sum(-1))
+        return loss, chosen.shape[0]
+    return loss_fn
+
+
+# ---- data ------------------------------------------------------------------------------------------
+
+def _pad(ids: list[int], length: int, value: int) -> list[int]:
+    return (ids + [value] * length)[:length]
+
+
+def sft_rows(tokenizer, conversations: list[list[dict]], seq_len: int, packing: bool) -> tuple[list, dict]:
+    from kiln.post.chat import render_conversation
+    from kiln.post.data import pack_sft
+
+    tokenized = [render_conversation(tokenizer, messages) for messages in conversations]
+    pad = tokenizer.token_id("<|pad|>")
+    if packing:
+        packed = pack_sft(tokenized, seq_len, pad_id=pad)
+        rows = [(torch.as_tensor(r.inputs), torch.as_tensor(r.targets), torch.as_tensor(r.position_ids),
+                 torch.as_tensor(r.document_ids)) for r in packed]
+    else:
+        rows = []
+        for ids, mask in tokenized:
+            ids, mask = ids[:seq_len + 1], mask[:seq_len + 1]
+            targets = [t if m else IGNORE for t, m in zip(ids[1:], mask[1:])]
+            n = len(ids) - 1
+            rows.append((torch.tensor(_pad(ids[:-1], seq_len, pad)), torch.tensor(_pad(targets, seq_len, IGNORE)),
+                         torch.tensor(_pad(list(range(n)), seq_len, 0)), torch.tensor([0] * n + [1] * (seq_len - n))[:seq_len]))
+    return rows, {"conversations": len(tokenized), "rows": len(rows),
+                  "assistant_tokens": sum(sum(m) for _, m in tokenized)}
+
+
+def pair_rows(tokenizer, pairs: list[tuple[list[dict], str, str]], seq_len: int) -> list[tuple]:
+    """(chosen ids, chosen targets, rejected ids, rejected targets) with loss on the answers only."""
+    from kiln.post.chat import render_conversation
+    pad = tokenizer.token_id("<|pad|>")
+    rows = []
+    for prompt, chosen, rejected in pairs:
+        row = []
+        for answer in (chosen, rejected):
+            ids, mask = render_conversation(tokenizer, [*prompt, {"role": "assistant", "content": answer}])
+            ids, mask = ids[:seq_len + 1], mask[:seq_len + 1]
+            targets = [t if m else IGNORE for t, m in zip(ids[1:], mask[1:])]
+            row += [torch.tensor(_pad(ids[:-1], seq_len, pad)), torch.tensor(_pad(targets, seq_len, IGNORE))]
+        rows.append(tuple(row))
+    return rows
+
+
+@torch.no_grad()
+def reference_logprobs(model, rows: list[tuple], batch_size: int = 32) -> list[tuple]:
+    """Append the frozen reference model's sequence log-probs of chosen and rejected to each row:
+    computed once before training, so DPO needs no second model in memory while it trains."""
+    was_training = model.training
+    model.eval()
+    out = []
+    for start in range(0, len(rows), batch_size):
+        chunk = rows[start:start + batch_size]
+        parts = [torch.stack(p) for p in zip(*chunk)]
+        ref_c, ref_r = _pair_logprobs(model, *parts)
+        out += [(*row, c, r) for row, c, r in zip(chunk, ref_c.float(), ref_r.float())]
+    model.train(was_training)
+    return out
+
+
+def write_stats(out: Path, stats: dict) -> None:
+    (Path(out) / "stats.json").write_text(json.dumps(stats, indent=2, default=str))
+
+
+__all__ = ["ExampleSource", "OnlineSource", "SFTConfig", "DPOConfig", "GRPOConfig"]
