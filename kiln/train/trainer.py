@@ -367,7 +367,7 @@ class Trainer:
         train_time, train_tokens = 0.0, 0
         window_time, window_tokens = 0.0, 0
         bar = tqdm(total=cfg.max_steps, initial=self.step, file=sys.stderr, disable=not self.is_main,
-                   desc="pretrain", unit="step", dynamic_ncols=True)
+                   desc=self.out_dir.name or "train", unit="step", dynamic_ncols=True)
         batches = iter(self.train_loader)
         evaluated_at = None
         while self.step < cfg.max_steps and not self.stopped_early:
