@@ -93,6 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_plan_parser(verbs)
     from kiln.report import add_report_parser
     add_report_parser(verbs)
+    from kiln.serve.cli import add_serve_parsers
+    add_serve_parsers(verbs)
     return parser
 
 
@@ -161,6 +163,12 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.verb == "launch":
         from kiln.parallel.launch import run_launch
         return run_launch(args)
+    if args.verb == "serve":
+        from kiln.serve.cli import run_serve
+        return run_serve(args)
+    if args.verb == "chat":
+        from kiln.serve.cli import run_chat
+        return run_chat(args)
     if args.verb == "report":
         from kiln.report import run_report
         return run_report(args)

@@ -3,11 +3,11 @@ and streaming text that never splits a character.
 
 Batches of prompts of different lengths are laid out with per-row lengths rather than left padding:
 every row starts at cache slot 0 and position 0, so a prompt gets the same positions and the same
-keys whether it runs alone or in a batch, and a row can be dropped from (or, later, added to) the
-batch without moving the others. Prefill right-pads the prompts to the longest one; the padded
-slots of a shorter row are past its length, are never attended to, and are overwritten by the row's
-next tokens. See docs/inference.md for the sampling parameters and which log-probabilities are
-returned.
+keys whether it runs alone or in a batch, and a row can be dropped from or added to the batch
+without moving the others (KVCache.keep, KVCache.extend). Prefill right-pads the prompts to the
+longest one; the padded slots of a shorter row are past its length, are never attended to, and are
+overwritten by the row's next tokens. See docs/inference.md for the sampling parameters and which
+log-probabilities are returned.
 """
 
 from __future__ import annotations
@@ -98,6 +98,29 @@ class KVCache:
         self.k = self.k.index_select(1, index)
         self.v = self.v.index_select(1, index)
         self.lengths = [self.lengths[r] for r in rows]
+
+    def extend(self, other: "KVCache") -> None:
+        """Append the rows of `other` (prefilled on their own) after this cache's rows, keeping their
+        lengths: a server's new requests join the running batch between decode steps. Rows start at
+        slot 0 whatever batch they are in, so no row moves; the slot count becomes the larger one."""
+        if self._step is not None or other._step is not None:
+            raise RuntimeError("KVCache.extend between steps only (after advance)")
+
+        def layout(k: torch.Tensor) -> tuple:  # everything but the batch and slot counts
+            return k.shape[0], k.shape[2], k.shape[4], k.dtype, k.device
+
+        if layout(self.k) != layout(other.k):
+            raise ValueError(f"KV caches differ: {tuple(self.k.shape)} {self.k.dtype} {self.k.device} vs "
+                             f"{tuple(other.k.shape)} {other.k.dtype} {other.k.device}")
+        max_len = max(self.max_len, other.max_len)
+
+        def slots(t: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.pad(t, (0, 0, 0, max_len - t.shape[3])) if t.shape[3] < max_len else t
+
+        self.k = torch.cat([slots(self.k), slots(other.k)], dim=1)
+        self.v = torch.cat([slots(self.v), slots(other.v)], dim=1)
+        self.max_len = max_len
+        self.lengths = self.lengths + other.lengths
 
 
 class _LayerCache:

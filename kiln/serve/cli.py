@@ -1,0 +1,184 @@
+"""`kiln serve` (the OpenAI-compatible server and chat page) and `kiln chat` (a terminal chat)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from kiln.errors import ConfigError
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", help="checkpoint folder, checkpoints root, or stage folder")
+    p.add_argument("--tokenizer", help="tokenizer.json (default: found next to the checkpoint)")
+    p.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda, cuda:1, ...")
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                   help="auto: bfloat16 on a GPU, float32 on CPU")
+
+
+def add_serve_parsers(verbs) -> None:
+    p = verbs.add_parser("serve", help="serve a checkpoint over an OpenAI-compatible API, with a chat page at /")
+    _model_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: all interfaces)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", help="the model id clients send (default: the checkpoint path as given)")
+    p.add_argument("--api-key", action="append", default=[],
+                   help="require 'Authorization: Bearer KEY' (repeatable; also $KILN_API_KEY)")
+    p.add_argument("--max-batch", type=int, default=32, help="requests decoded together (continuous batching)")
+    p.add_argument("--max-waiting", type=int, default=256, help="requests queued behind them before 429")
+    p.add_argument("--max-tokens-limit", type=int, help="largest max_tokens a request may ask (default: context)")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (413 above)")
+    p.add_argument("--max-prefill-tokens", type=int, default=8192, help="padded prompt tokens prefilled at once")
+    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+
+    p = verbs.add_parser("chat", help="chat with a checkpoint in the terminal (history kept, chat template)")
+    _model_args(p)
+    p.add_argument("--system", help="system message that starts the conversation")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.7, help="0 is greedy")
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, help="turn t samples with seed + t (default: random)")
+
+
+def load_for_inference(args: argparse.Namespace):
+    """(model on its device, tokenizer) for --checkpoint/--tokenizer/--device/--dtype."""
+    import torch
+
+    from kiln.cli import find_tokenizer
+    from kiln.data.tokenizer import Tokenizer
+    from kiln.infer.sample import load_model
+
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(device)
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError) as err:
+        raise ConfigError("--device", f"cannot use {args.device!r}: {err}", "<command line>") from None
+    dtype = args.dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if device.type == "cuda" else "float32"
+    model, _ = load_model(args.checkpoint)
+    tokenizer = Tokenizer.load(args.tokenizer or find_tokenizer(args.checkpoint))
+    if tokenizer.vocab_size > model.cfg.vocab_size:
+        raise ConfigError("--tokenizer", f"{tokenizer.path} has {tokenizer.vocab_size} tokens but the model's "
+                          f"vocabulary is {model.cfg.vocab_size}", "<command line>")
+    return model.to(device=device, dtype=getattr(torch, dtype)).eval(), tokenizer
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from kiln.serve.app import create_app
+
+    for key in ("max_batch", "max_tokens_limit", "max_body_bytes", "max_prefill_tokens"):
+        value = getattr(args, key)
+        if value is not None and value < 1:
+            raise ConfigError("--" + key.replace("_", "-"), f"must be >= 1, got {value}", "<command line>")
+    if args.max_waiting < 0:
+        raise ConfigError("--max-waiting", f"must be >= 0, got {args.max_waiting}", "<command line>")
+    model, tokenizer = load_for_inference(args)
+    keys = list(args.api_key)
+    if os.environ.get("KILN_API_KEY"):
+        keys.append(os.environ["KILN_API_KEY"])
+    name = args.served_model_name or args.checkpoint
+    app = create_app(model, tokenizer, model_name=name, api_keys=keys, max_body_bytes=args.max_body_bytes,
+                     max_tokens_limit=args.max_tokens_limit, max_batch=args.max_batch, max_waiting=args.max_waiting,
+                     max_prefill_tokens=args.max_prefill_tokens)
+    print(f"kiln serve: {name} on http://{args.host}:{args.port} (chat page at /, API at /v1, docs at /docs"
+          f"{', API key required' if keys else ''})", file=sys.stderr, flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+def _fit(tokenizer, history: list[dict], want: int, max_seq_len: int, err) -> list[int] | None:
+    """The prompt for history, dropping the oldest exchanges (never a system message or the last
+    question) until the reply has room for `want` tokens; None if the last question alone is too long."""
+    from kiln.post.chat import render_prompt
+
+    start = 1 if history and history[0]["role"] == "system" else 0
+    while True:
+        prompt = render_prompt(tokenizer, history)
+        if max_seq_len - len(prompt) >= want or len(history) - start <= 1:
+            break
+        dropped = 2 if len(history) - start > 2 else 1
+        del history[start:start + dropped]
+        print("(the oldest exchange was dropped to fit the model's context)", file=err, flush=True)
+    return prompt if len(prompt) < max_seq_len else None
+
+
+def run_chat(args: argparse.Namespace, stdin=None, stdout=None, stderr=None) -> int:
+    """Read a message per line; print the streamed reply. /reset clears the history, /exit (or
+    end of input) quits. Without a terminal (input piped) only the replies go to stdout."""
+    from kiln.infer.engine import Engine
+    from kiln.post.chat import ChatTokens
+
+    stdin, stdout, err = stdin or sys.stdin, stdout or sys.stdout, stderr or sys.stderr
+    if args.max_new_tokens < 1:
+        raise ConfigError("--max-new-tokens", f"must be >= 1, got {args.max_new_tokens}", "<command line>")
+    model, tokenizer = load_for_inference(args)
+    engine = Engine(model, tokenizer)
+    stop = ChatTokens(tokenizer).stop
+    max_seq_len = model.cfg.max_seq_len
+    start = [{"role": "system", "content": args.system}] if args.system else []
+    history = list(start)
+    interactive = stdin.isatty()
+    if interactive:
+        print(f"kiln chat: {args.checkpoint} (/reset clears the history, /exit or Ctrl-D quits)", file=err)
+    turn = 0
+    while True:
+        if interactive:
+            stdout.write("you> ")
+            stdout.flush()
+        line = stdin.readline()
+        if not line:
+            break
+        text = line.rstrip("\r\n")
+        if text.strip() in ("/exit", "/quit"):
+            break
+        if text.strip() == "/reset":
+            history = list(start)
+            continue
+        if not text.strip():
+            continue
+        history.append({"role": "user", "content": text})
+        prompt = _fit(tokenizer, history, min(args.max_new_tokens, max_seq_len // 4), max_seq_len, err)
+        if prompt is None:
+            history.pop()
+            print(f"(message too long for the model's context of {max_seq_len} tokens)", file=err, flush=True)
+            continue
+        if interactive:
+            stdout.write("kiln> ")
+        reply = ""
+        seed = None if args.seed is None else args.seed + turn
+        try:
+            for token in engine.stream(prompt, min(args.max_new_tokens, max_seq_len - len(prompt)),
+                                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                                       stop_token_ids=stop, seed=seed):
+                reply += token.text
+                stdout.write(token.text)
+                stdout.flush()
+        except KeyboardInterrupt:  # stops this reply only; what was said so far stays in the history
+            print("\n(interrupted)", file=err, flush=True)
+        except ConfigError as error:
+            raise ConfigError("--" + error.key.replace("_", "-"), error.message, "<command line>") from None
+        stdout.write("\n")
+        stdout.flush()
+        history.append({"role": "assistant", "content": reply})
+        turn += 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m kiln.serve.cli serve|chat ...`, the same verbs as `kiln serve|chat`."""
+    parser = argparse.ArgumentParser(prog="kiln")
+    add_serve_parsers(parser.add_subparsers(dest="verb", required=True))
+    args = parser.parse_args(argv)
+    return run_serve(args) if args.verb == "serve" else run_chat(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,394 @@
+"""Continuous batching: one background thread runs the model over every active request, and new
+requests join the running batch between decode steps instead of waiting for it to drain.
+
+Each loop iteration admits waiting requests (up to max_batch rows, and about max_prefill_tokens of
+padded prompt per prefill), prefills them in a cache of their own and appends its rows to the
+running cache (KVCache.extend), then samples one token for every row, sends it to its request, and
+drops the rows that finished (KVCache.keep) before the next decode forward. Rows keep their own
+lengths and positions, so a request's tokens do not depend on which other requests share the batch:
+with the same seed they are the tokens Engine.stream gives for it alone (sampling is the engine's
+own `_sample`, one call per group of rows with equal sampling parameters, each row drawing from its
+own generator).
+
+Requests are submitted from any thread; their events come back through a Handle that is iterated
+either synchronously (`for event in handle`) or from an asyncio loop (`async for`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from kiln.errors import ConfigError
+from kiln.infer.engine import KVCache, SamplingParams, TextStream, _sample
+
+log = logging.getLogger(__name__)
+
+MAX_LOGPROBS = 20  # as vLLM's default max_logprobs: more top tokens per position are refused
+
+
+@dataclass
+class GenerationRequest:
+    prompt: list[int]
+    max_tokens: int                   # 0: no generation, only the prompt's log-probabilities
+    params: SamplingParams = field(default_factory=SamplingParams)
+    stop_token_ids: Sequence[int] = ()
+    stop_strings: Sequence[str] = ()
+    seed: int | None = None           # None: drawn from torch's global generator
+    logprobs: int | None = None       # None: none; k: the chosen token's and the k most likely ones'
+    prompt_logprobs: bool = False     # log-probabilities of the prompt tokens (echo)
+
+
+@dataclass
+class PromptScores:
+    """First event of a request with prompt_logprobs: per prompt token, its log-probability given
+    the tokens before it and the top-k alternatives there (None for the first token)."""
+    logprobs: list[float | None]
+    top: list[list[tuple[int, float]] | None]
+
+
+@dataclass
+class TokenEvent:
+    id: int
+    text: str                          # new text; "" while a character or a possible stop string is held back
+    logprob: float                     # log-softmax of the model's logits (temperature 1, no filters)
+    top: list[tuple[int, float]] | None = None  # (id, logprob) of the most likely tokens, with logprobs=k
+    finish_reason: str | None = None   # "stop" | "length" on the request's last token
+
+
+class Busy(RuntimeError):
+    """The waiting queue is full; the server answers 429."""
+
+
+class SchedulerError(RuntimeError):
+    """The batch a request was in failed (or the scheduler stopped); other requests carry on."""
+
+
+_DONE = object()
+
+
+class Handle:
+    """One request's events: PromptScores (if asked), then TokenEvents until one carries a
+    finish_reason. Iterating raises SchedulerError if the request failed."""
+
+    def __init__(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop | None = None):
+        self.request = request
+        self.cancelled = False
+        self._loop = loop
+        self._queue: asyncio.Queue | queue.Queue = asyncio.Queue() if loop is not None else queue.Queue()
+
+    def cancel(self) -> None:
+        """The client went away: the row leaves the batch at the next step."""
+        self.cancelled = True
+
+    def _put(self, item) -> None:
+        if self._loop is None:
+            self._queue.put(item)
+            return
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            self.cancelled = True
+
+    def __iter__(self):
+        while True:
+            item = self._queue.get()
+            if item is _DONE:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    async def __aiter__(self):
+        while True:
+            item = await self._queue.get()
+            if item is _DONE:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+
+class _Row:
+    """A request in the running batch."""
+
+    def __init__(self, handle: Handle, tokenizer, vocab: int, device):
+        request = handle.request
+        self.handle, self.request = handle, request
+        self.stop_ids = {int(t) for t in request.stop_token_ids}
+        self.text = TextStream(tokenizer, request.stop_strings) if tokenizer is not None else None
+        self.generated = 0
+        self.seen = None
+        if request.params.repetition_penalty != 1.0:
+            self.seen = torch.zeros(vocab, dtype=torch.bool, device=device)
+            self.seen[torch.tensor(request.prompt, device=device)] = True
+        seed = request.seed if request.seed is not None else int(torch.randint(0, 2**62, ()).item())
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+
+
+class Scheduler:
+    """Continuous batching over a kiln Transformer. max_batch: rows decoded together; max_waiting:
+    requests queued behind them before submit raises Busy; max_prefill_tokens: padded prompt
+    tokens prefilled in one forward (at least one request is always admitted)."""
+
+    def __init__(self, model, tokenizer=None, max_batch: int = 32, max_waiting: int = 256,
+                 max_prefill_tokens: int = 8192):
+        for key, value in (("max_batch", max_batch), ("max_prefill_tokens", max_prefill_tokens)):
+            if value < 1:
+                raise ConfigError(key, f"must be >= 1, got {value}")
+        if max_waiting < 0:
+            raise ConfigError("max_waiting", f"must be >= 0, got {max_waiting}")
+        self.model, self.tokenizer = model.eval(), tokenizer
+        self.max_batch, self.max_waiting, self.max_prefill_tokens = max_batch, max_waiting, max_prefill_tokens
+        self.device = next(model.parameters()).device
+        self._pending: deque[Handle] = deque()
+        self._cond = threading.Condition()
+        self._closing = False
+        self._active = 0
+        # Counters for tests and /health: joined_running counts requests admitted while other rows
+        # were mid-generation, which is what continuous batching is for.
+        self.stats = {"steps": 0, "prefills": 0, "tokens": 0, "joined_running": 0, "max_rows": 0, "failures": 0}
+        self._thread = threading.Thread(target=self._run, name="kiln-scheduler", daemon=True)
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._closing
+
+    @property
+    def load(self) -> tuple[int, int]:
+        """(rows in the running batch, requests waiting)."""
+        return self._active, len(self._pending)
+
+    def check(self, request: GenerationRequest) -> None:
+        """Raise ConfigError naming the field if the request cannot run."""
+        cfg = self.model.cfg
+        request.params.validate()
+        if request.max_tokens < 0:
+            raise ConfigError("max_tokens", f"must be >= 0, got {request.max_tokens}")
+        if not request.prompt:
+            raise ConfigError("prompt", "is empty; give at least one token")
+        if min(request.prompt) < 0 or max(request.prompt) >= cfg.vocab_size:
+            raise ConfigError("prompt", f"has token ids outside 0..{cfg.vocab_size - 1}")
+        room = cfg.max_seq_len - (1 if request.max_tokens > 0 else 0)
+        if len(request.prompt) > room:
+            raise ConfigError("prompt", f"has {len(request.prompt)} tokens; this model's context is {cfg.max_seq_len} "
+                              "tokens and generation needs at least one more")
+        if request.logprobs is not None and not 0 <= request.logprobs <= MAX_LOGPROBS:
+            raise ConfigError("logprobs", f"must be in 0..{MAX_LOGPROBS}, got {request.logprobs}")
+        if request.stop_strings and self.tokenizer is None:
+            raise ConfigError("stop", "stop strings need a tokenizer")
+
+    def submit(self, requests: Sequence[GenerationRequest], loop: asyncio.AbstractEventLoop | None = None,
+               ) -> list[Handle]:
+        """Queue requests together (all or none); their handles, in order. Raises ConfigError for a
+        bad request and Busy when the queue has no room for all of them."""
+        for request in requests:
+            self.check(request)
+        handles = [Handle(r, loop) for r in requests]
+        with self._cond:
+            if self._closing:
+                raise SchedulerError("the scheduler is stopped")
+            if len(self._pending) + len(handles) > self.max_waiting + max(0, self.max_batch - self._active):
+                raise Busy(f"{self._active} requests running and {len(self._pending)} waiting; try again later")
+            self._pending.extend(handles)
+            self._cond.notify()
+        return handles
+
+    def close(self, timeout: float = 10.0) -> None:
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
+        self._thread.join(timeout)
+
+    # ---- the loop (scheduler thread) ----------------------------------------------------------------
+
+    def _run(self) -> None:
+        rows: list[_Row] = []
+        cache, logits = None, None
+        while True:
+            with self._cond:
+                while not self._pending and not rows and not self._closing:
+                    self._cond.wait()
+                if self._closing:
+                    stopped = [r.handle for r in rows] + list(self._pending)
+                    self._pending.clear()
+                    break
+                new = self._admit(len(rows))
+            try:
+                with torch.inference_mode():
+                    rows, cache, logits = self._step(rows, cache, logits, new)
+            except Exception as err:  # one bad batch must not take the server down
+                log.exception("scheduler step failed")
+                self.stats["failures"] += 1
+                failed = SchedulerError(f"generation failed: {type(err).__name__}: {err}")
+                for handle in [r.handle for r in rows] + new:
+                    handle._put(failed)
+                rows, cache, logits = [], None, None
+            self._active = len(rows)
+        for handle in stopped:
+            handle._put(SchedulerError("the server is shutting down"))
+
+    def _admit(self, running: int) -> list[Handle]:
+        new: list[Handle] = []
+        longest = 0
+        while self._pending and running + len(new) < self.max_batch:
+            handle = self._pending[0]
+            if handle.cancelled:
+                self._pending.popleft()
+                continue
+            padded = (len(new) + 1) * max(longest, len(handle.request.prompt))
+            if new and padded > self.max_prefill_tokens:
+                break
+            longest = max(longest, len(handle.request.prompt))
+            new.append(self._pending.popleft())
+        return new
+
+    def _step(self, rows, cache, logits, new):
+        """One iteration: drop cancelled rows, admit new ones, sample a token for every row, and
+        run the decode forward for the rows still going."""
+        alive = [i for i, r in enumerate(rows) if not r.handle.cancelled]
+        if len(alive) < len(rows):
+            rows, logits = [rows[i] for i in alive], logits[alive] if alive else None
+            if alive:
+                cache.keep(alive)
+            else:
+                cache = None
+        new = [h for h in new if not h.cancelled]
+        if new:
+            if rows:
+                self.stats["joined_running"] += len(new)
+            new_rows, new_cache, new_logits = self._prefill(new)
+            if new_rows:
+                if cache is None:
+                    rows, cache, logits = new_rows, new_cache, new_logits
+                else:
+                    cache.extend(new_cache)
+                    rows, logits = rows + new_rows, torch.cat([logits, new_logits])
+        self._active = len(rows)
+        self.stats["max_rows"] = max(self.stats["max_rows"], len(rows))
+        if not rows:
+            return [], None, None
+        self.stats["steps"] += 1
+        self.stats["tokens"] += len(rows)
+        next_ids, keep = self._sample(rows, logits)
+        if not keep:
+            return [], None, None
+        if len(keep) < len(rows):
+            cache.keep(keep)
+            rows, next_ids = [rows[i] for i in keep], [next_ids[i] for i in keep]
+        tokens = torch.tensor(next_ids, device=self.device)[:, None]
+        return rows, cache, self.model(tokens, kv_cache=cache)[:, -1].float()
+
+    def _prefill(self, handles: list[Handle]):
+        """Run the new prompts through the model in a cache of their own. Returns the rows that go
+        on generating, their cache and their next-token logits; prompt-only requests end here."""
+        requests = [h.request for h in handles]
+        lengths = [len(r.prompt) for r in requests]
+        longest, max_seq_len = max(lengths), self.model.cfg.max_seq_len
+        # A row's last token is sampled but never fed back, so it needs no slot.
+        need = max(min(max_seq_len, n + r.max_tokens - 1) for n, r in zip(lengths, requests))
+        cache = KVCache.for_model(self.model, len(requests), max(longest, need))
+        tokens = torch.zeros(len(requests), longest, dtype=torch.long, device=self.device)
+        for i, r in enumerate(requests):
+            tokens[i, :lengths[i]] = torch.tensor(r.prompt, device=self.device)
+        all_logits = self.model(tokens, kv_cache=cache)
+        cache.set_lengths(lengths)
+        self.stats["prefills"] += 1
+        for i, handle in enumerate(handles):
+            if handle.request.prompt_logprobs:
+                handle._put(self._prompt_scores(all_logits[i, :lengths[i]], handle.request))
+        going = [i for i, r in enumerate(requests) if r.max_tokens > 0]
+        for i, handle in enumerate(handles):
+            if requests[i].max_tokens == 0:
+                handle._put(_DONE)
+        if not going:
+            return [], None, None
+        last = all_logits[torch.tensor(going, device=self.device),
+                          torch.tensor([lengths[i] - 1 for i in going], device=self.device)].float()
+        if len(going) < len(requests):
+            cache.keep(going)
+        vocab = self.model.cfg.vocab_size
+        return [_Row(handles[i], self.tokenizer, vocab, self.device) for i in going], cache, last
+
+    @staticmethod
+    def _prompt_scores(logits: torch.Tensor, request: GenerationRequest) -> PromptScores:
+        """logits [T, vocab] at the prompt's positions: position t predicts token t + 1."""
+        logprobs = logits.float().log_softmax(dim=-1)
+        prompt = torch.tensor(request.prompt[1:], device=logits.device)
+        chosen = logprobs[:-1].gather(1, prompt[:, None])[:, 0].tolist()
+        k = request.logprobs or 0
+        tops: list = [None]
+        if k > 0 and len(request.prompt) > 1:
+            values, ids = logprobs[:-1].topk(k, dim=-1)
+            tops += [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+        else:
+            tops += [[] for _ in chosen]
+        return PromptScores([None] + chosen, tops)
+
+    def _sample(self, rows: list[_Row], logits: torch.Tensor) -> tuple[list[int], list[int]]:
+        """Sample each row's next token, send it, and return (tokens, indices of unfinished rows)."""
+        groups: dict[SamplingParams, list[int]] = {}
+        for i, row in enumerate(rows):
+            groups.setdefault(row.request.params, []).append(i)
+        new = [0] * len(rows)
+        logprob = [0.0] * len(rows)
+        for params, idx in groups.items():
+            index = torch.tensor(idx, device=self.device)
+            seen = None
+            if params.repetition_penalty != 1.0:
+                seen = torch.stack([rows[i].seen for i in idx])
+            tokens, lps, _, _ = _sample(logits[index], params, seen, [rows[i].generator for i in idx])
+            for i, token, lp in zip(idx, tokens, lps):
+                new[i], logprob[i] = token, lp
+        tops = self._top_logprobs(rows, logits, new, logprob)
+        max_seq_len = self.model.cfg.max_seq_len
+        keep = []
+        for i, row in enumerate(rows):
+            token, request = new[i], row.request
+            if row.seen is not None:
+                row.seen[token] = True
+            row.generated += 1
+            piece, finish = "", None
+            if token in row.stop_ids:
+                finish = "stop"
+            elif row.text is not None:
+                piece, stop = row.text.push(token)
+                finish = "stop" if stop is not None else None
+            if finish is None and (row.generated == request.max_tokens
+                                   or len(request.prompt) + row.generated >= max_seq_len):
+                finish = "length"
+            if finish is not None and row.text is not None:
+                piece += row.text.finish()
+            row.handle._put(TokenEvent(token, piece, logprob[i], tops[i], finish))
+            if finish is None:
+                keep.append(i)
+            else:
+                row.handle._put(_DONE)
+        return new, keep
+
+    def _top_logprobs(self, rows, logits, new, logprob) -> list:
+        """Top-k (id, logprob) per row that asked for logprobs. The chosen token's logprob is taken
+        from the same tensor, so a greedy token equals the best top entry exactly (lm-eval's
+        is_greedy test compares them with ==)."""
+        tops: list = [None] * len(rows)
+        want = [i for i, r in enumerate(rows) if r.request.logprobs is not None]
+        if not want:
+            return tops
+        index = torch.tensor(want, device=self.device)
+        lsm = logits[index].log_softmax(dim=-1)
+        chosen = lsm.gather(1, torch.tensor([new[i] for i in want], device=self.device)[:, None])[:, 0].tolist()
+        k = max(rows[i].request.logprobs for i in want)
+        values, ids = lsm.topk(k, dim=-1) if k > 0 else (None, None)
+        for j, i in enumerate(want):
+            logprob[i] = chosen[j]
+            n = rows[i].request.logprobs
+            tops[i] = list(zip(ids[j, :n].tolist(), values[j, :n].tolist())) if n > 0 else []
+        return tops

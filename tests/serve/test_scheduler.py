@@ -1,0 +1,292 @@
+import threading
+
+import pytest
+import torch
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from kiln.data.tokenizer import Tokenizer
+from kiln.errors import ConfigError
+from kiln.infer.engine import Engine, KVCache, SamplingParams
+from kiln.model import ModelConfig, build_model
+from kiln.serve.scheduler import (Busy, GenerationRequest, PromptScores, Scheduler, SchedulerError, TokenEvent)
+
+PROMPTS = [[5, 17, 42], [1, 2, 3, 4, 5, 6, 7, 8, 9], [9], [33, 2, 250, 7, 7]]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return build_model(ModelConfig(vocab_size=300, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=48,
+                                   init_std=0.2)).eval()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    hf = HFTokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    hf.train_from_iterator(["hello world. hello there."] * 4, trainers.BpeTrainer(
+        vocab_size=270, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    hf.save(str(path))
+    return Tokenizer.load(path)
+
+
+class Gate(torch.nn.Module):
+    """The model, but forward call number `hold` waits until the test opens the gate: the test can
+    act while a request is known to be mid-generation, without timing."""
+
+    def __init__(self, inner, hold: int):
+        super().__init__()
+        self.inner, self.cfg, self.hold, self.calls = inner, inner.cfg, hold, 0
+        self.reached, self.open = threading.Event(), threading.Event()
+
+    def forward(self, tokens, **kwargs):
+        self.calls += 1
+        if self.calls == self.hold:
+            self.reached.set()
+            assert self.open.wait(30), "the test never opened the gate"
+        return self.inner(tokens, **kwargs)
+
+
+class EndsAt(torch.nn.Module):
+    """The model, but `token` is forced at every position >= `at`: a request stops on it there."""
+
+    def __init__(self, inner, token: int, at: int):
+        super().__init__()
+        self.inner, self.cfg, self.token, self.at = inner, inner.cfg, token, at
+
+    def forward(self, tokens, kv_cache=None, **kwargs):
+        before = torch.tensor(kv_cache.lengths if kv_cache is not None else [0] * tokens.shape[0])
+        logits = self.inner(tokens, kv_cache=kv_cache, **kwargs)
+        predicted = before[:, None] + torch.arange(tokens.shape[1]) + 1  # position of the token each logit predicts
+        logits[..., self.token] += (predicted >= self.at).to(logits.dtype) * 1000.0
+        return logits
+
+
+class Fails(torch.nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner, self.cfg, self.armed = inner, inner.cfg, True
+
+    def forward(self, tokens, **kwargs):
+        if self.armed:
+            self.armed = False
+            raise RuntimeError("simulated device error")
+        return self.inner(tokens, **kwargs)
+
+
+def collect(handle):
+    scores, events = None, []
+    for event in handle:
+        if isinstance(event, PromptScores):
+            scores = event
+        else:
+            events.append(event)
+    return scores, events
+
+
+@pytest.fixture
+def scheduler_for():
+    made = []
+
+    def make(model, tokenizer=None, **kwargs):
+        made.append(Scheduler(model, tokenizer, **kwargs))
+        return made[-1]
+
+    yield make
+    for s in made:
+        s.close()
+
+
+@torch.inference_mode()
+def test_extended_cache_decodes_like_one_prefilled_together(model):
+    first, second = PROMPTS[:2], PROMPTS[2:]
+
+    def prefill(prompts, max_len):
+        cache = KVCache.for_model(model, len(prompts), max_len)
+        tokens = torch.zeros(len(prompts), max(map(len, prompts)), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            tokens[i, :len(p)] = torch.tensor(p)
+        logits = model(tokens, kv_cache=cache)
+        cache.set_lengths([len(p) for p in prompts])
+        return cache, logits[torch.arange(len(prompts)), torch.tensor([len(p) - 1 for p in prompts])]
+
+    joint, joint_logits = prefill(PROMPTS, 30)
+    cache, logits_a = prefill(first, 20)
+    other, logits_b = prefill(second, 30)
+    cache.extend(other)
+    assert cache.max_len == 30 and cache.lengths == [len(p) for p in PROMPTS]
+    logits = torch.cat([logits_a, logits_b])
+    torch.testing.assert_close(logits, joint_logits, atol=1e-5, rtol=1e-5)
+    for _ in range(6):
+        step = logits.argmax(-1)[:, None]
+        logits = model(step, kv_cache=cache)[:, -1]
+        joint_logits = model(step, kv_cache=joint)[:, -1]
+        torch.testing.assert_close(logits, joint_logits, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="differ"):
+        cache.extend(KVCache(1, 1, 4, 30, 8))
+
+
+def test_each_request_gets_what_the_engine_gives_it_alone(model, tokenizer, scheduler_for):
+    """Mixed sampling parameters in one batch; each request equals Engine.stream on its own."""
+    cases = [
+        (PROMPTS[0], 12, SamplingParams(temperature=0), {}),
+        (PROMPTS[1], 9, SamplingParams(temperature=0.8, top_p=0.9), {"seed": 3}),
+        (PROMPTS[2], 15, SamplingParams(temperature=1.2, top_k=20), {"seed": 7}),
+        (PROMPTS[3], 10, SamplingParams(temperature=0, repetition_penalty=1.3), {}),
+        (PROMPTS[1], 20, SamplingParams(temperature=0.7, min_p=0.05), {"seed": 11, "stop_strings": ["o"]}),
+    ]
+    scheduler = scheduler_for(model, tokenizer, max_batch=8)
+    requests = [GenerationRequest(list(p), n, params, stop_token_ids=(0,), **kw) for p, n, params, kw in cases]
+    handles = scheduler.submit(requests)
+    engine = Engine(model, tokenizer)
+    for (prompt, n, params, kw), handle in zip(cases, handles):
+        _, events = collect(handle)
+        expected = list(engine.stream(prompt, n, params.temperature, params.top_k, params.top_p, params.min_p,
+                                      params.repetition_penalty, stop_token_ids=(0,), **kw))
+        assert [e.id for e in events] == [t.id for t in expected]
+        assert [e.text for e in events] == [t.text for t in expected]
+        assert [e.finish_reason for e in events] == [t.finish_reason for t in expected]
+        assert [e.logprob for e in events] == pytest.approx([t.logprob for t in expected], abs=1e-4)
+    assert scheduler.stats["max_rows"] == len(cases)  # they really ran as one batch
+
+
+def test_new_requests_join_the_running_batch(model, scheduler_for):
+    gated = Gate(model, hold=4)  # prefill, then decode calls 2, 3: the 4th waits
+    scheduler = scheduler_for(gated, max_batch=4)
+    [long] = scheduler.submit([GenerationRequest(PROMPTS[1], 30, SamplingParams(temperature=0))])
+    assert gated.reached.wait(30)
+    assert scheduler.stats["steps"] == 3  # three tokens of `long` sampled; it is mid-generation
+    [short] = scheduler.submit([GenerationRequest(PROMPTS[3], 5, SamplingParams(temperature=0))])
+    gated.open.set()
+    short_events, long_events = collect(short)[1], collect(long)[1]
+    # The short request ran in the same batch as the long one instead of waiting for it to drain.
+    assert scheduler.stats["joined_running"] == 1 and scheduler.stats["max_rows"] == 2
+    assert scheduler.stats["steps"] == 30  # 30 decode steps in all: the 5 of `short` were shared
+    outs = Engine(model).generate([PROMPTS[1], PROMPTS[3]], 30, temperature=0)
+    assert [e.id for e in long_events] == outs[0].ids
+    assert [e.id for e in short_events] == outs[1].ids[:5]
+
+
+def test_joining_rows_leave_running_rows_unchanged(model, scheduler_for):
+    gated = Gate(model, hold=6)
+    scheduler = scheduler_for(gated, max_batch=4)
+    [first] = scheduler.submit([GenerationRequest(PROMPTS[0], 25, SamplingParams(temperature=0))])
+    assert gated.reached.wait(30)
+    late = scheduler.submit([GenerationRequest(p, 12, SamplingParams(temperature=0)) for p in PROMPTS[1:]])
+    gated.open.set()
+    outs = Engine(model).generate(PROMPTS, 25, temperature=0)
+    assert [e.id for e in collect(first)[1]] == outs[0].ids
+    for handle, out in zip(late, outs[1:]):
+        assert [e.id for e in collect(handle)[1]] == out.ids[:12]
+    assert scheduler.stats["joined_running"] == 3
+
+
+def test_stop_token_and_length(model, scheduler_for):
+    end = 3
+    scheduler = scheduler_for(EndsAt(model, end, at=10))
+    handles = scheduler.submit([GenerationRequest(PROMPTS[0], 20, SamplingParams(temperature=0), stop_token_ids=[end]),
+                                GenerationRequest(PROMPTS[0], 4, SamplingParams(temperature=0), stop_token_ids=[end]),
+                                GenerationRequest(PROMPTS[0], 20, SamplingParams(temperature=0))])
+    stopped, short, ignoring = (collect(h)[1] for h in handles)
+    # Prompt of 3 tokens: positions 3..9 are free, the token at position 10 is the stop token.
+    assert len(stopped) == 8 and stopped[-1].id == end and stopped[-1].finish_reason == "stop"
+    assert [e.finish_reason for e in short] == [None, None, None, "length"]
+    assert len(ignoring) == 20 and ignoring[-1].finish_reason == "length"
+
+
+def test_context_limit_ends_with_length(model, scheduler_for):
+    scheduler = scheduler_for(model)
+    [handle] = scheduler.submit([GenerationRequest(PROMPTS[1], 100, SamplingParams(temperature=0))])
+    events = collect(handle)[1]
+    assert len(PROMPTS[1]) + len(events) == model.cfg.max_seq_len and events[-1].finish_reason == "length"
+
+
+@torch.inference_mode()
+def test_prompt_and_top_logprobs(model, scheduler_for):
+    scheduler = scheduler_for(model)
+    prompt = PROMPTS[3]
+    handles = scheduler.submit([GenerationRequest(prompt, 3, SamplingParams(temperature=0), logprobs=4,
+                                                  prompt_logprobs=True),
+                                GenerationRequest(prompt, 0, logprobs=0, prompt_logprobs=True)])
+    scores, events = collect(handles[0])
+    reference = model(torch.tensor([prompt + [e.id for e in events[:-1]]]))[0].float().log_softmax(-1)
+    assert scores.logprobs[0] is None and scores.top[0] is None
+    for t in range(1, len(prompt)):
+        assert scores.logprobs[t] == pytest.approx(reference[t - 1, prompt[t]].item(), abs=1e-4)
+        assert [i for i, _ in scores.top[t]] == reference[t - 1].topk(4).indices.tolist()
+    for k, event in enumerate(events):
+        row = reference[len(prompt) - 1 + k]
+        assert event.logprob == pytest.approx(row[event.id].item(), abs=1e-4)
+        assert [i for i, _ in event.top] == row.topk(4).indices.tolist()
+        assert event.top[0] == (event.id, event.logprob)  # greedy: the chosen token is the best, exactly
+    only, none = collect(handles[1])
+    assert none == [] and only.logprobs[1:] == pytest.approx(scores.logprobs[1:], abs=1e-5)
+    assert only.top[1:] == [[]] * (len(prompt) - 1)
+
+
+def test_cancelled_request_leaves_and_others_continue(model, scheduler_for):
+    gated = Gate(model, hold=3)
+    scheduler = scheduler_for(gated)
+    doomed, kept = scheduler.submit([GenerationRequest(PROMPTS[0], 40, SamplingParams(temperature=0)),
+                                     GenerationRequest(PROMPTS[2], 20, SamplingParams(temperature=0))])
+    assert gated.reached.wait(30)
+    doomed.cancel()
+    gated.open.set()
+    events = collect(kept)[1]
+    assert [e.id for e in events] == Engine(model).generate([PROMPTS[2]], 20, temperature=0)[0].ids
+    assert scheduler.stats["tokens"] < 40 + 20  # the cancelled row stopped costing steps
+
+
+def test_bad_requests_busy_and_failures(model, scheduler_for):
+    gated = Gate(model, hold=2)
+    scheduler = scheduler_for(gated, max_batch=1, max_waiting=1)
+    for request, key in ((GenerationRequest([], 3), "prompt"), (GenerationRequest([1] * 48, 3), "prompt"),
+                         (GenerationRequest([1], 3, logprobs=21), "logprobs"), (GenerationRequest([400], 3), "prompt"),
+                         (GenerationRequest([1], 3, SamplingParams(top_p=0)), "top_p"),
+                         (GenerationRequest([1], -1), "max_tokens"),
+                         (GenerationRequest([1], 3, stop_strings=["x"]), "stop")):
+        with pytest.raises(ConfigError) as err:
+            scheduler.submit([request])
+        assert err.value.key == key
+    running = scheduler.submit([GenerationRequest(PROMPTS[0], 10, SamplingParams(temperature=0))])
+    assert gated.reached.wait(30)
+    waiting = scheduler.submit([GenerationRequest(PROMPTS[1], 3, SamplingParams(temperature=0))])
+    with pytest.raises(Busy):
+        scheduler.submit([GenerationRequest(PROMPTS[2], 3)])
+    gated.open.set()
+    assert len(collect(running[0])[1]) == 10 and len(collect(waiting[0])[1]) == 3
+
+    broken = Fails(model)
+    scheduler = scheduler_for(broken)
+    [handle] = scheduler.submit([GenerationRequest(PROMPTS[0], 5, SamplingParams(temperature=0))])
+    with pytest.raises(SchedulerError, match="simulated device error"):
+        collect(handle)
+    [handle] = scheduler.submit([GenerationRequest(PROMPTS[0], 5, SamplingParams(temperature=0))])
+    assert len(collect(handle)[1]) == 5 and scheduler.alive and scheduler.stats["failures"] == 1
+
+
+def test_events_reach_an_asyncio_consumer(model, scheduler_for):
+    import asyncio
+
+    scheduler = scheduler_for(model)
+
+    async def main():
+        [handle] = scheduler.submit([GenerationRequest(PROMPTS[0], 6, SamplingParams(temperature=0))],
+                                    loop=asyncio.get_running_loop())
+        return [event async for event in handle]
+
+    events = asyncio.run(main())
+    assert all(isinstance(e, TokenEvent) for e in events)
+    assert [e.id for e in events] == Engine(model).generate([PROMPTS[0]], 6, temperature=0)[0].ids
