@@ -95,6 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_report_parser(verbs)
     from kiln.serve.cli import add_serve_parsers
     add_serve_parsers(verbs)
+    from kiln.eval.cli import add_eval_parser
+    add_eval_parser(verbs)
     return parser
 
 
@@ -163,6 +165,9 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.verb == "launch":
         from kiln.parallel.launch import run_launch
         return run_launch(args)
+    if args.verb == "eval":
+        from kiln.eval.cli import run_eval
+        return run_eval(args)
     if args.verb == "serve":
         from kiln.serve.cli import run_serve
         return run_serve(args)

@@ -1,0 +1,155 @@
+"""Hostile snippets in the sandbox: each ends with a clear status and the parent stays healthy."""
+
+import os
+import socket
+
+import pytest
+
+from kiln.errors import ConfigError
+from kiln.eval.sandbox import Limits, run_many, run_python
+
+FAST = Limits(timeout_s=3.0)
+
+
+def assert_group_gone(result):
+    """Nothing of the child's process group survives the run."""
+    with pytest.raises(ProcessLookupError):
+        os.killpg(result.pid, 0)
+
+
+def test_a_normal_program_runs_in_its_own_folder():
+    code = ("import os, sys, tempfile\n"
+            "open('out.txt', 'w').write('data')\n"
+            "os.mkdir('sub'); os.rename('out.txt', 'sub/out.txt')\n"
+            "fd, name = tempfile.mkstemp(); os.close(fd); os.remove(name)\n"
+            "import helper\n"
+            "print(open('sub/out.txt').read(), helper.VALUE, sys.stdin.read(), os.getcwd() == os.environ['HOME'])\n")
+    result = run_python(code, FAST, files={"helper.py": "VALUE = 41 + 1\n"}, stdin="from stdin")
+    assert result.status == "ok" and result.returncode == 0, result.stderr
+    assert result.stdout == "data 42 from stdin True\n"
+    assert result.isolation["python_guard"] is True and result.isolation["nproc"] == 0
+    assert_group_gone(result)
+
+
+def test_failures_are_errors_with_the_last_line():
+    result = run_python("assert 1 + 1 == 3, 'arithmetic is broken'", FAST)
+    assert result.status == "error" and result.returncode == 1
+    assert "AssertionError: arithmetic is broken" in result.detail
+
+
+def test_infinite_loop_and_sleep_time_out():
+    for code in ("while True:\n    pass", "import time\ntime.sleep(60)"):
+        result = run_python(code, Limits(timeout_s=0.5))
+        assert result.status == "timeout" and "wall clock" in result.detail
+        assert result.wall_s < 30
+        assert_group_gone(result)
+
+
+def test_cpu_limit_ends_a_busy_loop_before_the_wall_clock():
+    result = run_python("while True:\n    pass", Limits(timeout_s=60.0, cpu_s=1))
+    assert result.status == "timeout" and "CPU time" in result.detail, (result.returncode, result.detail)
+
+
+def test_fork_bomb_is_forbidden():
+    result = run_python("import os\nwhile True:\n    os.fork()", FAST)
+    assert result.status == "forbidden" and "os.fork" in result.detail
+    assert_group_gone(result)
+    for code in ("import subprocess", "import os; os.system('echo hi')", "import pty; pty.fork()"):
+        result = run_python(code, FAST)
+        assert result.status == "forbidden", (code, result.status, result.detail)
+
+
+def test_huge_allocation_is_a_memory_error():
+    result = run_python("x = bytearray(64 * 1024 ** 3)\nprint('allocated')", Limits(timeout_s=5.0, memory_mb=256))
+    assert result.status == "memory" and result.stdout == ""
+    result = run_python("x = []\nwhile True:\n    x.append(bytearray(10 ** 7))", Limits(timeout_s=20.0, memory_mb=256))
+    assert result.status == "memory"
+
+
+def test_writing_outside_the_folder_is_forbidden(tmp_path):
+    outside = tmp_path / "escape.txt"
+    attempts = [f"open({str(outside)!r}, 'w').write('x')",
+                "open('../escape.txt', 'w').write('x')",
+                f"import os; os.symlink({str(tmp_path)!r}, 'link'); open('link/escape.txt', 'w').write('x')",
+                f"import os; fd = os.open({str(outside)!r}, os.O_WRONLY | os.O_CREAT); os.write(fd, b'x')",
+                f"import os; os.remove({str(tmp_path / 'keep.txt')!r})",
+                f"import os; os.rename({str(tmp_path / 'keep.txt')!r}, 'stolen.txt')",
+                f"import os; d = os.open({str(tmp_path)!r}, os.O_RDONLY)\n"
+                "os.open('escape.txt', os.O_WRONLY | os.O_CREAT, dir_fd=d)",
+                "import shutil; shutil.rmtree('/usr/share/doc')"]
+    (tmp_path / "keep.txt").write_text("precious")
+    for code in attempts:
+        result = run_python(code, FAST)
+        assert result.status == "forbidden", (code, result.status, result.detail)
+        assert "outside the sandbox folder" in result.detail
+    assert not outside.exists() and not (tmp_path.parent / "escape.txt").exists()
+    assert (tmp_path / "keep.txt").read_text() == "precious"
+
+
+def test_file_size_limit():
+    result = run_python("open('big.bin', 'wb').write(b'x' * (3 * 1024 * 1024))", Limits(timeout_s=5.0, file_mb=1))
+    assert result.status == "forbidden" and "file_mb=1" in result.detail
+    result = run_python("print('y' * (3 * 1024 * 1024))", Limits(timeout_s=5.0, file_mb=1, max_output=100))
+    assert result.status == "forbidden" and len(result.stdout) <= 100
+
+
+def test_opening_a_socket_is_forbidden():
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        for code in ("import socket; socket.socket()",
+                     f"import socket; socket.create_connection(('127.0.0.1', {port}), timeout=1)",
+                     "import urllib.request; urllib.request.urlopen('http://example.com', timeout=1)"):
+            result = run_python(code, FAST)
+            assert result.status == "forbidden" and "network" in result.detail, (code, result.detail)
+        server.settimeout(0.2)
+        with pytest.raises(socket.timeout):
+            server.accept()
+
+
+def test_other_processes_cannot_be_signalled_and_limits_cannot_be_raised():
+    result = run_python(f"import os, signal; os.kill({os.getppid()}, signal.SIGTERM)", FAST)
+    assert result.status == "forbidden" and "os.kill" in result.detail
+    result = run_python("import resource; resource.setrlimit(resource.RLIMIT_AS, (-1, -1))", FAST)
+    assert result.status == "forbidden"
+    result = run_python("import ctypes", FAST)
+    assert result.status == "forbidden" and "ctypes" in result.detail
+
+
+def test_kernel_layers_hold_without_the_audit_hook(tmp_path):
+    """With the Python guard off, what the kernel still enforces (where this machine allows it)."""
+    probe = run_python("pass", FAST)
+    off = Limits(timeout_s=3.0, python_guard=False)
+    if probe.isolation.get("nproc_enforced"):
+        result = run_python("import os\nwhile True:\n    os.fork()", off)
+        assert result.status == "error" and "Resource temporarily unavailable" in result.detail
+        assert_group_gone(result)
+    if probe.isolation.get("network") in ("namespace", "user namespace"):
+        result = run_python("import socket; socket.create_connection(('127.0.0.1', 9), timeout=1)", off)
+        assert result.status == "error" and "unreachable" in result.detail
+    if probe.isolation.get("user") == "nobody":
+        tmp_path.chmod(0o755)
+        result = run_python(f"open({str(tmp_path / 'escape.txt')!r}, 'w')", off)
+        assert result.status == "error" and "Permission denied" in result.detail
+        assert not (tmp_path / "escape.txt").exists()
+    if not (probe.isolation.get("nproc_enforced") or probe.isolation.get("network") != "none"):
+        pytest.skip(f"no kernel layer available here: {probe.isolation}")
+
+
+def test_run_many_keeps_order_and_the_parent_stays_healthy():
+    codes = [f"print({i} * {i})" for i in range(6)] + ["import os; os.fork()", "x = bytearray(2 ** 40)"]
+    results = run_many(codes, FAST, workers=3)
+    assert [r.stdout for r in results[:6]] == [f"{i * i}\n" for i in range(6)]
+    assert [r.status for r in results[6:]] == ["forbidden", "memory"]
+    # After every hostile run, the parent still starts and reads a child normally.
+    assert run_python("print('still fine')", FAST).stdout == "still fine\n"
+
+
+def test_limits_are_validated():
+    with pytest.raises(ConfigError, match="timeout_s"):
+        run_python("pass", Limits(timeout_s=0))
+    with pytest.raises(ConfigError, match="memory_mb"):
+        run_python("pass", Limits(memory_mb=8))
+    with pytest.raises(ConfigError, match="files"):
+        run_python("pass", FAST, files={"../x.py": ""})
