@@ -52,8 +52,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--init-from", help="start a new run from this checkpoint's weights")
 
     for verb, what in (("sft", "supervised fine-tuning on conversations and the verifiable tasks"),
+                       ("rm", "reward model: the transformer with a scalar head, Bradley-Terry on pairs"),
                        ("dpo", "direct preference optimisation (sigmoid, IPO or conservative DPO)"),
-                       ("grpo", "group-relative policy optimisation with the task verifiers as rewards")):
+                       ("ppo", "PPO: actor, critic, frozen reference, verifier or reward-model reward"),
+                       ("grpo", "group-relative policy optimisation with the task verifiers as rewards"),
+                       ("distill", "distillation from a teacher checkpoint: generated data and soft targets")):
         p = verbs.add_parser(verb, help=what)
         _recipe_args(p)
         p.add_argument("--resume", default="auto", help="auto (newest complete checkpoint), none, or a path")
@@ -123,11 +126,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _dispatch(args: argparse.Namespace) -> int:
-    from kiln.config import STAGES, load_recipe
+    from kiln.config import POST_STAGES, STAGES, load_recipe
     from kiln.pipeline import run_recipe
 
     stage_of_verb = {"corpus": "corpus", "data": "data", "tokenizer": "tokenizer", "pack": "pack", "pretrain": "pretrain",
-                     "sft": "sft", "dpo": "dpo", "grpo": "grpo"}
+                     **{stage: stage for stage in POST_STAGES}}
     if args.verb in ("run", *stage_of_verb) and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         # Started by torchrun (directly, or through `kiln launch`, Slurm or Kubernetes): join the job.
         import torch

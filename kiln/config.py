@@ -22,10 +22,13 @@ from kiln.model.config import PRESETS, ModelConfig
 from kiln.parallel.config import ParallelConfig
 from kiln.peft.config import PeftConfig
 from kiln.post.config import DPOConfig, GRPOConfig, SFTConfig, TaskConfig
+from kiln.post.distill import DistillConfig
+from kiln.post.ppo import PPOConfig
+from kiln.post.rm import RMConfig
 from kiln.train.config import TrainConfig
 
-STAGES = ("corpus", "data", "tokenizer", "pack", "pretrain", "sample", "sft", "dpo", "grpo")
-POST_STAGES = ("sft", "dpo", "grpo")
+STAGES = ("corpus", "data", "tokenizer", "pack", "pretrain", "sample", "sft", "rm", "dpo", "ppo", "grpo", "distill")
+POST_STAGES = ("sft", "rm", "dpo", "ppo", "grpo", "distill")
 
 
 @dataclass
@@ -57,6 +60,9 @@ class Recipe:
     sft: SFTConfig = field(default_factory=SFTConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    rm: RMConfig = field(default_factory=RMConfig)
+    ppo: PPOConfig = field(default_factory=PPOConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
     peft: PeftConfig = field(default_factory=PeftConfig)
 
     @property

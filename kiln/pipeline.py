@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kiln.config import STAGES, Recipe, recipe_to_dict
+from kiln.config import POST_STAGES, STAGES, Recipe, recipe_to_dict
 
 # Which recipe sections determine each stage's output, upstream included.
 STAGE_INPUTS = {
@@ -27,12 +27,11 @@ STAGE_INPUTS = {
     "pretrain": ("corpus", "data", "tokenizer", "pack", "model", "train"),
     "sample": ("corpus", "data", "tokenizer", "pack", "model", "train", "sample"),
     # A post-training stage starts from the one before it, so it depends on all of their tables.
-    "sft": ("corpus", "data", "tokenizer", "pack", "model", "train", "tasks", "peft", "sft"),
-    "dpo": ("corpus", "data", "tokenizer", "pack", "model", "train", "tasks", "peft", "sft", "dpo"),
-    "grpo": ("corpus", "data", "tokenizer", "pack", "model", "train", "tasks", "peft", "sft", "dpo", "grpo"),
+    **{stage: ("corpus", "data", "tokenizer", "pack", "model", "train", "tasks", "peft",
+               *POST_STAGES[:POST_STAGES.index(stage) + 1]) for stage in POST_STAGES},
 }
 MARKER = "DONE"
-RESUMABLE = ("pretrain", "sft", "dpo", "grpo")  # stages that continue from their own checkpoints
+RESUMABLE = ("pretrain", *POST_STAGES)  # stages that continue from their own checkpoints
 
 
 def fingerprint(recipe: Recipe, stage: str) -> str:
@@ -179,14 +178,17 @@ def _sample(recipe: Recipe, out: Path, **_) -> dict:
 
 
 def init_checkpoint(recipe: Recipe, stage: str) -> Path:
-    """Where a post-training stage starts: the latest checkpoint of the post-training stage before it
-    in the run, else pretraining's best."""
-    from kiln.config import POST_STAGES
-    earlier = [s for s in POST_STAGES[:POST_STAGES.index(stage)] if s in recipe.run.stages]
+    """Where a post-training stage starts: the policy the post-training stage before it in the run
+    left (the reward model is not a policy), else pretraining's best checkpoint."""
+    earlier = [s for s in POST_STAGES[:POST_STAGES.index(stage)] if s in recipe.run.stages and s != "rm"]
     if earlier:
         previous = stage_dir(recipe, earlier[-1])
-        # A PEFT stage leaves its adapters merged into plain weights for the next stage.
-        return previous / "merged" if (previous / "merged").is_dir() else previous / "checkpoints"
+        # PPO leaves the actor alone in policy/ (its checkpoints hold the critic too); a PEFT stage
+        # leaves its adapters merged into plain weights in merged/.
+        for name in ("policy", "merged"):
+            if (previous / name).is_dir():
+                return previous / name
+        return previous / "checkpoints"
     checkpoints = stage_dir(recipe, "pretrain") / "checkpoints"
     best = checkpoints / "best"
     return checkpoints / best.read_text().strip() if best.exists() else checkpoints
@@ -203,5 +205,4 @@ def _post(stage: str):
 
 
 STAGE_RUNNERS = {"corpus": _corpus, "data": _data, "tokenizer": _tokenizer, "pack": _pack,
-                 "pretrain": _pretrain, "sample": _sample, "sft": _post("sft"), "dpo": _post("dpo"),
-                 "grpo": _post("grpo")}
+                 "pretrain": _pretrain, "sample": _sample, **{stage: _post(stage) for stage in POST_STAGES}}

@@ -60,11 +60,11 @@ class StageTrainConfig:
         if not 0 <= self.warmup_steps < self.max_steps:
             raise ConfigError("warmup_steps", f"must be in [0, max_steps={self.max_steps}), got {self.warmup_steps}")
 
-    def train_config(self, base: TrainConfig, rows_per_step: int = 1) -> TrainConfig:
-        """`base` ([train]: precision, optimizer, compile, ...) with this stage's keys.
-        rows_per_step: how many sequences one example occupies (2 for a chosen/rejected pair)."""
+    def train_config(self, base: TrainConfig) -> TrainConfig:
+        """`base` ([train]: precision, optimizer, compile, ...) with this stage's keys. The loop counts
+        a micro-batch as micro_batch_size examples of seq_len (a preference pair is one example)."""
         values = dataclasses.asdict(self)
-        tokens = values.pop("global_batch_tokens") or self.seq_len * self.micro_batch_size * rows_per_step
+        tokens = values.pop("global_batch_tokens") or self.seq_len * self.micro_batch_size
         return dataclasses.replace(base, **values, global_batch_tokens=tokens, schedule="cosine")
 
 

@@ -11,14 +11,14 @@ from kiln.post import stages as S
 from kiln.post.sources import ExampleSource, OnlineSource
 
 
-def _trainer(recipe, out: Path, stage_cfg, data, loss_fn, init: Path, resume: str, rows_per_step: int = 1,
-             prepare_model=None, eval_loss_fn=None):
+def _trainer(recipe, out: Path, stage_cfg, data, loss_fn, init: Path, resume: str, prepare_model=None,
+             eval_loss_fn=None):
     from kiln.config import recipe_to_dict
     from kiln.train.checkpoint import load_weights
     from kiln.train.trainer import Trainer
 
     model_cfg = load_weights(init)[0]
-    train_cfg = stage_cfg.train.train_config(recipe.train, rows_per_step)
+    train_cfg = stage_cfg.train.train_config(recipe.train)
     return Trainer(model_cfg, train_cfg, None, out, recipe_dict=recipe_to_dict(recipe), resume=resume,
                    init_from=init, loss_fn=loss_fn, data=data, parallel=recipe.parallel, prepare_model=prepare_model,
                    eval_loss_fn=eval_loss_fn)
@@ -118,7 +118,7 @@ def run_dpo(recipe, out: Path, init: Path, tokenizer, resume: str = "auto") -> d
     vocab = tokenizer.vocab_size
     train = ExampleSource(rows, cfg.train.micro_batch_size, seed=recipe.train.seed, vocab_size=vocab)
     val = ExampleSource(val_rows, cfg.train.micro_batch_size, shuffle=False, vocab_size=vocab)
-    trainer = _trainer(recipe, out, cfg, (train, val), S.make_dpo_loss(cfg), init, resume, rows_per_step=2,
+    trainer = _trainer(recipe, out, cfg, (train, val), S.make_dpo_loss(cfg), init, resume,
                        prepare_model=_peft(recipe))
     stats = _finish(trainer, tokenizer, heldout, before, out, {"pairs": len(rows)}, recipe)
     stats["heldout_preferences"] = preference_stats(trainer.model, val_rows, cfg.beta)
@@ -213,3 +213,11 @@ def run_grpo(recipe, out: Path, init: Path, tokenizer, resume: str = "auto") -> 
 
 
 IGNORE_ID = S.IGNORE
+
+
+# The other stages live in their own modules; the pipeline finds every stage's run_<name> here.
+from kiln.post.distill import run_distill  # noqa: E402
+from kiln.post.ppo import run_ppo  # noqa: E402
+from kiln.post.rm import run_rm  # noqa: E402
+
+__all__ = ["run_sft", "run_dpo", "run_grpo", "run_rm", "run_ppo", "run_distill"]
