@@ -115,6 +115,9 @@ class GRPOConfig:
     clip_eps: float = 0.2
     beta: float = 0.0                     # KL to the reference (k3 estimator); 0 = no reference model
     loss_type: str = "grpo"               # grpo | dr_grpo | dapo
+    # RLAIF: "" scores completions with the task verifiers; a path (an rm stage folder or its
+    # reward_model export) lets a learned reward model judge them instead.
+    reward_model: str = ""
     train: StageTrainConfig = field(default_factory=lambda: StageTrainConfig(lr=5e-5, max_steps=60,
                                                                              eval_every=20, ckpt_every=20))
 

@@ -155,6 +155,11 @@ def run_grpo(recipe, out: Path, init: Path, tokenizer, resume: str = "auto") -> 
     pad = tokenizer.token_id("<|pad|>")
     holder = {}
     rollout_stats = {"rollouts": 0, "reward_sum": 0.0}
+    judge = None
+    if cfg.reward_model:
+        from kiln.post.ppo import model_reward
+        from kiln.post.rm import load_scalar_model
+        judge = model_reward(load_scalar_model(cfg.reward_model, key="grpo.reward_model"), tokenizer)
 
     def make_batch(seed: int) -> tuple[torch.Tensor, ...]:
         """Sample group_size completions for prompts_per_step prompts from the current policy and
@@ -170,8 +175,13 @@ def run_grpo(recipe, out: Path, init: Path, tokenizer, resume: str = "auto") -> 
         completions = S.complete(model, tokenizer, expanded, cfg.max_new_tokens, temperature=cfg.temperature,
                                  seed=seed)
         model.train(was_training)
-        rewards = torch.tensor([grade(picked[i // cfg.group_size], tokenizer.decode(S.strip_stop(tokenizer, c)))
-                                for i, c in enumerate(completions)])
+        if judge is not None:
+            rewards = torch.as_tensor(judge([picked[i // cfg.group_size] for i in range(len(completions))],
+                                            expanded, completions)).float()
+        else:
+            rewards = torch.tensor([grade(picked[i // cfg.group_size],
+                                          tokenizer.decode(S.strip_stop(tokenizer, c)))
+                                    for i, c in enumerate(completions)])
         rollout_stats["rollouts"] += len(completions)
         rollout_stats["reward_sum"] += float(rewards.sum())
         advantages = group_advantages(rewards, cfg.group_size)

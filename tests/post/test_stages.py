@@ -71,10 +71,14 @@ def test_sft_loss_counts_only_answer_tokens():
 
 @pytest.mark.slow
 def test_miniature_run_of_every_post_stage_with_lora(tmp_path, capsys):
-    """pretrain -> sft (LoRA) -> dpo -> grpo through `kiln run`: every stage trains, reports held-out
-    accuracy, checkpoints; the LoRA stage leaves a PEFT adapter and merged weights the next starts from."""
-    run = [f'run.out_dir="{tmp_path}"', "run.name=mini", *MINI,
-           'run.stages=["corpus","tokenizer","pack","pretrain","sft","dpo","grpo"]', 'peft.method="lora"']
+    """pretrain -> sft -> rm -> dpo -> grpo (judged by the reward model) through `kiln run`, with LoRA:
+    every stage trains, reports held-out accuracy, checkpoints; a LoRA stage leaves a PEFT adapter and
+    merged weights the next starts from."""
+    run = [f'run.out_dir="{tmp_path}"', "run.name=mini", *MINI, "rm.train.max_steps=3", "rm.train.warmup_steps=0",
+           "rm.train.eval_every=3", "rm.train.ckpt_every=3",
+           'run.stages=["corpus","tokenizer","pack","pretrain","sft","rm","dpo","grpo"]', 'peft.method="lora"',
+           # RLAIF: GRPO's rewards come from the reward model the rm stage trained.
+           f'grpo.reward_model="{tmp_path}/mini/rm"']
     assert main(["run", "recipes/tiny.toml", *run]) == 0
     out = capsys.readouterr().out
     run_dir = tmp_path / "mini"
@@ -92,7 +96,7 @@ def test_miniature_run_of_every_post_stage_with_lora(tmp_path, capsys):
     assert grpo["rollout"]["rollouts"] >= 2 * 2 * 4
     # A rerun skips every finished stage.
     assert main(["run", "recipes/tiny.toml", *run]) == 0
-    assert capsys.readouterr().out.count("skipping") == 7
+    assert capsys.readouterr().out.count("skipping") == 8
 
 
 @pytest.mark.slow
