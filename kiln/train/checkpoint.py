@@ -35,6 +35,10 @@ MODEL_FILE = "model.safetensors"
 TRAIN_STATE_FILE = "train_state.pt"
 MANIFEST_FILE = "manifest.json"
 FORMAT_VERSION = 1
+# Row layout of the fused wqkv / w13 weights. 1: [q; k; v] and [gate; up] (before 2026-11-30);
+# 2: grouped by kv head and gate/up interleaved (kiln/model/transformer.py). Older checkpoints are
+# converted when they load, so they keep computing what they computed when saved.
+WEIGHTS_LAYOUT = 2
 
 
 class CheckpointError(DataError):
@@ -112,7 +116,7 @@ def write_manifest(folder: Path, model_cfg: ModelConfig, names: list[str], manif
     for name in names:
         _fsync(folder / name)
         files[name] = {"sha256": sha256_file(folder / name), "bytes": (folder / name).stat().st_size}
-    manifest = {"format": FORMAT_VERSION, **manifest_extra,
+    manifest = {"format": FORMAT_VERSION, "weights_layout": WEIGHTS_LAYOUT, **manifest_extra,
                 "model_config": dataclasses.asdict(model_cfg), "files": files,
                 "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "torch_version": torch.__version__}
     _write_text_atomic(folder / MANIFEST_FILE, json.dumps(manifest, indent=1))
@@ -194,6 +198,23 @@ def resolve_checkpoint(path) -> Path:
                           f"or a stage folder containing checkpoints/")
 
 
+def upgrade_layout(state: dict, model_cfg: ModelConfig, manifest: dict) -> dict:
+    """Convert a state dict saved with an older fused-row layout to the current one (in place)."""
+    if manifest.get("weights_layout", 1) >= WEIGHTS_LAYOUT:
+        return state
+    from kiln.model.transformer import fuse_gate_up, fuse_qkv
+    q_rows, kv_rows = model_cfg.n_heads * model_cfg.head_dim, model_cfg.kv_heads * model_cfg.head_dim
+    for i in range(model_cfg.n_layers):
+        for suffix in ("weight", "bias"):
+            name = f"layers.{i}.attn.wqkv.{suffix}"
+            if name in state:
+                state[name] = fuse_qkv(*state[name].split([q_rows, kv_rows, kv_rows]), model_cfg.kv_heads)
+        name = f"layers.{i}.ffn.w13.weight"
+        if name in state:
+            state[name] = fuse_gate_up(*state[name].chunk(2))
+    return state
+
+
 def _restore_tied(state: dict, tied: dict, where: Path) -> dict:
     for alias, name in tied.items():
         if name not in state:
@@ -213,7 +234,7 @@ def load_weights(path) -> tuple[ModelConfig, dict[str, torch.Tensor], dict]:
         return cfg, load_sharded_weights(folder), manifest
     verify(folder, manifest, names=[MODEL_FILE])
     state = _restore_tied(load_file(str(folder / MODEL_FILE)), manifest.get("tied", {}), folder / MODEL_FILE)
-    return cfg, state, manifest
+    return cfg, upgrade_layout(state, cfg, manifest), manifest
 
 
 # ---- RNG state as JSON ---------------------------------------------------------------------------
@@ -307,7 +328,8 @@ class CheckpointManager:
             raise CheckpointError(f"{folder}: weights-only checkpoint (no {TRAIN_STATE_FILE}); "
                                   f"use init_from to start a new run from it")
         model_state = _restore_tied(load_file(str(folder / MODEL_FILE)), manifest.get("tied", {}), folder)
-        return manifest, model_state, self._load_train_state(folder)
+        cfg = model_config_from_dict(manifest["model_config"], str(folder / MANIFEST_FILE))
+        return manifest, upgrade_layout(model_state, cfg, manifest), self._load_train_state(folder)
 
     @staticmethod
     def _load_train_state(folder: Path) -> dict:

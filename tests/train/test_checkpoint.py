@@ -193,3 +193,32 @@ def test_rewind_sets_aside_newer_checkpoints(tmp_path):
     assert (root / "abandoned-step-00000003" / "manifest.json").is_file()
     assert manager.latest_name == "step-00000002" and manager.best_name == "step-00000001"
     assert resolve_checkpoint(root).name == "step-00000002"
+
+
+def test_checkpoint_saved_in_the_old_fused_layout_is_converted_on_load(tmp_path):
+    """Before the tensor-parallel-friendly layout, wqkv was [q; k; v] and w13 [gate; up]; such a
+    checkpoint (manifest without weights_layout) must still compute what it computed when saved."""
+    import json
+
+    import torch
+
+    from kiln.model import ModelConfig, build_model
+    from kiln.model.transformer import split_gate_up, split_qkv
+    from kiln.train.checkpoint import load_weights, save_weights
+
+    cfg = ModelConfig(vocab_size=50, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=16)
+    model = build_model(cfg)
+    old = {}
+    for name, t in model.state_dict().items():
+        if name.endswith("attn.wqkv.weight"):
+            t = torch.cat(split_qkv(t, cfg.n_heads, cfg.kv_heads, cfg.head_dim))
+        elif name.endswith("ffn.w13.weight"):
+            t = torch.cat(split_gate_up(t))
+        old[name] = t
+    folder = save_weights(tmp_path / "old", cfg, old)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    del manifest["weights_layout"]
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    _, state, _ = load_weights(folder)
+    for name, t in model.state_dict().items():
+        assert torch.equal(state[name], t), name
