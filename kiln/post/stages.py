@@ -73,10 +73,19 @@ def task_accuracy(model, tokenizer, examples: list[dict], max_new_tokens: int = 
 
 # ---- objectives ------------------------------------------------------------------------------------
 
+def trimmed(targets: torch.Tensor, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Cut [B, T] tensors after the last position that has a target in any row. Attention is causal,
+    so the trailing padding changes nothing that is scored; rows padded to seq_len would otherwise
+    run the model on ~3x the positions (bench/post.py)."""
+    counted = (targets != IGNORE).any(0).nonzero()
+    n = int(counted[-1]) + 1 if len(counted) else 1
+    return tuple(t[:, :n] for t in (targets, *tensors))
+
+
 def sft_loss(model, batch: tuple) -> tuple[torch.Tensor, int]:
     """Next-token cross-entropy on assistant tokens only; packed conversations are kept apart by
     document masking and restart their positions."""
-    inputs, targets, positions, documents = batch
+    targets, inputs, positions, documents = trimmed(batch[1], batch[0], batch[2], batch[3])
     logits = model(inputs, position_ids=positions, document_ids=documents)
     counted = int((targets != IGNORE).sum())
     if counted == 0:
@@ -87,8 +96,8 @@ def sft_loss(model, batch: tuple) -> tuple[torch.Tensor, int]:
 
 def _pair_logprobs(model, chosen, chosen_targets, rejected, rejected_targets):
     from kiln.post.losses import sequence_logprobs
-    logits = model(torch.cat([chosen, rejected]))
-    targets = torch.cat([chosen_targets, rejected_targets])
+    targets, inputs = trimmed(torch.cat([chosen_targets, rejected_targets]), torch.cat([chosen, rejected]))
+    logits = model(inputs)
     mask = targets != IGNORE
     logps = sequence_logprobs(logits, targets, mask)
     return logps.chunk(2)

@@ -122,3 +122,18 @@ def test_sft_then_grpo_raise_heldout_task_accuracy(tmp_path):
     assert sft["heldout_after"]["accuracy"] > sft["heldout_before"]["accuracy"] + 0.1  # measured 0.22
     assert grpo["heldout_after"]["accuracy"] >= grpo["heldout_before"]["accuracy"] - 0.05
     assert grpo["rollout"]["rollouts"] == 20 * 8 * 8
+
+
+def test_trailing_padding_is_cut_without_changing_the_loss():
+    from kiln.model import ModelConfig, build_model
+    model = build_model(ModelConfig(vocab_size=40, dim=32, n_layers=2, n_heads=4, max_seq_len=32))
+    inputs = torch.randint(2, 40, (3, 32))
+    targets = torch.full((3, 32), IGNORE)
+    targets[0, 3:9], targets[1, 5:12], targets[2, 1:4] = 7, 8, 9   # the last target at position 11
+    positions = torch.arange(32).expand(3, 32)
+    documents = torch.zeros(3, 32, dtype=torch.long)
+    loss, n = sft_loss(model, (inputs, targets, positions, documents))
+    logits = model(inputs, position_ids=positions, document_ids=documents)
+    expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
+    assert n == 6 + 7 + 3
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
