@@ -48,10 +48,10 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh) -> None:
     if getattr(model, "is_last", True) is False:
         # ... and gives the next stage a whole tensor, not a sequence shard.
         from torch.distributed.tensor.parallel import PrepareModuleOutput
-        top[""] = (top.get("", None), PrepareModuleOutput(output_layouts=(Shard(1),),
-                                                          desired_output_layouts=(Replicate(),),
-                                                          use_local_output=True))
-    _parallelize_top(model, tp_mesh, top)
+        parallelize_module(model, tp_mesh, PrepareModuleOutput(
+            output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),), use_local_output=True))
+    if top:
+        parallelize_module(model, tp_mesh, top)
     for block in model.layers:
         plan = {
             "attn_norm": SequenceParallel(),
@@ -68,20 +68,6 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh) -> None:
         else:
             plan["ffn.w1"] = ColwiseParallel()
         parallelize_module(block, tp_mesh, plan)
-
-
-def _parallelize_top(model, tp_mesh, top: dict) -> None:
-    from torch.distributed.tensor.parallel import parallelize_module
-
-    root = top.pop("", None)
-    if isinstance(root, tuple):
-        for style in root:
-            if style is not None:
-                parallelize_module(model, tp_mesh, style)
-    elif root is not None:
-        parallelize_module(model, tp_mesh, root)
-    if top:
-        parallelize_module(model, tp_mesh, top)
 
 
 def apply_compile(model: nn.Module) -> None:

@@ -35,6 +35,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from kiln.errors import DataError
+from kiln.hf import _read_json
 from kiln.model.transformer import fuse_gate_up, fuse_qkv, split_gate_up, split_qkv
 from kiln.peft.adapter import (AdapterConfig, adapter_modules, adapter_state_dict, apply_adapters,
                                load_adapter_state_dict)
@@ -112,15 +113,6 @@ def save_trainable(model: nn.Module, cfg: PeftConfig, out_dir) -> Path:
     save_file(tensors, str(out / KILN_WEIGHTS), metadata={"format": "pt"})
     (out / KILN_CONFIG).write_text(json.dumps(meta, indent=2) + "\n")
     return out
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise DataError(f"{path}: not found") from None
-    except json.JSONDecodeError as err:
-        raise DataError(f"{path}:{err.lineno}: invalid JSON ({err.msg})") from None
 
 
 def _read_tensors(path: Path) -> dict[str, torch.Tensor]:

@@ -189,9 +189,9 @@ def run_grpo(recipe, out: Path, init: Path, tokenizer, resume: str = "auto") -> 
         inputs, targets = [], []
         for p, c in zip(expanded, completions):
             ids = (p + c)[:seq_len + 1]  # c ends with <|end|> when the policy stopped by itself
-            target = [IGNORE_ID if i < len(p) - 1 else t for i, t in enumerate(ids[1:])]
+            target = [S.IGNORE if i < len(p) - 1 else t for i, t in enumerate(ids[1:])]
             inputs.append(S._pad(ids[:-1], seq_len, pad))
-            targets.append(S._pad(target, seq_len, IGNORE_ID))
+            targets.append(S._pad(target, seq_len, S.IGNORE))
         return torch.tensor(inputs), torch.tensor(targets), advantages.float()
 
     def loss_fn(model, batch):
@@ -199,7 +199,7 @@ def run_grpo(recipe, out: Path, init: Path, tokenizer, resume: str = "auto") -> 
         inputs, targets, advantages = batch
         logits = model(inputs)
         logp = token_logprobs(logits, targets, temperature=cfg.temperature)  # as the rollouts were sampled
-        mask = targets != IGNORE_ID
+        mask = targets != S.IGNORE
         # One optimisation pass per rollout batch: the sampling policy is the current one, so the
         # old log-probs are the current ones detached (ratio 1, the clip inactive but kept general).
         loss, _ = grpo_loss(logp, logp.detach(), advantages, mask, eps=cfg.clip_eps, beta=0.0,
@@ -211,18 +211,13 @@ def run_grpo(recipe, out: Path, init: Path, tokenizer, resume: str = "auto") -> 
                            False)[0][0] for ex in heldout[:64]]
     val_batches = [tuple(torch.stack(p) for p in zip(*val_rows[i:i + 16])) for i in range(0, len(val_rows), 16)]
 
-    def val_loss(model, batch):  # the validation metric: SFT loss of the reference answers
-        return S.sft_loss(model, batch)
-
     source = OnlineSource(make_batch, seed=recipe.train.seed, val_batches=val_batches, vocab_size=tokenizer.vocab_size)
     trainer = _trainer(recipe, out, cfg, (source, source), loss_fn, init, resume, prepare_model=_peft(recipe),
-                       eval_loss_fn=val_loss)
+                       eval_loss_fn=S.sft_loss)  # validation: the SFT loss of the reference answers
     holder["model"] = trainer.model
     stats = _finish(trainer, tokenizer, heldout, before, out, {"rollout": rollout_stats}, recipe)
     return stats
 
-
-IGNORE_ID = S.IGNORE
 
 
 # The other stages live in their own modules; the pipeline finds every stage's run_<name> here.

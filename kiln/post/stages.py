@@ -14,8 +14,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kiln.post.config import DPOConfig, GRPOConfig, SFTConfig, TaskConfig
-from kiln.post.sources import ExampleSource, OnlineSource
+from kiln.post.config import DPOConfig, TaskConfig
 
 IGNORE = -100
 
@@ -184,5 +183,3 @@ def reference_logprobs(model, rows: list[tuple], batch_size: int = 32) -> list[t
 def write_stats(out: Path, stats: dict) -> None:
     (Path(out) / "stats.json").write_text(json.dumps(stats, indent=2, default=str))
 
-
-__all__ = ["ExampleSource", "OnlineSource", "SFTConfig", "DPOConfig", "GRPOConfig"]
