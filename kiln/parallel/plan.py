@@ -183,19 +183,17 @@ def layout_problems(cfg: ModelConfig, lay: Layout, cluster: ClusterConfig, work:
     return out
 
 
-def stage_layer_ids(n_layers: int, pp: int, v: int = 1) -> list[list[int]]:
-    """Layer ids held by each pipeline rank (virtual stage c lives on rank c % pp). When the split is
-    uneven, the first and the last virtual stages get the fewer layers, as they also hold the
-    embedding and the output head (Llama 3 405B: 126 layers on 16 stages, one fewer on each end)."""
-    chunks = pp * v
-    base, extra = divmod(n_layers, chunks)
-    sizes = [base + (1 if extra else 0)] * chunks
-    for i in range(chunks - extra if extra else 0):  # short stages from both ends inwards
-        sizes[i // 2 if i % 2 == 0 else chunks - 1 - i // 2] = base
-    ids, start = [[] for _ in range(pp)], 0
-    for c, size in enumerate(sizes):
-        ids[c % pp].extend(range(start, start + size))
-        start += size
+def stage_layer_ids(cfg: ModelConfig, pp: int, v: int = 1) -> list[list[int]]:
+    """Layer ids held by each pipeline rank (virtual stage c lives on rank c % pp): the split the
+    trainer makes (kiln.parallel.pipeline.split_layers, with the output head weighed by its FLOPs),
+    so the memory predicted per rank is that of the layers the rank will really hold."""
+    from kiln.parallel.pipeline import head_weight_from_flops, split_layers  # torch, only when pp > 1
+    if pp * v == 1:
+        return [list(range(cfg.n_layers))]
+    ranges = split_layers(cfg.n_layers, pp * v, 0.0, head_weight_from_flops(cfg))
+    ids = [[] for _ in range(pp)]
+    for c, layers in enumerate(ranges):
+        ids[c % pp].extend(layers)
     return ids
 
 
@@ -290,7 +288,7 @@ class Memory:
 def stage_counts(cfg: ModelConfig, lay: Layout) -> list[tuple[int, int]]:
     """(layers, of which MoE layers) on each pipeline rank."""
     moe = [is_moe(cfg, i) for i in range(cfg.n_layers)]
-    stages = stage_layer_ids(cfg.n_layers, lay.pp, lay.pp_stages_per_rank)
+    stages = stage_layer_ids(cfg, lay.pp, lay.pp_stages_per_rank)
     return [(len(ids), sum(moe[i] for i in ids)) for ids in stages]
 
 
