@@ -76,8 +76,15 @@ def run_recipe(recipe: Recipe, stages: list[str] | None = None, force: bool = Fa
             continue
         if rank == 0:
             if out.exists() and (marker.exists() or stage not in RESUMABLE or force):
-                # Stale or partial output of a stage that cannot resume: rebuild from scratch.
-                shutil.rmtree(out)
+                if stage in RESUMABLE:
+                    # Checkpoints cost compute to remake: a stale training stage is kept one
+                    # generation back instead of deleted.
+                    previous = out.with_name(out.name + ".previous")
+                    shutil.rmtree(previous, ignore_errors=True)
+                    out.rename(previous)
+                    print(f"[{stage}] inputs changed; earlier output kept in {previous}")
+                else:  # stale or partial output of a stage that cannot resume: rebuild from scratch
+                    shutil.rmtree(out)
             out.mkdir(parents=True, exist_ok=True)
             print(f"[{stage}] -> {out}")
         _barrier(world)
@@ -90,8 +97,12 @@ def run_recipe(recipe: Recipe, stages: list[str] | None = None, force: bool = Fa
             print(f"[{stage}] finished in {seconds} s")
             if not (out / "stats.json").exists():
                 (out / "stats.json").write_text(json.dumps(stats, indent=2, default=str))
-            marker.write_text(json.dumps({"fingerprint": fingerprint(recipe, stage), "seconds": seconds,
-                                          "stats": stats}, indent=2, default=str))
+            # Atomic: a kill mid-write must not leave an unreadable marker, which the next run would
+            # take for stale output.
+            tmp = marker.with_name(marker.name + ".tmp")
+            tmp.write_text(json.dumps({"fingerprint": fingerprint(recipe, stage), "seconds": seconds,
+                                       "stats": stats}, indent=2, default=str))
+            tmp.replace(marker)
         _barrier(world)
         results[stage] = stats if stats is not None else json.loads(marker.read_text()).get("stats", {})
     return results

@@ -67,3 +67,14 @@ def test_force_reruns(tmp_path, fake_stages):
     pipeline.run_recipe(r, ["corpus"])
     pipeline.run_recipe(r, ["corpus"], force=True)
     assert fake_stages == ["corpus", "corpus"]
+
+
+def test_stale_training_stage_kept_one_generation_back(tmp_path, fake_stages):
+    pipeline.run_recipe(recipe(tmp_path))
+    (tmp_path / "tiny" / "pretrain" / "checkpoint").write_text("weights")
+    pipeline.run_recipe(recipe(tmp_path, "train.max_steps=700"))
+    previous = tmp_path / "tiny" / "pretrain.previous"
+    assert (previous / "checkpoint").read_text() == "weights"
+    assert not (tmp_path / "tiny" / "pretrain" / "checkpoint").exists()
+    assert json.loads((tmp_path / "tiny" / "pretrain" / "DONE").read_text())["fingerprint"]
+    assert not (tmp_path / "tiny" / "pretrain" / "DONE.tmp").exists()
