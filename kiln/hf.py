@@ -227,6 +227,20 @@ def config_from_hf(hf: dict, where: str) -> ModelConfig:
     return cfg
 
 
+# Weight files that are Python pickles: loading one from an unknown source can run any code it
+# carries, and even torch.load(weights_only=True) has had bypasses (CVE-2025-32434). Kiln reads
+# safetensors only and says how to convert.
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+CONVERT_HINT = ("Kiln never unpickles weights (a pickle can run code when loaded): convert them to safetensors "
+                "on a machine where you trust the file (e.g. transformers' save_pretrained(OUT, "
+                "safe_serialization=True)), or download the model's .safetensors files instead")
+
+
+def _refuse_pickle(path: Path, where) -> None:
+    if path.name.lower().endswith(PICKLE_SUFFIXES):
+        raise DataError(f"{where}: {path.name} is a pickled weight file, which is not read. {CONVERT_HINT}")
+
+
 def _load_safetensors(folder: Path) -> dict[str, torch.Tensor]:
     index = folder / "model.safetensors.index.json"
     if index.is_file():
@@ -236,12 +250,17 @@ def _load_safetensors(folder: Path) -> dict[str, torch.Tensor]:
     elif (folder / "model.safetensors").is_file():
         files = ["model.safetensors"]
     else:
-        has_bin = any(folder.glob("pytorch_model*.bin"))
+        pickled = sorted(p.name for p in folder.iterdir() if p.name.lower().endswith(PICKLE_SUFFIXES))
         raise DataError(f"{folder}: no model.safetensors or model.safetensors.index.json"
-                        + (" (pytorch_model.bin is not read: convert it to safetensors)" if has_bin else ""))
+                        + (f"; found only pickled weights ({', '.join(pickled[:3])}). {CONVERT_HINT}"
+                           if pickled else ""))
     tensors = {}
     for name in files:
-        path = folder / name
+        path = folder / str(name)
+        # The index is data from the download: a shard must be a safetensors file in this folder.
+        if Path(str(name)).name != name or name in (".", ".."):
+            raise DataError(f"{index}: shard {name!r} in weight_map is not a file name inside {folder}")
+        _refuse_pickle(path, index)
         if not path.is_file():
             raise DataError(f"{index}: shard {name} listed in weight_map is missing")
         with safe_open(str(path), framework="pt") as f:

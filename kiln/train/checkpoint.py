@@ -4,11 +4,16 @@ Layout of a checkpoints root:
     step-00000100/
         model.safetensors   weights (tied tensors stored once; the manifest lists the aliases)
         train_state.pt      optimizer, grad scaler and loop counters (torch.save, weights_only-loadable)
-        manifest.json       step, tokens_seen, configs, loader and RNG state, sha256 of every file
+        manifest.json       step, tokens_seen, configs, loader and RNG state, sha256 of every file,
+                            and a sha256 of its own content (manifest_sha256)
     latest                  text file naming the newest complete checkpoint
     best                    text file naming the checkpoint with the lowest validation loss
 A folder is complete once renamed from `.tmp-step-...`; a crash mid-write leaves only the
 temporary folder, which readers ignore and the next save deletes.
+
+Loading never unpickles anything but tensors and plain containers: the train state goes through
+torch.load(weights_only=True), and a sharded (DCP) checkpoint's pickles are checked against an
+allowlist before torch.distributed.checkpoint, which unpickles without one, reads them.
 """
 
 from __future__ import annotations
@@ -16,8 +21,11 @@ from __future__ import annotations
 import base64
 import dataclasses
 import hashlib
+import importlib
+import io
 import json
 import os
+import pickle
 import random
 import shutil
 import time
@@ -109,6 +117,13 @@ def _write_files(folder: Path, model_cfg: ModelConfig, state_dict: dict, manifes
     return write_manifest(folder, model_cfg, names, {**(manifest_extra or {}), "tied": tied})
 
 
+def _manifest_digest(manifest: dict) -> str:
+    """sha256 of the manifest's content without its own checksum, over a canonical JSON form so
+    that key order and whitespace do not matter."""
+    body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
 def write_manifest(folder: Path, model_cfg: ModelConfig, names: list[str], manifest_extra: dict) -> dict:
     """Checksum the named files (paths relative to `folder`) and write the manifest, last: a folder
     with a manifest has all its other files in place."""
@@ -119,6 +134,12 @@ def write_manifest(folder: Path, model_cfg: ModelConfig, names: list[str], manif
     manifest = {"format": FORMAT_VERSION, "weights_layout": WEIGHTS_LAYOUT, **manifest_extra,
                 "model_config": dataclasses.asdict(model_cfg), "files": files,
                 "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "torch_version": torch.__version__}
+    # The checksum is taken over the manifest as it will read back (tuples become lists, integer
+    # keys strings), so the reader recomputes exactly the same digest. A flipped bit that keeps
+    # the JSON valid (a digit of the loader position or of an RNG state) would otherwise resume a
+    # run silently wrong.
+    manifest = json.loads(json.dumps(manifest))
+    manifest["manifest_sha256"] = _manifest_digest(manifest)
     _write_text_atomic(folder / MANIFEST_FILE, json.dumps(manifest, indent=1))
     return manifest
 
@@ -141,6 +162,9 @@ def read_manifest(folder: Path) -> dict:
         raise CheckpointError(f"{path}: corrupted manifest ({e})") from None
     if not isinstance(manifest, dict) or "model_config" not in manifest or "files" not in manifest:
         raise CheckpointError(f"{path}: not a Kiln checkpoint manifest (no model_config/files)")
+    # Manifests written before the self-checksum existed have none; they are still read.
+    if "manifest_sha256" in manifest and manifest["manifest_sha256"] != _manifest_digest(manifest):
+        raise CheckpointError(f"{path}: content does not match its manifest_sha256 (corrupted manifest)")
     return manifest
 
 
@@ -158,6 +182,78 @@ def verify(folder: Path, manifest: dict, names=None) -> None:
             raise CheckpointError(f"{path}: {size} bytes, manifest says {expected['bytes']} (truncated file)")
         if sha256_file(path) != expected["sha256"]:
             raise CheckpointError(f"{path}: sha256 does not match the manifest (corrupted file)")
+
+
+# ---- pickles of sharded (DCP) checkpoints ------------------------------------------------------
+
+_DCP_DIR = "sharded"
+# What torch.distributed.checkpoint's `.metadata` pickle refers to: its own metadata classes,
+# torch.Size, dtypes and layouts, paths. Anything else (os.system, builtins.eval...) means the
+# file was crafted, and loading it would run code.
+_DCP_CLASS_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
+_DCP_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+                ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"),
+                ("pathlib", "PureWindowsPath"), ("pathlib._local", "PosixPath"), ("pathlib._local", "WindowsPath")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def __init__(self, file, where: Path):
+        super().__init__(file)
+        self.where = where
+
+    def find_class(self, module: str, name: str):
+        allowed = (module, name) in _DCP_GLOBALS
+        if module == "torch":
+            allowed = allowed or isinstance(getattr(torch, name, None), torch.dtype)
+        elif module in _DCP_CLASS_MODULES:  # classes defined there, not the functions it imports
+            obj = getattr(importlib.import_module(module), name, None)
+            allowed = isinstance(obj, type) and obj.__module__ == module
+        if not allowed:
+            raise CheckpointError(f"{self.where}: refers to {module}.{name}, which a checkpoint never holds; "
+                                  f"refusing to unpickle it (the file may have been crafted to run code)")
+        return super().find_class(module, name)
+
+
+def check_sharded_pickles(folder: Path, manifest: dict) -> None:
+    """Refuse a sharded checkpoint whose pickled parts could run code when loaded.
+
+    torch.distributed.checkpoint reads `.metadata` with plain pickle.load and its non-tensor
+    entries (optimizer hyperparameters) with torch.load(weights_only=False). Both are read here
+    first with restricted unpicklers: the allowlisted metadata unpickler, then weights_only=True
+    for each non-tensor entry. Whatever passes names only allowlisted globals, so DCP's unrestricted
+    load of the same bytes calls nothing else."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+    folder = Path(folder)
+    meta_path = folder / _DCP_DIR / ".metadata"
+    listed = set(manifest["files"])
+    if f"{_DCP_DIR}/.metadata" not in listed:
+        raise CheckpointError(f"{meta_path}: not listed in the manifest")
+    try:
+        with open(meta_path, "rb") as f:
+            metadata = _MetadataUnpickler(f, meta_path).load()
+    except CheckpointError:
+        raise
+    except Exception as e:
+        raise CheckpointError(f"{meta_path}: cannot be read ({type(e).__name__}: {e})") from None
+    storage = getattr(metadata, "storage_data", None) or {}
+    for key, item in getattr(metadata, "state_dict_metadata", {}).items():
+        if not isinstance(item, BytesStorageMetadata):
+            continue
+        info = storage.get(MetadataIndex(key))
+        relative = str(getattr(info, "relative_path", None))
+        if info is None or f"{_DCP_DIR}/{relative}" not in listed:
+            raise CheckpointError(f"{meta_path}: entry {key!r} points to {relative!r}, not a file of this checkpoint")
+        if getattr(info, "transform_descriptors", None):  # compressed or otherwise encoded: cannot check
+            raise CheckpointError(f"{meta_path}: entry {key!r} is stored transformed; Kiln cannot check it")
+        with open(folder / _DCP_DIR / relative, "rb") as f:
+            f.seek(info.offset)
+            data = f.read(info.length)
+        try:
+            torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise CheckpointError(f"{folder / _DCP_DIR / relative}: entry {key!r} is not plain data; refusing "
+                                  f"to unpickle it ({type(e).__name__}: {str(e).splitlines()[0]})") from None
 
 
 def complete_checkpoints(root: Path) -> list[Path]:
@@ -180,18 +276,27 @@ def resolve_checkpoint(path) -> Path:
     p = Path(path)
     if p.is_file() and p.name in (MANIFEST_FILE, MODEL_FILE):
         p = p.parent
+    elif p.is_file() and p.suffix.lower() in (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle"):
+        raise CheckpointError(f"{path}: a pickled file, which Kiln does not load (unpickling can run code); "
+                              f"a Kiln checkpoint is a folder with {MODEL_FILE} and {MANIFEST_FILE}. "
+                              f"Import Hugging Face safetensors weights with `kiln import hf`")
     if not p.exists():
         raise CheckpointError(f"{path}: no such checkpoint")
     if (p / MANIFEST_FILE).is_file():
         return p
     if (p / "checkpoints").is_dir():
         p = p / "checkpoints"
+    found = complete_checkpoints(p)
     if (p / "latest").is_file():
         name = (p / "latest").read_text().strip()
         if (p / name / MANIFEST_FILE).is_file():
             return p / name
-        raise CheckpointError(f"{p / 'latest'}: names {name!r}, which is not a complete checkpoint")
-    found = complete_checkpoints(p)
+        # A process killed between moving checkpoints aside (rewind) and rewriting the pointer
+        # leaves it naming a folder that is gone; the newest complete one is what it would name.
+        if not found:
+            raise CheckpointError(f"{p / 'latest'}: names {name!r}, which is not a complete checkpoint")
+        warnings.warn(f"{p / 'latest'} names {name!r}, which is not a complete checkpoint; "
+                      f"using the newest complete one, {found[-1].name}", stacklevel=2)
     if found:
         return found[-1]
     raise CheckpointError(f"{path}: not a checkpoint folder, a checkpoints root, "
@@ -231,6 +336,7 @@ def load_weights(path) -> tuple[ModelConfig, dict[str, torch.Tensor], dict]:
     if manifest.get("layout") == "sharded":
         from kiln.parallel.checkpoint import load_sharded_weights
         verify(folder, manifest)
+        check_sharded_pickles(folder, manifest)
         return cfg, load_sharded_weights(folder), manifest
     verify(folder, manifest, names=[MODEL_FILE])
     state = _restore_tied(load_file(str(folder / MODEL_FILE)), manifest.get("tied", {}), folder / MODEL_FILE)
@@ -323,6 +429,7 @@ class CheckpointManager:
         if manifest.get("layout") == "sharded":
             # The model and optimizer shards are read by kiln.parallel.checkpoint once the model
             # has its layout; the state dict returned here is None.
+            check_sharded_pickles(folder, manifest)
             return manifest, None, self._load_train_state(folder)
         if TRAIN_STATE_FILE not in manifest["files"]:
             raise CheckpointError(f"{folder}: weights-only checkpoint (no {TRAIN_STATE_FILE}); "

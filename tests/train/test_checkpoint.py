@@ -1,5 +1,7 @@
 import json
 import random
+import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -195,6 +197,23 @@ def test_rewind_sets_aside_newer_checkpoints(tmp_path):
     assert resolve_checkpoint(root).name == "step-00000002"
 
 
+def test_stale_latest_pointer_falls_back_to_newest_complete(tmp_path):
+    """`latest` naming a folder that is gone (a kill between rewind's renames and the pointer write)
+    resolves to the newest complete checkpoint, with a warning; with none left it is an error."""
+    root = tmp_path / "ckpt"
+    manager = CheckpointManager(root, keep_last=5)
+    for step in (1, 2):
+        _save(manager, step, _model(step))
+    (root / "latest").write_text("step-00000003\n")
+    with pytest.warns(UserWarning, match="names 'step-00000003', which is not a complete checkpoint; "
+                                         "using the newest complete one, step-00000002"):
+        assert resolve_checkpoint(root).name == "step-00000002"
+    for step in (1, 2):
+        (root / f"step-{step:08d}" / "manifest.json").unlink()
+    with pytest.raises(CheckpointError, match="latest: names 'step-00000003'"):
+        resolve_checkpoint(root)
+
+
 def test_checkpoint_saved_in_the_old_fused_layout_is_converted_on_load(tmp_path):
     """Before the tensor-parallel-friendly layout, wqkv was [q; k; v] and w13 [gate; up]; such a
     checkpoint (manifest without weights_layout) must still compute what it computed when saved."""
@@ -217,8 +236,142 @@ def test_checkpoint_saved_in_the_old_fused_layout_is_converted_on_load(tmp_path)
         old[name] = t
     folder = save_weights(tmp_path / "old", cfg, old)
     manifest = json.loads((folder / "manifest.json").read_text())
-    del manifest["weights_layout"]
+    # Such a manifest had no weights_layout, and no self-checksum either.
+    del manifest["weights_layout"], manifest["manifest_sha256"]
     (folder / "manifest.json").write_text(json.dumps(manifest))
     _, state, _ = load_weights(folder)
     for name, t in model.state_dict().items():
         assert torch.equal(state[name], t), name
+
+
+def test_manifest_damage_that_keeps_valid_json_is_detected(tmp_path):
+    """A flipped digit in the loader position still parses; the manifest's own checksum catches it."""
+    root = tmp_path / "ckpt"
+    manager = CheckpointManager(root, keep_last=3)
+    _save(manager, 1, _model(1))
+    folder = manager.save(2, CFG, _model(2).state_dict(), _train_state(_model(2)),
+                          {"tokens_seen": 20, "loader": {"position": 12345}})
+    text = (folder / "manifest.json").read_text()
+    assert '"position": 12345' in text
+    (folder / "manifest.json").write_text(text.replace('"position": 12345', '"position": 12845'))
+    with pytest.raises(CheckpointError, match="manifest.json: content does not match its manifest_sha256"):
+        manager.load(folder)
+    with pytest.raises(CheckpointError, match="corrupted manifest"):
+        load_weights(folder)
+    with pytest.warns(UserWarning, match="skipping checkpoint step-00000002"):
+        assert manager.load_newest_valid()[0].name == "step-00000001"
+
+
+# ---- sharded (torch.distributed.checkpoint) checkpoints ----------------------------------------
+
+def _save_sharded(manager, step, seed):
+    from kiln.parallel.checkpoint import ShardedSaver
+    model = _model(seed)
+    opt = build_optimizer(model, TrainConfig())
+    model(torch.randint(0, 64, (2, 8))).float().mean().backward()
+    opt.step()
+    with warnings.catch_warnings():  # DCP in one process without a process group: intended here
+        warnings.simplefilter("ignore", UserWarning)
+        ShardedSaver(manager).save(step, CFG, model, opt, {"scaler": {}, "loop": {"step": step}},
+                                   {"tokens_seen": step})
+    return model
+
+
+@pytest.mark.parametrize("target, damage, expected", [
+    ("sharded/__0_0.distcp", "flip", "corrupted"), ("sharded/.metadata", "truncate", "truncated"),
+    ("train_state.pt", "flip", "corrupted")])
+def test_sharded_checkpoint_corruption_detected_and_fallback(tmp_path, target, damage, expected):
+    root = tmp_path / "ckpt"
+    manager = CheckpointManager(root, keep_last=3)
+    older = _save_sharded(manager, 1, 1)
+    _save_sharded(manager, 2, 2)
+    folder = root / "step-00000002"
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest["layout"] == "sharded" and target in manifest["files"]  # every shard is checksummed
+    path = folder / target
+    data = bytearray(path.read_bytes())
+    if damage == "flip":
+        data[len(data) // 3] ^= 0x10
+    else:
+        del data[len(data) // 2:]
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=f"{path}: .*{expected}"):
+        manager.load(folder)
+    with pytest.raises(CheckpointError, match=Path(target).name):
+        load_weights(folder)
+    with pytest.warns(UserWarning, match=f"skipping checkpoint step-00000002: {path}"):
+        found, manifest, model_state, train_state = manager.load_newest_valid()
+    assert found.name == "step-00000001" and model_state is None and train_state["loop"] == {"step": 1}
+    _, weights, _ = load_weights(found)
+    _assert_same(weights, older.state_dict())
+
+
+# ---- through `kiln pretrain` -------------------------------------------------------------------
+
+def _recipe(tmp_path, tiny_pack_factory) -> tuple[Path, Path]:
+    tiny_pack_factory(tmp_path / "run" / "pack")
+    recipe = tmp_path / "recipe.toml"
+    recipe.write_text(f"""
+[run]
+name = "run"
+out_dir = "{tmp_path}"
+stages = ["pretrain"]
+[model]
+dim = 32
+n_layers = 2
+n_heads = 4
+max_seq_len = 16
+[train]
+seq_len = 16
+micro_batch_size = 2
+global_batch_tokens = 64
+max_steps = 8
+warmup_steps = 2
+precision = "fp32"
+compile = false
+eval_every = 100
+ckpt_every = 2
+keep_last = 10
+peak_flops = 1e12
+""")
+    return recipe, tmp_path / "run" / "pretrain"
+
+
+def test_pretrain_cli_resumes_from_newest_complete_checkpoint(tmp_path, tiny_pack_factory, capsys):
+    """`kiln pretrain` (resume=auto by default) after a crash that left the step-8 save unfinished
+    and the step-6 weights damaged: it warns, resumes from step 4, and ends where the first run did.
+    An explicit --resume of the damaged checkpoint is an error naming the file."""
+    from kiln.cli import main
+    recipe, stage = _recipe(tmp_path, tiny_pack_factory)
+    assert main(["pretrain", str(recipe)]) == 0
+    root = stage / "checkpoints"
+    assert [p.name for p in complete_checkpoints(root)] == [f"step-{s:08d}" for s in (2, 4, 6, 8)]
+    _, final, _ = load_weights(root / "step-00000008")
+    final = {k: v.clone() for k, v in final.items()}  # the files below change under the mapping
+    # The crash: the stage is not done, the last save never got its manifest or its rename, and a
+    # bit of the step-6 weights flipped.
+    (stage / "DONE").unlink()
+    (root / "step-00000008" / "manifest.json").unlink()
+    (root / "step-00000008").rename(root / ".tmp-step-00000008")
+    damaged = root / "step-00000006" / "model.safetensors"
+    data = bytearray(damaged.read_bytes())
+    data[-7] ^= 0x01
+    damaged.write_bytes(bytes(data))
+    capsys.readouterr()
+
+    assert main(["pretrain", str(recipe), "--resume", str(root / "step-00000006")]) == 2
+    err = capsys.readouterr().err
+    assert f"{damaged}: sha256 does not match the manifest (corrupted file)" in err and "Traceback" not in err
+
+    with pytest.warns(UserWarning) as warned:
+        assert main(["pretrain", str(recipe)]) == 0
+    messages = " ".join(str(w.message) for w in warned)
+    assert f"skipping checkpoint step-00000006: {damaged}" in messages
+    summary = json.loads((stage / "summary.json").read_text())
+    assert summary["resumed_from"].endswith("step-00000004") and summary["steps"] == 8
+    assert not (root / ".tmp-step-00000008").exists()
+    _, redone, _ = load_weights(stage)
+    _assert_same(redone, final)
+    steps = [r["step"] for r in map(json.loads, (stage / "metrics.jsonl").read_text().splitlines())
+             if r["kind"] == "train"]
+    assert steps == sorted(set(steps)) and steps[-1] == 8
