@@ -70,8 +70,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--top-k", type=int, default=50)
     p.add_argument("--top-p", type=float, default=0.95)
-    p.add_argument("--num-samples", type=int, default=1)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-samples", type=int, default=1, help="completions of the prompt, generated as one batch")
+    p.add_argument("--seed", type=int, default=0, help="sample i uses seed + i")
+    from kiln.serve.cli import add_inference_args
+    add_inference_args(p)
+    p.add_argument("--draft", help="draft checkpoint for speculative decoding (same tokenizer, smaller model)")
+    p.add_argument("--draft-tokens", type=int, default=4, help="tokens the draft proposes per step")
 
     p = verbs.add_parser("export", help="export a checkpoint to another format")
     fmt = p.add_subparsers(dest="format", required=True, metavar="FORMAT")
@@ -206,9 +210,14 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from kiln.data.tokenizer import Tokenizer
+    """num_samples completions of the prompt with the KV-cache engine (speculative with --draft),
+    each printed after the prompt. The prompt follows <|endoftext|>, so the model reads it as the
+    start of a document, as pretraining data lays documents out."""
     from kiln.infer.config import SampleConfig
-    from kiln.infer.sample import load_model, sample_texts
+    from kiln.infer.engine import Engine
+    from kiln.infer.load import load_draft
+    from kiln.infer.speculative import SpeculativeEngine
+    from kiln.serve.cli import load_for_inference
 
     cfg = SampleConfig(prompt=args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                        top_k=args.top_k, top_p=args.top_p, num_samples=args.num_samples, seed=args.seed)
@@ -216,10 +225,37 @@ def _generate(args: argparse.Namespace) -> int:
         cfg.validate()
     except ConfigError as err:
         raise ConfigError("--" + err.key.replace("_", "-"), err.message, "<command line>") from None
-    model, _ = load_model(args.checkpoint)
-    tokenizer = Tokenizer.load(args.tokenizer or find_tokenizer(args.checkpoint))
-    for text in sample_texts(model, tokenizer, cfg):
-        print(args.prompt + text)
+    model, tokenizer = load_for_inference(args)
+    prompt_tokens = tokenizer.encode(args.prompt)
+    prompt = [tokenizer.eot_id] + prompt_tokens
+    max_new = min(args.max_new_tokens, model.cfg.max_seq_len - len(prompt))
+    if max_new < 1:
+        raise ConfigError("--prompt", f"{len(prompt)} tokens leave no room in the model's context of "
+                          f"{model.cfg.max_seq_len}", "<command line>")
+    kwargs = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                  stop_token_ids=[tokenizer.eot_id], seed=args.seed)
+    try:
+        if args.draft:
+            engine = SpeculativeEngine(model, load_draft(args.draft, model, args.draft_tokens), tokenizer,
+                                       k=args.draft_tokens)
+        else:
+            engine = Engine(model, tokenizer)
+        outs = engine.generate([prompt] * args.num_samples, max_new, **kwargs)
+    except ConfigError as err:
+        flag = {"draft": "--draft", "k": "--draft-tokens"}.get(err.key, "--" + err.key.replace("_", "-"))
+        raise ConfigError(flag, err.message, "<command line>") from None
+    prompt_text = tokenizer.decode(prompt_tokens)
+    for out in outs:
+        ids = out.ids[:-1] if out.stop == tokenizer.eot_id else out.ids
+        # Decoding prompt and completion together keeps a character whose bytes straddle the boundary
+        # whole; the prompt's own text is then cut off the front.
+        full = tokenizer.decode(prompt_tokens + ids)
+        print(args.prompt + (full[len(prompt_text):] if full.startswith(prompt_text) else tokenizer.decode(ids)))
+    if args.draft:
+        stats = engine.stats
+        print(f"speculative decoding: {stats.accepted}/{stats.proposed} proposals kept "
+              f"({stats.acceptance_rate:.0%}), {stats.target_calls} target forwards for {stats.tokens} tokens",
+              file=sys.stderr)
     return 0
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 from kiln.data.steps.base import Deduplicator, Mapper, Step, StepStats
+from kiln.train.system import progress
 
 
 @dataclass
@@ -126,8 +127,11 @@ def _task_inputs(phase: Phase, task: int, shards: list[tuple[Path, str]], out: P
         yield from _read_jsonl(out / "work" / f"phase-{phase.index - 1}" / f"part-{task:05d}.jsonl")
 
 
-def run_task(phase: Phase, task: int, shards: list[tuple[Path, str]], out: Path, final: bool) -> None:
-    """One task of one phase; writes its part, rejected records, stats and finally its marker."""
+def run_task(phase: Phase, task: int, shards: list[tuple[Path, str]], out: Path, final: bool,
+             show_progress: bool = False) -> None:
+    """One task of one phase; writes its part, rejected records, stats and finally its marker.
+    show_progress draws a documents bar (for a task run in the driver process, where it has the
+    terminal to itself)."""
     work = out / "work" / f"phase-{phase.index}"
     steps = ([phase.dedup_before] if phase.dedup_before else []) + phase.steps
     for step in steps:
@@ -137,7 +141,11 @@ def run_task(phase: Phase, task: int, shards: list[tuple[Path, str]], out: Path,
         phase.dedup_before.load(out / "work" / f"phase-{phase.index - 1}" / "dedup", task)
     read_stats = StepStats("read")
     rejected: list[dict] = []
-    docs = _run_steps(_task_inputs(phase, task, shards, out, read_stats, rejected), steps, rejected)
+    inputs = _task_inputs(phase, task, shards, out, read_stats, rejected)
+    if show_progress:
+        # No total: a task learns its document count only by reading its shard.
+        inputs = progress(inputs, desc=f"[data] phase {phase.index} task {task}", unit="doc", leave=False)
+    docs = _run_steps(inputs, steps, rejected)
     part = (out / "docs" if final else work) / f"part-{task:05d}.jsonl"
     _write_jsonl_atomic(part, docs)
     if phase.dedup is not None:
@@ -158,14 +166,20 @@ TaskRunner = Callable[[Phase, list[int], list, Path, bool], None]
 def local_task_runner(workers: int) -> TaskRunner:
     """Runs a phase's pending tasks on up to `workers` local processes (in this one when 1)."""
     def run_tasks(phase: Phase, pending: list[int], shards: list, out: Path, final: bool) -> None:
-        if workers > 1 and len(pending) > 1:
-            with ProcessPoolExecutor(max_workers=min(workers, len(pending))) as pool:
-                futures = [pool.submit(run_task, phase, t, shards[t], out, final) for t in pending]
-                for future in futures:
-                    future.result()
-        else:
-            for t in pending:
-                run_task(phase, t, shards[t], out, final)
+        with progress(total=len(pending), desc=f"[data] phase {phase.index}", unit="task") as bar:
+            if workers > 1 and len(pending) > 1:
+                with ProcessPoolExecutor(max_workers=min(workers, len(pending))) as pool:
+                    futures = [pool.submit(run_task, phase, t, shards[t], out, final) for t in pending]
+                    for future in futures:
+                        # Counted as each finishes (callbacks run in the pool's thread; tqdm locks),
+                        # while errors still surface in submission order below.
+                        future.add_done_callback(lambda _: bar.update(1))
+                    for future in futures:
+                        future.result()
+            else:
+                for t in pending:
+                    run_task(phase, t, shards[t], out, final, show_progress=not bar.disable)
+                    bar.update(1)
     return run_tasks
 
 

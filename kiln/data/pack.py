@@ -20,8 +20,9 @@ import numpy as np
 
 from kiln.data.config import PackConfig
 from kiln.data.corpus import choose_split_ids, iter_documents
-from kiln.data.tokenizer import Tokenizer
+from kiln.data.tokenizer import Tokenizer, count_documents
 from kiln.errors import ConfigError, DataError
+from kiln.train.system import progress, progress_visible
 
 SPLITS = ("train", "val")
 # Documents per encode_batch call: big enough to keep the Rust thread pool busy, small enough
@@ -126,13 +127,21 @@ def pack(corpus_dir: Path, tokenizer_path: Path, cfg: PackConfig, out_dir: Path)
             writers[split, source] = ShardWriter(out_dir / split, source, cfg.shard_tokens, base_header)
         return writers[split, source]
 
+    total = count_documents(corpus_dir) if progress_visible() else None
+    bar = progress(total=total, desc="[pack] tokenize", unit="doc")
+    tokens = 0
+
     def encode_chunk(docs: list[dict]) -> None:
+        nonlocal tokens
         texts = [d["text"] for d in docs]
         # parse_special=False: a document that happens to contain "<|endoftext|>" stays plain text.
         for doc, text, ids in zip(docs, texts, tok.encode_batch(texts, parse_special=False)):
             ids.append(tok.eot_id)
+            tokens += len(ids)
             split = "val" if doc["id"] in val_ids else "train"
             writer(split, doc["source"]).add(ids, len(text.encode("utf-8")))
+        bar.set_postfix(tokens=f"{tokens:,}", refresh=False)  # drawn by the update below
+        bar.update(len(docs))
 
     chunk, chunk_bytes = [], 0
     for doc in iter_documents(corpus_dir):
@@ -146,6 +155,7 @@ def pack(corpus_dir: Path, tokenizer_path: Path, cfg: PackConfig, out_dir: Path)
             encode_chunk(chunk)
             chunk, chunk_bytes = [], 0
     encode_chunk(chunk)
+    bar.close()
     for w in writers.values():
         w.flush()
 

@@ -22,6 +22,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from kiln.data.config import TokenizerConfig
 from kiln.data.corpus import choose_split_ids, iter_documents
 from kiln.errors import DataError
+from kiln.train.system import progress_visible
 
 # Reserved first so their ids (0..n-1) never move when the vocabulary size changes, and later
 # stages (chat SFT, tools) can rely on them without resizing the embedding.
@@ -128,6 +129,20 @@ def build_untrained() -> HFTokenizer:
     return tok
 
 
+def count_documents(corpus_dir: Path) -> int:
+    """Lines in the corpus's *.jsonl files: the document count up to blank lines, read at disk
+    speed, which is far faster than tokenizing them. Only a progress bar's total uses it."""
+    count = 0
+    for path in sorted(Path(corpus_dir).glob("*.jsonl")):
+        with open(path, "rb") as f:
+            last = b"\n"
+            while block := f.read(1 << 22):
+                count += block.count(b"\n")
+                last = block[-1:]
+            count += last != b"\n"  # a last line without its newline
+    return count
+
+
 def measure_bytes_per_token(tok: Tokenizer, texts: list[str]) -> tuple[int, int]:
     if not texts:
         return 0, 0
@@ -136,11 +151,11 @@ def measure_bytes_per_token(tok: Tokenizer, texts: list[str]) -> tuple[int, int]
 
 
 def train_tokenizer(texts: Iterable[str], cfg: TokenizerConfig, out_dir: Path,
-                    heldout: Iterable[str]) -> dict:
+                    heldout: Iterable[str], length: int | None = None) -> dict:
     """Train on texts (up to cfg.max_train_bytes), save out_dir/tokenizer.json, measure on heldout.
 
     heldout is only read after training finishes, so a generator that fills it while texts is
-    consumed works.
+    consumed works. length (the expected number of texts, if known) gives the progress bar its total.
     """
     cfg.validate()
     started = time.perf_counter()
@@ -152,7 +167,9 @@ def train_tokenizer(texts: Iterable[str], cfg: TokenizerConfig, out_dir: Path,
         min_frequency=cfg.min_frequency,
         special_tokens=SPECIAL_TOKENS,  # added first, so they get ids 0..n-1
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # all 256 bytes, even unseen ones
-        show_progress=False,
+        # The tokenizers library draws its own bars (reading, counting pairs, merges) with ETAs;
+        # they appear only on a terminal, and never off rank 0.
+        show_progress=progress_visible(),
     )
     counted = {"documents": 0, "bytes": 0}
 
@@ -166,7 +183,7 @@ def train_tokenizer(texts: Iterable[str], cfg: TokenizerConfig, out_dir: Path,
             yield text
 
     with rust_threads():
-        hf.train_from_iterator(limited(), trainer=trainer)
+        hf.train_from_iterator(limited(), trainer=trainer, length=length)
     if counted["documents"] == 0:
         raise DataError(f"{out_dir}: no training text for the tokenizer "
                         f"(empty corpus, or max_train_bytes={cfg.max_train_bytes} below the first document)")
@@ -216,7 +233,9 @@ def train_tokenizer_from_corpus(corpus_dir: Path, cfg: TokenizerConfig, out_dir:
         for source in sorted(heldout):
             yield from heldout[source]
 
-    stats = train_tokenizer(texts, cfg, out_dir, all_heldout())
+    # Every document but the held-out ones: an upper bound when max_train_bytes stops reading early.
+    length = max(count_documents(corpus_dir) - len(heldout_ids), 0) if progress_visible() else None
+    stats = train_tokenizer(texts, cfg, out_dir, all_heldout(), length=length)
     tok = Tokenizer.load(Path(out_dir) / "tokenizer.json")
     per_source = {}
     for source in sorted(heldout):

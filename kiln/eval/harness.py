@@ -36,6 +36,7 @@ import torch
 
 from kiln.errors import ConfigError
 from kiln.eval.sandbox import Limits, run_many
+from kiln.train.system import progress
 
 HUMANEVAL_STOP = ("\nclass", "\ndef", "\n#", "\nif", "\nprint")
 
@@ -139,6 +140,7 @@ class KilnLM:
         self.prefix_id = tokenizer.eot_id
         self.stop_ids = [tokenizer.eot_id] + ([tokenizer.token_id("<|end|>")] if chat else [])
         self.device = next(model.parameters()).device
+        self.label = "eval"  # names the progress bars; evaluate() sets it to the running task's name
 
     def context_ids(self, description: str, context: str, chat: bool | None = None) -> list[int]:
         """The prompt's ids; chat (default: the model's) renders it with the chat template."""
@@ -168,6 +170,8 @@ class KilnLM:
         out: list[tuple[float, bool] | None] = [None] * len(pairs)
         # Longest first: a batch pads to its first row, and an out-of-memory error shows up at once.
         order = sorted(range(len(pairs)), key=lambda i: -(len(pairs[i][0]) + len(pairs[i][1])))
+        # Longest first also makes the early rate the slowest, so the ETA errs long, not short.
+        bar = progress(total=len(pairs), desc=f"{self.label} loglikelihood", unit="req", leave=False)
         for start in range(0, len(order), self.batch_size):
             rows = []
             for i in order[start:start + self.batch_size]:
@@ -186,6 +190,8 @@ class KilnLM:
                 target = torch.tensor(targets, device=self.device)
                 ll = logprobs.gather(1, target[:, None]).sum().item()
                 out[i] = (ll, bool((logprobs.argmax(-1) == target).all()))
+            bar.update(len(rows))
+        bar.close()
         return out  # type: ignore[return-value]
 
     def loglikelihood_rolling(self, texts: Sequence[str]) -> list[tuple[float, int]]:
@@ -209,13 +215,14 @@ class KilnLM:
         """Text generated after each context, ending before the first stop string or stop token.
         A context too long for the model keeps its last tokens, leaving room for at least
         min(max_gen_toks, max_length // 2) new ones."""
-        from kiln.infer.engine import Engine
-        engine = Engine(self.model, self.tokenizer)
+        from kiln.infer.engine import Engine, WithoutSpecialTokens
+        engine = Engine(self.model, WithoutSpecialTokens(self.tokenizer))
         stop_ids = sorted({*self.stop_ids, *(self.tokenizer.token_id(t) for t in stop_tokens)})
         keep = self.max_length - min(max_gen_toks, self.max_length // 2)
         prompts = [list(c)[-keep:] for c in contexts]
         order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
         out: list[str] = [""] * len(prompts)
+        bar = progress(total=len(prompts), desc=f"{self.label} generate", unit="req", leave=False)
         for start in range(0, len(order), self.batch_size):
             rows = order[start:start + self.batch_size]
             done = engine.generate([prompts[i] for i in rows], max_gen_toks, temperature=temperature, top_p=top_p,
@@ -223,6 +230,8 @@ class KilnLM:
                                    seed=None if seeds is None else [seeds[i] for i in rows])
             for i, completion in zip(rows, done):
                 out[i] = completion.text or ""
+            bar.update(len(rows))
+        bar.close()
         return out
 
 
@@ -425,6 +434,7 @@ def evaluate(lm: KilnLM, tasks: Sequence, limit: int | None = None,
         if not docs:
             raise ConfigError(f"{task.name}", "the task has no documents")
         start = time.perf_counter()
+        lm.label = task.name
         result = RUNNERS[task.kind](lm, task, docs)
         result.wall_s = time.perf_counter() - start
         if limit:

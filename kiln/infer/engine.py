@@ -221,6 +221,24 @@ class Completion:
     prompt_tokens: int = 0
 
 
+class WithoutSpecialTokens:
+    """A tokenizer view whose decode leaves special tokens (<|user|>, <|endoftext|>, ...) out of the
+    text, as transformers' decode(..., skip_special_tokens=True) and vLLM's default do. Give it to
+    Engine or TextStream where generated text is compared with theirs (lm-eval's HF backend)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        hf = getattr(tokenizer, "hf", None)  # Kiln's Tokenizer wraps a `tokenizers.Tokenizer`
+        self._decode = ((lambda ids: hf.decode(list(ids), skip_special_tokens=True)) if hf is not None
+                        else tokenizer.decode)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    def decode(self, ids) -> str:
+        return self._decode(ids)
+
+
 class TextStream:
     """Text of a growing list of token ids, given out in pieces that never end inside a character.
 

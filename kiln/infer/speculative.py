@@ -146,7 +146,6 @@ class SpeculativeEngine:
         pending = [[int(first[r])] for r in range(batch)]
         while keep:
             if len(keep) < len(rows):
-                index = torch.tensor(keep, device=device)
                 t_cache.keep(keep)
                 d_cache.keep(keep)
                 rows = [rows[r] for r in keep]

@@ -26,7 +26,8 @@ from kiln.errors import ConfigError, DataError
 from kiln.infer.engine import SamplingParams
 from kiln.post.chat import CHAT_TEMPLATE, PAD, ChatTokens, render_prompt
 from kiln.serve.chat_page import chat_page
-from kiln.serve.protocol import (APIError, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
+from kiln.serve.protocol import (ERROR_STATUSES, APIError, ChatRequest, CompletionRequest, DetokenizeRequest,
+                                 ErrorResponse, TokenizeRequest,
                                  TokenText, chat_logprob_entry, completion_logprobs, messages_to_dicts,
                                  stop_strings, usage)
 from kiln.serve.scheduler import Busy, GenerationRequest, PromptScores, Scheduler, SchedulerError, TokenEvent
@@ -62,6 +63,10 @@ class BodyLimit:
         return await self.app(scope, limited, send)
 
 
+GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS
+FLOAT32_TINY = 1.1754943508222875e-38  # torch.finfo(torch.float32).tiny
+
+
 def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
@@ -92,7 +97,10 @@ def create_app(model, tokenizer, *, model_name: str = "kiln", api_keys: Sequence
         finally:
             app.state.scheduler.close()
 
-    app = FastAPI(title="Kiln", summary="OpenAI-compatible server for a Kiln model", lifespan=lifespan)
+    # Every route declares the error answers, so clients and schema-driven tests know their shape.
+    errors = {status: {"model": ErrorResponse, "description": text} for status, text in ERROR_STATUSES.items()}
+    app = FastAPI(title="Kiln", summary="OpenAI-compatible server for a Kiln model", lifespan=lifespan,
+                  responses=errors)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
 
     @app.exception_handler(APIError)
@@ -154,8 +162,17 @@ def create_app(model, tokenizer, *, model_name: str = "kiln", api_keys: Sequence
             raise APIError(400, f"{param}={value} is over this server's limit of {limit}", param=param)
 
     def sampling(body) -> SamplingParams:
-        return SamplingParams(1.0 if body.temperature is None else body.temperature, body.top_k,
-                              1.0 if body.top_p is None else body.top_p, body.min_p, body.repetition_penalty)
+        temperature = 1.0 if body.temperature is None else body.temperature
+        if 0 <= temperature < GREEDY_BELOW:
+            # As vLLM does: this close to 0 sampling is greedy anyway, and dividing float32 logits by
+            # such a temperature overflows to inf and NaN, failing every request in the batch.
+            temperature = 0.0
+        top_p = 1.0 if body.top_p is None else body.top_p
+        if 0 < top_p < FLOAT32_TINY:
+            # A smaller top_p rounds to 0 against float32 probabilities and drops every token; any
+            # top_p this small keeps just the most likely token, as the floor does.
+            top_p = FLOAT32_TINY
+        return SamplingParams(temperature, body.top_k, top_p, body.min_p, body.repetition_penalty)
 
     def submit(requests: list[GenerationRequest], rename: dict[str, str]) -> list:
         scheduler: Scheduler = app.state.scheduler
@@ -240,7 +257,10 @@ def create_app(model, tokenizer, *, model_name: str = "kiln", api_keys: Sequence
     async def index():
         return HTMLResponse(page)
 
-    @app.get("/health")
+    down = {"type": "object", "properties": {"status": {"type": "string", "enum": ["down"]}}, "required": ["status"]}
+
+    @app.get("/health", responses={503: {"description": "the model is not running",
+                                         "content": {"application/json": {"schema": down}}}})
     async def health():
         scheduler = getattr(app.state, "scheduler", None)
         if scheduler is None or not scheduler.alive:
@@ -309,7 +329,8 @@ def create_app(model, tokenizer, *, model_name: str = "kiln", api_keys: Sequence
         params, stops = sampling(body), stop_strings(body.stop)
         requests = [GenerationRequest(ids, max_tokens, params, stop_ids, stops,
                                       None if body.seed is None else body.seed + j, body.logprobs,
-                                      prompt_logprobs=body.echo and body.logprobs is not None)
+                                      prompt_logprobs=body.echo and body.logprobs is not None,
+                                      skip_special_tokens=body.skip_special_tokens)
                     for ids, _ in prompts for j in range(body.n)]
         handles = submit(requests, {})
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
@@ -396,7 +417,8 @@ def create_app(model, tokenizer, *, model_name: str = "kiln", api_keys: Sequence
         stop_ids = ([] if body.ignore_eos else list(chat_tokens.stop)) + list(body.stop_token_ids or [])
         params, stops = sampling(body), stop_strings(body.stop)
         requests = [GenerationRequest(prompt, max_tokens, params, stop_ids, stops,
-                                      None if body.seed is None else body.seed + j, k) for j in range(body.n)]
+                                      None if body.seed is None else body.seed + j, k,
+                                      skip_special_tokens=body.skip_special_tokens) for j in range(body.n)]
         handles = submit(requests, {"prompt": "messages", "logprobs": "top_logprobs"})
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         stop_set = set(stop_ids)

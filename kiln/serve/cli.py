@@ -12,9 +12,18 @@ from kiln.errors import ConfigError
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", help="checkpoint folder, checkpoints root, or stage folder")
     p.add_argument("--tokenizer", help="tokenizer.json (default: found next to the checkpoint)")
+    add_inference_args(p)
+
+
+def add_inference_args(p: argparse.ArgumentParser) -> None:
+    """--device, --dtype, --quant and --group-size, shared with `kiln generate`."""
     p.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda, cuda:1, ...")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
-                   help="auto: bfloat16 on a GPU, float32 on CPU")
+                   help="auto: bfloat16 on a GPU or with --quant, float32 otherwise")
+    p.add_argument("--quant", choices=("int8", "int4", "nf4"),
+                   help="weight-only quantisation of the linear layers (docs/inference.md#quantisation)")
+    p.add_argument("--group-size", type=int, help="int4: 32, 64, 128 or 256 inputs per scale (default 64); "
+                   "nf4: block size (default 64)")
 
 
 def add_serve_parsers(verbs) -> None:
@@ -42,31 +51,18 @@ def add_serve_parsers(verbs) -> None:
     p.add_argument("--seed", type=int, help="turn t samples with seed + t (default: random)")
 
 
+def inference_options(args: argparse.Namespace):
+    from kiln.infer.load import InferenceOptions
+
+    return InferenceOptions(device=getattr(args, "device", "auto"), dtype=getattr(args, "dtype", "auto"),
+                            quant=getattr(args, "quant", None), group_size=getattr(args, "group_size", None))
+
+
 def load_for_inference(args: argparse.Namespace):
-    """(model on its device, tokenizer) for --checkpoint/--tokenizer/--device/--dtype."""
-    import torch
+    """(model on its device, tokenizer) for --checkpoint/--tokenizer/--device/--dtype/--quant/--group-size."""
+    from kiln.infer.load import load_for_inference as load
 
-    from kiln.cli import find_tokenizer
-    from kiln.data.tokenizer import Tokenizer
-    from kiln.infer.sample import load_model
-
-    device = args.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        device = torch.device(device)
-        torch.empty(0, device=device)
-    except (RuntimeError, AssertionError) as err:
-        raise ConfigError("--device", f"cannot use {args.device!r}: {err}", "<command line>") from None
-    dtype = args.dtype
-    if dtype == "auto":
-        dtype = "bfloat16" if device.type == "cuda" else "float32"
-    model, _ = load_model(args.checkpoint)
-    tokenizer = Tokenizer.load(args.tokenizer or find_tokenizer(args.checkpoint))
-    if tokenizer.vocab_size > model.cfg.vocab_size:
-        raise ConfigError("--tokenizer", f"{tokenizer.path} has {tokenizer.vocab_size} tokens but the model's "
-                          f"vocabulary is {model.cfg.vocab_size}", "<command line>")
-    return model.to(device=device, dtype=getattr(torch, dtype)).eval(), tokenizer
+    return load(args.checkpoint, args.tokenizer, inference_options(args))
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -89,7 +85,8 @@ def run_serve(args: argparse.Namespace) -> int:
                      max_tokens_limit=args.max_tokens_limit, max_batch=args.max_batch, max_waiting=args.max_waiting,
                      max_prefill_tokens=args.max_prefill_tokens)
     print(f"kiln serve: {name} on http://{args.host}:{args.port} (chat page at /, API at /v1, docs at /docs"
-          f"{', API key required' if keys else ''})", file=sys.stderr, flush=True)
+          f"{', API key required' if keys else ''}; {next(model.parameters()).dtype}"
+          f"{', weights ' + args.quant if args.quant else ''})", file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 

@@ -26,6 +26,23 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """The body of every error answer, as APIError.body() writes it (declared in the OpenAPI schema)."""
+    error: ErrorDetail
+
+
+ERROR_STATUSES = {400: "invalid request", 401: "missing or wrong API key", 404: "unknown model",
+                  413: "request body too large", 429: "server busy", 500: "generation failed",
+                  503: "the model is not running"}
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore", protected_namespaces=())
 
@@ -42,7 +59,9 @@ class _Common(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = Field(None, description="choice i of a prompt samples with seed + i")
+    # torch seeds are 64-bit; the range is vLLM's (a signed long), so seed + i still fits.
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1,
+                             description="choice i of a prompt samples with seed + i")
     # Accepted at their neutral value only.
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -51,9 +70,13 @@ class _Common(_Body):
     # vLLM's extra sampling parameters, which the engine has.
     top_k: int = Field(0, description="0: off")
     min_p: float = Field(0.0, description="0: off")
-    repetition_penalty: float = Field(1.0, description="1: off (CTRL's penalty, as transformers)")
+    # Bounded so that logits divided or multiplied by it stay finite in float32 (with temperature
+    # >= 1e-5, the server's greedy floor).
+    repetition_penalty: float = Field(1.0, ge=1e-6, le=1e6, description="1: off (CTRL's penalty, as transformers)")
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    skip_special_tokens: bool = Field(True, description="leave special tokens (<|user|>, ...) out of the text, "
+                                                        "as vLLM and transformers' decode do by default")
 
     def unsupported(self) -> list[tuple[str, Any]]:
         out = []

@@ -27,7 +27,7 @@ from typing import Sequence
 import torch
 
 from kiln.errors import ConfigError
-from kiln.infer.engine import KVCache, SamplingParams, TextStream, _sample
+from kiln.infer.engine import KVCache, SamplingParams, TextStream, WithoutSpecialTokens, _sample
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +44,7 @@ class GenerationRequest:
     seed: int | None = None           # None: drawn from torch's global generator
     logprobs: int | None = None       # None: none; k: the chosen token's and the k most likely ones'
     prompt_logprobs: bool = False     # log-probabilities of the prompt tokens (echo)
+    skip_special_tokens: bool = False  # leave special tokens out of the text (vLLM's default; Engine keeps them)
 
 
 @dataclass
@@ -123,6 +124,8 @@ class _Row:
         request = handle.request
         self.handle, self.request = handle, request
         self.stop_ids = {int(t) for t in request.stop_token_ids}
+        if tokenizer is not None and request.skip_special_tokens:
+            tokenizer = WithoutSpecialTokens(tokenizer)
         self.text = TextStream(tokenizer, request.stop_strings) if tokenizer is not None else None
         self.generated = 0
         self.seen = None

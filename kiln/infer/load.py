@@ -1,0 +1,95 @@
+"""Loading a checkpoint for inference as the command-line verbs do it (`kiln generate`, `kiln serve`,
+`kiln chat`): device and dtype, optional weight-only quantisation (kiln.infer.quant) and an optional
+draft model for speculative decoding (kiln.infer.speculative).
+
+Errors name the command-line flag, since that is what the user typed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kiln.errors import ConfigError
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANT_SCHEMES = ("int8", "int4", "nf4")
+
+
+@dataclass
+class InferenceOptions:
+    device: str = "auto"        # auto: cuda when available
+    dtype: str = "auto"         # auto: bfloat16 on a GPU or when quantising, float32 otherwise
+    quant: str | None = None    # int8 | int4 | nf4
+    group_size: int | None = None  # int4: 32/64/128/256 (default 64); nf4: block size (default 64)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(name)
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError) as err:
+        raise ConfigError("--device", f"cannot use {name!r}: {err}", "<command line>") from None
+    return device
+
+
+def resolve_dtype(opts: InferenceOptions, device: torch.device) -> torch.dtype:
+    if opts.dtype not in DTYPES:
+        raise ConfigError("--dtype", f"must be one of {', '.join(DTYPES)}, got {opts.dtype!r}", "<command line>")
+    name = opts.dtype
+    if name == "auto":
+        # The CPU kernels that read int8/int4 codes directly take bf16 activations; with float32 the
+        # quantised layers dequantise in every forward, which is slower than not quantising.
+        name = "bfloat16" if device.type == "cuda" or opts.quant else "float32"
+    return getattr(torch, name)
+
+
+def quantize(model, opts: InferenceOptions):
+    """Quantise the model's linear layers in place when opts.quant is set; returns the model."""
+    if opts.quant is None:
+        if opts.group_size is not None:
+            raise ConfigError("--group-size", "only applies with --quant int4 or nf4", "<command line>")
+        return model
+    from kiln.infer.quant import quantize_model
+
+    if opts.quant not in QUANT_SCHEMES:
+        raise ConfigError("--quant", f"must be one of {', '.join(QUANT_SCHEMES)}, got {opts.quant!r}", "<command line>")
+    try:
+        return quantize_model(model, opts.quant, opts.group_size)
+    except ConfigError as err:
+        flag = "--group-size" if err.key == "group_size" else "--quant"
+        raise ConfigError(flag, err.message, "<command line>") from None
+
+
+def load_for_inference(checkpoint, tokenizer_path=None, opts: InferenceOptions | None = None):
+    """(model in eval mode on its device, in its dtype, quantised if asked; tokenizer)."""
+    from kiln.cli import find_tokenizer
+    from kiln.data.tokenizer import Tokenizer
+    from kiln.infer.sample import load_model
+
+    opts = opts or InferenceOptions()
+    device = resolve_device(opts.device)
+    dtype = resolve_dtype(opts, device)
+    model, _ = load_model(checkpoint)
+    tokenizer = Tokenizer.load(tokenizer_path or find_tokenizer(checkpoint))
+    if tokenizer.vocab_size > model.cfg.vocab_size:
+        raise ConfigError("--tokenizer", f"{tokenizer.path} has {tokenizer.vocab_size} tokens but the model's "
+                          f"vocabulary is {model.cfg.vocab_size}", "<command line>")
+    model = model.to(device=device, dtype=dtype).eval()
+    return quantize(model, opts), tokenizer
+
+
+def load_draft(checkpoint, target, k: int):
+    """A SpeculativeEngine's draft: the checkpoint on the target's device and in its parameter dtype
+    (never quantised: it is small by design). The engine checks the vocabulary and context."""
+    from kiln.infer.sample import load_model
+
+    if k < 1:
+        raise ConfigError("--draft-tokens", f"must be >= 1, got {k}", "<command line>")
+    draft, _ = load_model(checkpoint)
+    param = next(p for p in target.parameters())
+    dtype = param.dtype if param.is_floating_point() else torch.bfloat16
+    return draft.to(device=param.device, dtype=dtype).eval()
