@@ -104,6 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_parsers(verbs)
     from kiln.eval.cli import add_eval_parser
     add_eval_parser(verbs)
+    from kiln.sweep import add_parser as add_sweep_parser
+    add_sweep_parser(verbs)
     return parser
 
 
@@ -187,6 +189,9 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.verb == "plan":
         from kiln.parallel.plan_cli import run_plan
         return run_plan(args)
+    if args.verb == "sweep":
+        from kiln.sweep import main as sweep_main
+        return sweep_main(args)
     if args.verb == "generate":
         return _generate(args)
     if args.verb == "export" and args.format == "single":
