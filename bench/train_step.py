@@ -1,7 +1,7 @@
 """Training-step throughput: Kiln's Transformer vs transformers' LlamaForCausalLM, same config.
 
 Each side is stepped the way its own users run it:
-- Kiln as `kiln pretrain` does: bf16 autocast (or fp32), `kiln.train.trainer.next_token_loss`,
+- Kiln as `kiln pretrain` does: bf16 autocast (or fp32), `kiln.train.objective.next_token_loss`,
   backward, gradient clipping at 1.0, and the optimizer from `kiln.train.optim.build_optimizer`
   (AdamW, no decay on norms and embeddings) for a default `TrainConfig`.
 - transformers as its documentation and `Trainer` do: `model(input_ids, labels=...)` under the same
@@ -39,7 +39,7 @@ import torch
 from kiln.model import ModelConfig, build_model, count_params, flops_per_token
 from kiln.train.config import TrainConfig
 from kiln.train.optim import build_optimizer
-from kiln.train.trainer import next_token_loss
+from kiln.train.objective import next_token_loss
 
 GRAD_CLIP = 1.0  # Kiln's TrainConfig.grad_clip default and transformers Trainer's max_grad_norm
 

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from kiln.errors import ConfigError, DataError
+from kiln.train.guard import TrainingDiverged
 
 
 def _recipe_args(p: argparse.ArgumentParser, stage_verb: bool = True) -> None:
@@ -126,6 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DataError, FileNotFoundError) as err:
         print(f"kiln: error: {err}", file=sys.stderr)
         return 2
+    except TrainingDiverged as err:
+        print(f"kiln: error: {err}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("kiln: interrupted", file=sys.stderr)
         return 130

@@ -6,7 +6,7 @@ downloaded or read from disk), PRESETS["1b"] (Llama 3.2 1B's shape) with Llama 3
 vocabulary, sequence 2048, a few warm-up steps (compilation happens there) and then ~20 timed steps.
 The step is Kiln's own pieces, applied as the trainer applies them under a device mesh:
 kiln.parallel.parallelize.apply_compile (each block compiled) and apply_fsdp (FSDP2 per block and
-the root, bf16 parameters, fp32 gradient reduction), kiln.train.trainer.next_token_loss under bf16
+the root, bf16 parameters, fp32 gradient reduction), kiln.train.objective.next_token_loss under bf16
 autocast, kiln.parallel.grad.clip_grad_norm at 1.0, and kiln.train.optim.build_optimizer (AdamW).
 Kiln's Trainer itself does not shard on a single rank (ParallelDims.fsdp is false for a world of 1),
 so this script builds the one-rank mesh and calls the same functions itself; under torchrun with
@@ -47,7 +47,7 @@ from kiln.parallel.parallelize import apply_compile, apply_fsdp  # noqa: E402
 from kiln.train.config import TrainConfig  # noqa: E402
 from kiln.train.metrics import detect_peak_flops  # noqa: E402
 from kiln.train.optim import build_optimizer  # noqa: E402
-from kiln.train.trainer import next_token_loss  # noqa: E402
+from kiln.train.objective import next_token_loss  # noqa: E402
 
 LLAMA3_VOCAB = 128256
 GiB = 2**30

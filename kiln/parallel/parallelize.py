@@ -125,7 +125,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh, cfg: ParallelConfig,
                 activation_checkpointing: bool, compile_blocks: bool) -> nn.Module:
     """Apply every configured parallelism except pipelining to `model` (the whole model, or one
     pipeline stage) in place; returns the module to call for training (it, or its DDP wrapper)."""
-    from kiln.train.trainer import apply_activation_checkpointing
+    from kiln.train.objective import apply_activation_checkpointing
 
     if dims.tp > 1:
         apply_tensor_parallel(model, dims.submesh(mesh, "tp"))

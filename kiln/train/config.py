@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kiln.errors import ConfigError
+from kiln.train.guard import GuardConfig
+
+LOGGERS = ("tensorboard", "wandb", "mlflow")
 
 
 @dataclass
@@ -37,7 +40,11 @@ class TrainConfig:
     early_stop_patience: int = 0         # evaluations without improvement before stopping; 0: off
     peak_flops: float = 0.0              # per device, for MFU; 0: detect (measured matmul on CPU)
     threads: int = 0                     # torch intra-op threads; 0: leave torch's default
-    tensorboard: bool = False            # also log to <out>/tensorboard when tensorboard is installed
+    loggers: list[str] = field(default_factory=list)  # besides metrics.jsonl: tensorboard, wandb, mlflow
+    watchdog_s: float = 0.0              # exit (code 3) if a step or checkpoint save takes longer; 0: off
+    batch_ramp_steps: int = 0            # grow the global batch linearly over this many first steps; 0: off
+    batch_ramp_start_tokens: int = 0     # global batch of the first step while ramping
+    guard: GuardConfig = field(default_factory=GuardConfig)  # [train.guard]: loss-spike and NaN guard
 
     def validate(self) -> None:
         for key in ("seq_len", "micro_batch_size", "global_batch_tokens", "max_steps", "log_every",
@@ -64,6 +71,29 @@ class TrainConfig:
         for key in ("beta1", "beta2"):
             if not 0 <= getattr(self, key) < 1:
                 raise ConfigError(key, f"must be in [0, 1), got {getattr(self, key)}")
-        for key in ("weight_decay", "grad_clip", "peak_flops", "early_stop_patience", "threads"):
-            if getattr(self, key) < 0:
+        for key in ("weight_decay", "grad_clip", "peak_flops", "early_stop_patience", "threads", "watchdog_s",
+                    "batch_ramp_steps", "batch_ramp_start_tokens"):
+            if not getattr(self, key) >= 0:  # also refuses NaN
                 raise ConfigError(key, f"must be >= 0, got {getattr(self, key)}")
+        if self.watchdog_s == float("inf"):
+            raise ConfigError("watchdog_s", "must be finite (0 turns the watchdog off)")
+        for name in self.loggers:
+            if name not in LOGGERS:
+                raise ConfigError("loggers", f"unknown logger {name!r}; known: {', '.join(LOGGERS)} "
+                                             f"(metrics.jsonl is always written)")
+        if len(set(self.loggers)) != len(self.loggers):
+            raise ConfigError("loggers", f"names a logger twice: {self.loggers}")
+        if self.batch_ramp_steps > 0:
+            micro = self.seq_len * self.micro_batch_size
+            if not 0 < self.batch_ramp_start_tokens <= self.global_batch_tokens:
+                raise ConfigError("batch_ramp_start_tokens",
+                                  f"must be in (0, global_batch_tokens={self.global_batch_tokens}] when "
+                                  f"batch_ramp_steps > 0, got {self.batch_ramp_start_tokens}")
+            if self.batch_ramp_start_tokens % micro:
+                raise ConfigError("batch_ramp_start_tokens",
+                                  f"must be a multiple of seq_len*micro_batch_size={micro} (the batch grows "
+                                  f"in whole micro-batches), got {self.batch_ramp_start_tokens}")
+        try:
+            self.guard.validate()
+        except ConfigError as err:
+            raise err.within("guard") from None

@@ -18,53 +18,34 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
 from kiln.data.loader import TokenLoader
 from kiln.errors import ConfigError
 from kiln.model import ModelConfig, build_model, count_params, flops_per_token
-from kiln.model.moe import moe_aux_loss
 from kiln.parallel.config import ParallelConfig
 from kiln.parallel.layout import Layout
 from kiln.train.checkpoint import (CheckpointManager, capture_rng_state, complete_checkpoints,
                                    load_weights, resolve_checkpoint, restore_rng_state)
 from kiln.train.config import TrainConfig
+from kiln.train.guard import GRAD_GROUPS, LossGuard, grad_group, group_grad_norms, respond
+from kiln.train.objective import LossFn, apply_activation_checkpointing, next_token_loss
 from kiln.train.metrics import (MetricsLogger, detect_peak_flops, model_flops_utilization, peak_memory_mb,
                                 truncate_metrics)
 from kiln.train.optim import build_optimizer
 from kiln.train.schedule import lr_at
+from kiln.train.system import progress_enabled, system_metrics
+from kiln.train.watchdog import Watchdog
 
-LossFn = Callable[[torch.nn.Module, tuple], tuple[torch.Tensor, int]]
 PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def next_token_loss(model: torch.nn.Module, batch: tuple) -> tuple[torch.Tensor, int]:
-    """batch: (inputs, targets) or, under context parallelism, (inputs, targets, position_ids)."""
-    inputs, targets, *positions = batch
-    logits = model(inputs, *positions)
-    # In float32: a softmax over a large vocabulary in bf16 loses the small probabilities.
-    loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-    if torch.is_grad_enabled() and isinstance(model, torch.nn.Module):
-        # MoE load-balancing and router z-losses train with the LM loss (and so show in the logged
-        # training loss); validation reports the LM loss alone.
-        aux = moe_aux_loss(model)
-        if aux is not None:
-            loss = loss + aux
-    return loss, targets.numel()
-
-
-def apply_activation_checkpointing(model: torch.nn.Module) -> None:
-    """Recompute each block's activations in backward instead of storing them.
-
-    Done by replacing each block's forward on the instance, so parameter names (and therefore
-    checkpoints) stay the same as without it. Non-reentrant checkpointing supports keyword
-    arguments and inputs that do not require grad.
-    """
-    for block in model.layers:
-        def forward(*args, _block_forward=block.forward, **kwargs):
-            return checkpoint(_block_forward, *args, use_reentrant=False, **kwargs)
-        block.forward = forward
+# Full activation checkpointing runs each block's forward twice. Training costs ~3 forwards per token
+# (forward 2N FLOPs, backward 4N: gradients of activations and of weights); recomputing the forward
+# adds one more, so the hardware does 4/3 of the model FLOPs (Korthikanti et al. 2022, sec. 5). The
+# output head, which is not recomputed, makes the true factor slightly smaller.
+RECOMPUTE_FACTOR = 4 / 3
+# The first step of a session also compiles (torch.compile) and warms up allocators and
+# communicators: it gets this many times the watchdog's timeout.
+FIRST_STEP_WATCHDOG_FACTOR = 10
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -101,6 +82,14 @@ class Trainer:
             raise ConfigError("global_batch_tokens", f"must be a multiple of seq_len*micro_batch_size*dp ranks="
                                                      f"{tokens_per_micro_step}, got {cfg.global_batch_tokens}")
         self.accum_steps = cfg.global_batch_tokens // tokens_per_micro_step
+        self.tokens_per_micro_step = tokens_per_micro_step
+        self.ramp_start_accum = self.accum_steps
+        if cfg.batch_ramp_steps > 0:
+            if cfg.batch_ramp_start_tokens % tokens_per_micro_step:
+                raise ConfigError("batch_ramp_start_tokens",
+                                  f"must be a multiple of seq_len*micro_batch_size*dp ranks={tokens_per_micro_step}, "
+                                  f"got {cfg.batch_ramp_start_tokens}")
+            self.ramp_start_accum = cfg.batch_ramp_start_tokens // tokens_per_micro_step
 
         def make_loader(split: str):
             return TokenLoader(self.pack_dir, split=split, seq_len=cfg.seq_len, batch_size=cfg.micro_batch_size,
@@ -127,6 +116,7 @@ class Trainer:
         # Before seeding, and with its own generator: the measurement must not change the init.
         self.peak_flops = detect_peak_flops(self.device, self.compute_dtype, cfg.peak_flops)
         self.flops_per_token = flops_per_token(model_cfg, cfg.seq_len)
+        self.recompute_factor = RECOMPUTE_FACTOR if cfg.activation_checkpointing else 1.0
 
         torch.manual_seed(cfg.seed)
         self.model = build_model(model_cfg, device=self.device)
@@ -149,6 +139,9 @@ class Trainer:
         self.last_val_loss = None
         self.last_val_bpb = None
         self.stopped_early = False
+        self.lr_scale = 1.0  # lowered by the guard's rollbacks (lr_factor); saved with the loop state
+        # Under fp16 the grad scaler owns overflowing gradients (it skips the step and backs off).
+        self.guard = LossGuard(cfg.guard, scaler_handles_overflow=cfg.precision == "fp16")
         # Full weights (a single-file checkpoint, or init_from) load before the model is split, so
         # they fit any layout; sharded checkpoints load after, through DCP, which reshards.
         # prepare_model (e.g. adding LoRA weights) runs after the base weights of init_from load, but
@@ -160,6 +153,10 @@ class Trainer:
             prepare_model(self.model)
         if found is not None and found[2] is not None:
             self.model.load_state_dict(found[2])
+        # Layer groups of the trained parameters, from the whole model (a pipeline rank later holds
+        # only its stages), so every rank computes the same groups' norms.
+        present = {grad_group(n) for n, p in self.model.named_parameters() if p.requires_grad}
+        self.grad_groups = [g for g in GRAD_GROUPS if g in present]
 
         # Compiling the loss function (which calls the model) puts the output head and the loss in
         # one graph, so the float32 upcast and log-softmax fuse instead of writing a float32 copy of
@@ -180,7 +177,10 @@ class Trainer:
         self.resumed_from = self._resume(found, init_from) if found is not None else None
         self.metrics = None
         if self.is_main:
-            self.metrics = MetricsLogger(self.out_dir, tensorboard=cfg.tensorboard)
+            run_name = f"{self.out_dir.absolute().parent.name}/{self.out_dir.absolute().name}"
+            self.metrics = MetricsLogger(self.out_dir, loggers=cfg.loggers, run_name=run_name,
+                                         config=recipe_dict if recipe_dict is not None else
+                                         {"train": dataclasses.asdict(cfg)})
 
     # ---- setup -----------------------------------------------------------------------------------
 
@@ -220,7 +220,9 @@ class Trainer:
             self.layout.load_full_optimizer_state(self.model, self.optimizer, train_state["optimizer"])
         if train_state["scaler"]:
             self.scaler.load_state_dict(train_state["scaler"])
-        for key, value in train_state["loop"].items():
+        loop = dict(train_state["loop"])
+        self.guard.load_state_dict(loop.pop("guard", {}))
+        for key, value in loop.items():
             setattr(self, key, value)
         self.train_loader.load_state_dict(manifest["loader"])
         restore_rng_state(manifest["rng"])
@@ -260,10 +262,11 @@ class Trainer:
 
     # ---- one optimizer step ----------------------------------------------------------------------
 
-    def train_step(self, micro_batches: list) -> dict:
-        """Forward/backward over the micro-batches, then one optimizer step."""
+    def train_step(self, micro_batches: list, group_norms: bool = False) -> dict:
+        """Forward/backward over the micro-batches, then one optimizer step unless the guard flags
+        the step (stats["event"]). group_norms: also return the gradient norm of each layer group."""
         cfg = self.cfg
-        lr = lr_at(self.step, cfg)
+        lr = lr_at(self.step, cfg) * self.lr_scale
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         # Each micro-batch's mean loss is weighted by its share of the step's tokens. The share is
@@ -299,15 +302,31 @@ class Trainer:
             correction *= len(micro_batches) * self.layout.cfg.microbatches
         if correction != 1.0:
             torch._foreach_div_([p.grad for p in params], correction)
+        stats = {"lr": lr, "tokens": tokens, "event": None}
+        if group_norms:  # before clipping, like grad_norm
+            stats["group_norms"] = group_grad_norms(self.model, self.grad_groups, self.layout, self.device)
         max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
         grad_norm = self.layout.clip_grad_norm(params, max_norm)
-        self.scaler.step(self.optimizer)
+        loss = loss_sum / max(tokens, 1)
+        if self.guard.enabled:
+            # The decision must be taken before the optimizer step, so the loss and norm are read
+            # now: one device sync per step (a single two-element copy), which costs the overlap of
+            # this step's tail with the next step's launch. Both values are already global (the
+            # loss reduced over ranks above, the norm by the clipping), so every rank decides alike.
+            loss, grad_norm = torch.stack([loss.float(), grad_norm.float().to(loss.device)]).tolist()
+            stats["event"] = self.guard.check(loss, grad_norm)
+        if stats["event"] is None:
+            self.scaler.step(self.optimizer)
+        # Also after a flagged step: ends the scaler's unscale_/step cycle, and under fp16 backs the
+        # scale off if the gradients overflowed.
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
+        # Tokens the loop consumed, a flagged step's included: with the loader position they say
+        # where in the data the run is.
         self.tokens_seen += tokens
-        # Tensors, not floats: reading them forces a device sync, which fit() does only when logging.
-        return {"loss": loss_sum / max(tokens, 1), "grad_norm": grad_norm, "lr": lr, "tokens": tokens}
+        # Tensors unless the guard read them: reading forces a device sync, done only when logging.
+        return {**stats, "loss": loss, "grad_norm": grad_norm}
 
     # ---- validation ------------------------------------------------------------------------------
 
@@ -343,14 +362,16 @@ class Trainer:
         loop = {"step": self.step, "tokens_seen": self.tokens_seen, "best_val_loss": self.best_val_loss,
                 "best_val_bpb": self.best_val_bpb, "best_step": self.best_step,
                 "evals_since_best": self.evals_since_best, "last_val_loss": self.last_val_loss,
-                "last_val_bpb": self.last_val_bpb, "stopped_early": self.stopped_early}
+                "last_val_bpb": self.last_val_bpb, "stopped_early": self.stopped_early,
+                "lr_scale": self.lr_scale, "guard": self.guard.state_dict()}
         train_state = {"scaler": self.scaler.state_dict(), "loop": loop}
         manifest_extra = {"tokens_seen": self.tokens_seen, "val_loss": val_loss,
                           "train_config": dataclasses.asdict(self.cfg), "recipe": self.recipe_dict,
                           "loader": self.train_loader.state_dict(), "rng": capture_rng_state(),
                           # The schedule is a pure function of the step (kiln.train.schedule), so the
                           # step is the whole scheduler state.
-                          "schedule": {"step": self.step, "lr": lr_at(max(self.step - 1, 0), self.cfg)}}
+                          "schedule": {"step": self.step, "lr_scale": self.lr_scale,
+                                       "lr": lr_at(max(self.step - 1, 0), self.cfg) * self.lr_scale}}
         if self.sharded_saver is not None:  # every rank writes its shards
             self.sharded_saver.save(self.step, self.model_cfg, self.model, self.optimizer, train_state,
                                     manifest_extra, is_best=is_best)
@@ -363,20 +384,47 @@ class Trainer:
 
     def fit(self) -> dict:
         cfg = self.cfg
+        self.watchdog = Watchdog(cfg.watchdog_s, self.out_dir, rank=self.rank, log_metrics=self.is_main)
+        try:
+            return self._fit()
+        finally:
+            self.watchdog.close()
+
+    def accum_at(self, step: int) -> int:
+        """Micro-batches of optimizer step `step` (0-based): during the batch ramp the global batch
+        grows linearly, in whole micro-batches, from batch_ramp_start_tokens to global_batch_tokens.
+        A pure function of the step, so a resumed run reads exactly the batches it would have."""
+        ramp = self.cfg.batch_ramp_steps
+        if step >= ramp:
+            return self.accum_steps
+        return self.ramp_start_accum + (self.accum_steps - self.ramp_start_accum) * step // ramp
+
+    def _fit(self) -> dict:
+        cfg = self.cfg
         start_wall = time.perf_counter()
         train_time, train_tokens = 0.0, 0
         window_time, window_tokens = 0.0, 0
-        bar = tqdm(total=cfg.max_steps, initial=self.step, file=sys.stderr, disable=not self.is_main,
+        bar = tqdm(total=cfg.max_steps, initial=self.step, file=sys.stderr,
+                   disable=not self.is_main or progress_enabled() is False,
                    desc=self.out_dir.name or "train", unit="step", dynamic_ncols=True)
         batches = iter(self.train_loader)
         evaluated_at = None
+        first_timeout = cfg.watchdog_s * FIRST_STEP_WATCHDOG_FACTOR
+        if cfg.batch_ramp_steps and self.step == 0:
+            self._event("batch_ramp", start_tokens=self.accum_at(0) * self.tokens_per_micro_step,
+                        full_tokens=self.accum_steps * self.tokens_per_micro_step, ramp_steps=cfg.batch_ramp_steps)
         while self.step < cfg.max_steps and not self.stopped_early:
             started = time.perf_counter()
-            stats = self.train_step([next(batches) for _ in range(self.accum_steps)])
+            step = self.step + 1
+            log_now = step % cfg.log_every == 0 or step == cfg.max_steps
+            batch_tokens = self.accum_at(self.step) * self.tokens_per_micro_step
+            with self.watchdog.watch(f"training step {step}", step, first_timeout):
+                micro_batches = [next(batches) for _ in range(self.accum_at(self.step))]
+                stats = self.train_step(micro_batches, group_norms=log_now)
+            first_timeout = None
             last = self.step == cfg.max_steps
-            log_now = self.step % cfg.log_every == 0 or last
-            if log_now:
-                loss, grad_norm = stats["loss"].item(), stats["grad_norm"].item()  # waits for the device
+            if log_now:  # waits for the device
+                loss, grad_norm = float(stats["loss"]), float(stats["grad_norm"])
             elapsed = time.perf_counter() - started
             window_time += elapsed
             window_tokens += stats["tokens"]
@@ -385,44 +433,69 @@ class Trainer:
             bar.update(1)
             if log_now:
                 tokens_per_s = window_tokens / window_time if window_time > 0 else 0.0
+                mfu = model_flops_utilization(self.flops_per_token, tokens_per_s, self.peak_flops, self.world_size)
                 record = {"kind": "train", "step": self.step, "loss": loss, "lr": stats["lr"],
-                          "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
-                          "mfu": model_flops_utilization(self.flops_per_token, tokens_per_s, self.peak_flops,
-                                                         self.world_size),
-                          "peak_mem_mb": peak_memory_mb(self.device), "tokens_seen": self.tokens_seen}
+                          "grad_norm": grad_norm, "tokens_per_s": tokens_per_s, "mfu": mfu,
+                          "hfu": mfu * self.recompute_factor,
+                          "peak_mem_mb": peak_memory_mb(self.device), "tokens_seen": self.tokens_seen,
+                          "batch_tokens": batch_tokens}
+                record.update({f"grad_norm/{g}": v for g, v in zip(self.grad_groups, stats["group_norms"].tolist())})
                 if self.metrics:
+                    record.update(system_metrics(self.device))
                     self.metrics.log(record)
                 bar.set_postfix(loss=f"{loss:.4f}", lr=f"{stats['lr']:.2e}")
                 window_time, window_tokens = 0.0, 0
+            if stats["event"] is not None:
+                respond(self, stats["event"])
+            if cfg.batch_ramp_steps and self.step == cfg.batch_ramp_steps:
+                self._event("batch_ramp", batch_tokens=self.accum_steps * self.tokens_per_micro_step, done=True)
             improved = False
             if self.step % cfg.eval_every == 0 or last:
-                improved = self._validate()
+                with self.watchdog.watch(f"validation at step {self.step}", self.step):
+                    improved = self._validate()
                 evaluated_at = self.step
             if self.step % cfg.ckpt_every == 0 or last or self.stopped_early or (improved and cfg.keep_best):
-                self.save_checkpoint(is_best=improved,
-                                     val_loss=self.last_val_loss if evaluated_at == self.step else None)
+                with self.watchdog.watch(f"saving the checkpoint of step {self.step}", self.step):
+                    self.save_checkpoint(is_best=improved,
+                                         val_loss=self.last_val_loss if evaluated_at == self.step else None)
         bar.close()
         if self.sharded_saver is not None:
-            self.sharded_saver.finish()
+            with self.watchdog.watch(f"finishing the checkpoint of step {self.step}", self.step):
+                self.sharded_saver.finish()
         tokens_per_s = train_tokens / train_time if train_time > 0 else 0.0
+        mfu = model_flops_utilization(self.flops_per_token, tokens_per_s, self.peak_flops, self.world_size)
         summary = {
             "steps": self.step, "tokens_seen": self.tokens_seen, "stopped_early": self.stopped_early,
             "final_val_loss": self.last_val_loss, "final_val_bpb": self.last_val_bpb,
             "best_val_loss": self.best_val_loss if self.best_step >= 0 else None,
             "best_val_bpb": self.best_val_bpb if self.best_step >= 0 else None, "best_step": self.best_step,
-            "tokens_per_s": tokens_per_s,
-            "mfu": model_flops_utilization(self.flops_per_token, tokens_per_s, self.peak_flops, self.world_size),
-            "peak_flops": self.peak_flops, "flops_per_token": self.flops_per_token,
+            "tokens_per_s": tokens_per_s, "mfu": mfu, "hfu": mfu * self.recompute_factor, "peak_flops": self.peak_flops, "flops_per_token": self.flops_per_token,
             "peak_mem_mb": peak_memory_mb(self.device), "params": count_params(self.model_cfg),
             "non_embedding_params": count_params(self.model_cfg, non_embedding=True),
-            "accum_steps": self.accum_steps, "pipeline_bubble": self.layout.bubble_fraction(), "precision": self.cfg.precision, "device": str(self.device),
-            "resumed_from": self.resumed_from, "wall_s": time.perf_counter() - start_wall,
+            "accum_steps": self.accum_steps, "pipeline_bubble": self.layout.bubble_fraction(),
+            "precision": self.cfg.precision, "device": str(self.device), "guard_events": self.guard.events,
+            "lr_scale": self.lr_scale,
+            "resumed_from": self.resumed_from,
+            # What kiln.cost bills: devices x the time spent training.
+            "world_size": self.world_size, "train_s": train_time,
+            "threads": torch.get_num_threads() if self.device.type == "cpu" else None,
+            "device_name": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None, "wall_s": time.perf_counter() - start_wall,
             "checkpoint": str(self.ckpt.root / self.ckpt.latest_name) if self.ckpt.latest_name else None,
         }
         if self.is_main:
             (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
             self.metrics.close()
         return summary
+
+    # ---- guard responses and events ---------------------------------------------------------------
+
+    def _event(self, type_: str, **details) -> None:
+        """Log an event record (kiln report draws them as vertical lines) and print it."""
+        if self.metrics:
+            self.metrics.log({"kind": "event", "step": self.step, "type": type_, **details})
+        if self.is_main:
+            text = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in details.items())
+            tqdm.write(f"step {self.step} | {type_}: {text}", file=sys.stderr)
 
     def _validate(self) -> bool:
         """Evaluate, log, print, update best/early-stopping state; True if the loss improved."""

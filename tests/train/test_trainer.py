@@ -35,8 +35,12 @@ def test_loss_falls_and_outputs(pack, tmp_path, capsys):
     summary = Trainer(MODEL, _cfg(max_steps=40, eval_every=20, ckpt_every=20), pack, out).fit()
     train = _records(out, "train")
     assert [r["step"] for r in train] == list(range(1, 41))
-    assert set(train[0]) == {"kind", "step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "peak_mem_mb",
-                             "tokens_seen"}
+    groups = {f"grad_norm/{g}" for g in ("embed", "attn", "mlp", "norm", "head")}  # untied: a head of its own
+    assert {k for k in train[0] if not k.startswith("sys/")} == {
+        "kind", "step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "hfu", "peak_mem_mb", "tokens_seen",
+        "batch_tokens", *groups}
+    assert {"sys/cpu_percent", "sys/ram_mb", "sys/rss_mb"} <= set(train[0])
+    assert all(r["batch_tokens"] == 64 and r["hfu"] == r["mfu"] for r in train)
     assert train[0]["loss"] == pytest.approx(math.log(64), abs=0.3)  # near uniform at init
     assert train[-1]["tokens_seen"] == 40 * 64
     val = _records(out, "val")
@@ -50,6 +54,35 @@ def test_loss_falls_and_outputs(pack, tmp_path, capsys):
     assert "step 40 | val loss" in capsys.readouterr().out
     model_cfg, state, manifest = load_weights(out)
     assert model_cfg.vocab_size == 64 and manifest["step"] == 40 and manifest["tokens_seen"] == 40 * 64
+
+
+def test_group_grad_norms_add_up_to_the_global_norm(pack, tmp_path):
+    out = tmp_path / "run"
+    Trainer(MODEL, _cfg(max_steps=3, log_every=2, grad_clip=0.01), pack, out).fit()
+    train = _records(out, "train")
+    assert [r["step"] for r in train] == [2, 3]
+    for r in train:
+        parts = [r[f"grad_norm/{g}"] for g in ("embed", "attn", "mlp", "norm", "head")]
+        # Before clipping, like grad_norm: the clipped norm would be 0.01.
+        assert math.sqrt(sum(v * v for v in parts)) == pytest.approx(r["grad_norm"], rel=1e-5)
+        assert min(parts) > 0 and r["grad_norm"] > 0.1
+
+
+def test_hfu_counts_the_recomputed_forward(pack, tmp_path):
+    out = tmp_path / "run"
+    summary = Trainer(MODEL, _cfg(max_steps=3, activation_checkpointing=True), pack, out).fit()
+    for r in _records(out, "train"):
+        assert r["hfu"] == pytest.approx(r["mfu"] * 4 / 3) and r["mfu"] > 0
+    assert summary["hfu"] == pytest.approx(summary["mfu"] * 4 / 3)
+
+
+def test_loggers_reach_the_metrics_logger(pack, tmp_path):
+    pytest.importorskip("tensorboard")
+    out = tmp_path / "run"
+    Trainer(MODEL, _cfg(max_steps=3, loggers=["tensorboard"]), pack, out).fit()
+    assert list((out / "tensorboard").glob("events.out.tfevents.*"))
+    with pytest.raises(ConfigError, match="loggers"):
+        _cfg(loggers=["stdout"]).validate()
 
 
 def _one_step(pack, out, cfg, batch, micro, loss_fn=None):

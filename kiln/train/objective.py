@@ -1,0 +1,43 @@
+"""The pretraining objective and activation checkpointing: what the training loop applies to the
+model. Later stages pass their own `loss_fn(model, batch) -> (mean loss over the batch's counted
+tokens, number of counted tokens)` in the same shape."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from kiln.model.moe import moe_aux_loss
+
+LossFn = Callable[[torch.nn.Module, tuple], tuple[torch.Tensor, int]]
+
+
+def next_token_loss(model: torch.nn.Module, batch: tuple) -> tuple[torch.Tensor, int]:
+    """batch: (inputs, targets) or, under context parallelism, (inputs, targets, position_ids)."""
+    inputs, targets, *positions = batch
+    logits = model(inputs, *positions)
+    # In float32: a softmax over a large vocabulary in bf16 loses the small probabilities.
+    loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+    if torch.is_grad_enabled() and isinstance(model, torch.nn.Module):
+        # MoE load-balancing and router z-losses train with the LM loss (and so show in the logged
+        # training loss); validation reports the LM loss alone.
+        aux = moe_aux_loss(model)
+        if aux is not None:
+            loss = loss + aux
+    return loss, targets.numel()
+
+
+def apply_activation_checkpointing(model: torch.nn.Module) -> None:
+    """Recompute each block's activations in backward instead of storing them.
+
+    Done by replacing each block's forward on the instance, so parameter names (and therefore
+    checkpoints) stay the same as without it. Non-reentrant checkpointing supports keyword
+    arguments and inputs that do not require grad.
+    """
+    for block in model.layers:
+        def forward(*args, _block_forward=block.forward, **kwargs):
+            return checkpoint(_block_forward, *args, use_reentrant=False, **kwargs)
+        block.forward = forward
