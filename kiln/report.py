@@ -20,11 +20,15 @@ from pathlib import Path
 from typing import Callable
 
 from kiln.config import STAGES
+from kiln.cost import CHINCHILLA_TOKENS_PER_PARAM, DEFAULT_PUE, check_options, cost_html_text, run_cost
 from kiln.data.funnel import funnel_html, funnel_text
 from kiln.errors import ConfigError, DataError
-from kiln.report_plots import MAX_POINTS, Plot, Series, cards, fmt_value, kv_table, line_plot, page, table
+from kiln.report_plots import (MAX_POINTS, Plot, Series, cards, event_label, fmt_value, kv_table, line_plot, page,
+                               table, training_plots)
 
-TRAIN_FIELDS = ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "peak_mem_mb", "tokens_seen")
+TRAIN_FIELDS = ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "hfu", "peak_mem_mb", "tokens_seen", "batch_tokens")
+# Families of training keys ("grad_norm/attn", "sys/ram_mb"): each value must be a number, or null.
+TRAIN_PREFIXES = ("grad_norm/", "sys/")
 VAL_FIELDS = ("val_loss", "val_bpb", "tokens_seen")
 SHOWN_SKIPS = 5  # malformed lines listed by number in a warning; the rest are counted
 HEADLINE = ("steps", "tokens_seen", "final_val_loss", "final_val_bpb", "best_val_loss", "best_step",
@@ -37,6 +41,13 @@ class ReportOptions:
     loss_scale: str = "linear"   # "linear" or "log": the y axis of the loss plots
     max_points: int = MAX_POINTS  # per plotted series; longer ones are thinned keeping extremes
     strict: bool = False          # a malformed metrics line fails the report instead of being skipped
+    # Cost (kiln.cost.run_cost): None takes what the summary says or the hardware table's figure.
+    hardware: str | None = None
+    price_per_hour: float | None = None
+    pue: float = DEFAULT_PUE
+    power_w: float | None = None
+    cores: int | None = None
+    token_budget: float | None = None  # tokens to price at the measured throughput, like `kiln plan --tokens`
 
 
 @dataclass
@@ -89,7 +100,11 @@ def _check_record(record) -> str | None:
     step = record.get("step")
     if isinstance(step, bool) or not isinstance(step, int):
         return "no integer 'step'"
-    for key in {"train": TRAIN_FIELDS, "val": VAL_FIELDS}.get(record.get("kind", "train"), ()):
+    kind = record.get("kind", "train")
+    keys = list({"train": TRAIN_FIELDS, "val": VAL_FIELDS}.get(kind, ()))
+    if kind == "train":
+        keys += [k for k in record if isinstance(k, str) and k.startswith(TRAIN_PREFIXES)]
+    for key in keys:
         value = record.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
             return f"{key!r} is not a number: {value!r:.40}"
@@ -213,6 +228,9 @@ def build_report(run_dir, opts: ReportOptions | None = None) -> Report:
     opts = opts or ReportOptions()
     if opts.loss_scale not in ("linear", "log"):
         raise ConfigError("loss_scale", f"must be linear or log, got {opts.loss_scale!r}")
+    # Cost options fail here, once, rather than as a warning in every cost section.
+    check_options(opts.hardware, opts.price_per_hour, opts.pue, opts.power_w, opts.cores,
+                  {"--tokens": opts.token_budget} if opts.token_budget is not None else None)
     for name in SECTION_MODULES:
         importlib.import_module(name)
     run = Run(run_dir, strict=opts.strict)
@@ -289,52 +307,24 @@ def _overview(run: Run, opts: ReportOptions) -> Part:
     return Part("".join(parts), "\n".join(text))
 
 
-def _series(records: list[dict], x: str, y: str, name: str, scale: float = 1.0, **style) -> Series | None:
-    points = sorted(((r[x], r[y] * scale) for r in records if _num(r.get(x)) and _num(r.get(y))),
-                    key=lambda p: p[0])
-    return Series(name, [p[0] for p in points], [p[1] for p in points], **style) if points else None
-
-
-def _event_label(event: dict) -> tuple[str, str]:
-    """(type, details) of an event record."""
-    kind = str(event.get("type") or event.get("event") or event.get("name") or "event")
-    details = ", ".join(f"{k}={fmt_value(v, k)}" for k, v in event.items()
-                        if k not in ("kind", "step", "type", "event", "name"))
-    return kind, details
-
-
-def training_plots(stage: str, m: Metrics, opts: ReportOptions, grad_clip=None) -> list[Plot]:
-    """The plots of one training stage's metrics; those without data are left out."""
-    log = opts.loss_scale == "log"
-    events = [(e["step"], f"step {e['step']}: " + " ".join(_event_label(e))) for e in m.events]
-    t, v = m.train, m.val
-    clip = [(float(grad_clip), "grad_clip")] if _num(grad_clip) and grad_clip > 0 else []
-    plots = [
-        Plot(f"{stage}-loss", "Loss", "step", "loss (nats/token)",
-             [_series(t, "step", "loss", "train loss"), _series(v, "step", "val_loss", "val loss", markers=True)],
-             log_y=log, vlines=events),
-        Plot(f"{stage}-loss-tokens", "Loss vs tokens", "tokens seen", "loss (nats/token)",
-             [_series(t, "tokens_seen", "loss", "train loss"),
-              _series(v, "tokens_seen", "val_loss", "val loss", markers=True)], log_y=log),
-        Plot(f"{stage}-val-bpb", "Validation bits per byte", "step", "bits/byte",
-             [_series(v, "step", "val_bpb", "val bpb", markers=True)]),
-        Plot(f"{stage}-lr", "Learning rate", "step", "lr", [_series(t, "step", "lr", "lr")]),
-        Plot(f"{stage}-grad-norm", "Gradient norm (before clipping)", "step", "global L2 norm",
-             [_series(t, "step", "grad_norm", "grad norm")], hlines=clip, vlines=events),
-        Plot(f"{stage}-throughput", "Throughput", "step", "tokens/s", [_series(t, "step", "tokens_per_s", "tokens/s")]),
-        Plot(f"{stage}-mfu", "Model FLOPs utilization", "step", "MFU (%)", [_series(t, "step", "mfu", "MFU", 100.0)]),
-        Plot(f"{stage}-memory", "Peak memory", "step", "MB", [_series(t, "step", "peak_mem_mb", "peak memory")]),
-    ]
-    for plot in plots:
-        plot.series = [s for s in plot.series if s is not None]
-    return [p for p in plots if p.series]
+def _train_table(run: Run, config_table: str) -> dict:
+    """The resolved training keys of a stage: a dotted table of the recipe ("sft.train") over [train],
+    whose keys (grad_clip, threads, ...) a post-training stage inherits."""
+    table = _dict(run.recipe.get("train"))
+    if config_table != "train":
+        nested: object = run.recipe
+        for part in config_table.split("."):
+            nested = _dict(nested).get(part)
+        table = {**table, **_dict(nested)}
+    return table
 
 
 def _training(run: Run, opts: ReportOptions, stage: str, config_table: str) -> Part | None:
     m = run.metrics(stage)
     if m is None:
         return None
-    plots = training_plots(stage, m, opts, _dict(run.recipe.get(config_table)).get("grad_clip"))
+    plots = training_plots(stage, m.train, m.val, m.events, opts.loss_scale == "log",
+                           _train_table(run, config_table).get("grad_clip"))
     other = f", {m.other} of other kinds" if m.other else ""
     note = (f'<p class="note">{len(m.train)} training and {len(m.val)} validation records, '
             f"{len(m.events)} events{other}, from {html.escape(str(m.path))}.</p>")
@@ -388,7 +378,7 @@ def _events(run: Run, stage: str) -> Part | None:
     m = run.metrics(stage)
     if m is None or not m.events:
         return None
-    rows = [[e["step"], *_event_label(e)] for e in m.events]
+    rows = [[e["step"], *event_label(e)] for e in m.events]
     counts: dict[str, int] = {}
     for _, kind, _ in rows:
         counts[kind] = counts.get(kind, 0) + 1
@@ -396,18 +386,55 @@ def _events(run: Run, stage: str) -> Part | None:
     return Part(table(["step", "event", "details"], rows), text)
 
 
-def training_section(stage: str, title: str, order: float, config_table: str) -> None:
+def _cost(run: Run, opts: ReportOptions, stage: str, config_table: str, project: bool) -> Part | None:
+    summary = run.json(f"{stage}/summary.json")
+    if not isinstance(summary, dict) or not _num(summary.get("wall_s")):
+        return None  # no finished stage, or one from before summaries had a wall time
+    budgets: dict[str, float] = {}
+    table_ = _train_table(run, config_table)
+    params = summary.get("params")
+    if project and _num(params) and params > 0:
+        budgets[f"{CHINCHILLA_TOKENS_PER_PARAM} tokens per parameter"] = CHINCHILLA_TOKENS_PER_PARAM * float(params)
+    steps, per_step = table_.get("max_steps"), table_.get("global_batch_tokens")
+    planned = steps * per_step if _num(steps) and _num(per_step) else 0
+    if project and planned > 0 and planned != summary.get("tokens_seen"):
+        budgets[f"recipe: {steps:,} steps x {per_step:,} tokens"] = float(planned)
+    if project and opts.token_budget is not None:
+        budgets["requested (--tokens)"] = float(opts.token_budget)
+    threads = table_.get("threads")  # a recipe that pins torch's threads also says how many cores
+    cores = opts.cores or (threads if isinstance(threads, int) and threads > 0 else None)
+    args = dict(pue=opts.pue, power_w=opts.power_w, cores=cores, token_budgets=budgets)
+    try:
+        c = run_cost(summary, opts.hardware, opts.price_per_hour, **args)
+    except ConfigError as e:
+        if e.key != "hardware" or opts.strict:
+            raise
+        # One --hardware for a run whose stages ran on different devices: this one keeps its own.
+        run.warn(f"{stage} cost: --hardware {opts.hardware} ignored ({e.message})")
+        c = run_cost(summary, None, opts.price_per_hour, **args)
+    return Part(*cost_html_text(c, stage))
+
+
+def training_section(stage: str, title: str, order: float, config_table: str, project: bool = True) -> None:
     """Register the sections of a training stage that logs metrics.jsonl and keeps checkpoints/:
-    its plots, its checkpoints and its events. Post-training stages add themselves with one call."""
+    its plots, its checkpoints, its events and its cost. `config_table` is the recipe table of its
+    training keys ("train", or "sft.train" over [train]); `project` prices token budgets, which
+    only makes sense where the trainer counts tokens (post-training may count pairs or sequences)."""
     section(f"{stage}-training", title, order, (f"{stage}/metrics.jsonl",))(
         lambda run, opts: _training(run, opts, stage, config_table))
     section(f"{stage}-checkpoints", f"{title}: checkpoints", order + 0.1, (f"{stage}/checkpoints",))(
         lambda run, opts: _checkpoints(run, stage))
     section(f"{stage}-events", f"{title}: events", order + 0.2, (f"{stage}/metrics.jsonl",))(
         lambda run, opts: _events(run, stage))
+    section(f"{stage}-cost", f"{title}: cost", order + 0.3, (f"{stage}/summary.json",))(
+        lambda run, opts: _cost(run, opts, stage, config_table, project))
 
 
 training_section("pretrain", "Pretraining", 20, "train")
+# The post-training stages run the same Trainer into runs/<name>/<stage>/, with [<stage>.train].
+for _order, (_stage, _title) in enumerate((("sft", "SFT"), ("rm", "Reward model"), ("dpo", "DPO"), ("ppo", "PPO"),
+                                          ("grpo", "GRPO"), ("distill", "Distillation"))):
+    training_section(_stage, _title, 25 + _order, f"{_stage}.train", project=False)
 
 
 def _flatten(data, prefix: str = "", out: dict | None = None, limit: int = 500) -> dict:
@@ -547,10 +574,21 @@ def add_report_parser(verbs) -> None:
     p.add_argument("--loss-scale", choices=("linear", "log"), default="linear", help="y axis of the loss plots")
     p.add_argument("--strict", action="store_true",
                    help="fail on a malformed metrics line or stats file instead of skipping it with a warning")
+    cost = p.add_argument_group("cost (docs/cost.md)")
+    cost.add_argument("--hardware", help="what the stages ran on: a GPU of `kiln plan --gpu` (h100, a100, ...) or "
+                                          "cpu (default: from summary.json)")
+    cost.add_argument("--price", type=float, help="USD per GPU-hour, or per core-hour on CPU "
+                                                  "(default: the hardware table's)")
+    cost.add_argument("--pue", type=float, default=DEFAULT_PUE, help="facility power over IT power")
+    cost.add_argument("--power", type=float, help="watts per GPU (default: its TDP), or per CPU process")
+    cost.add_argument("--cores", type=int, help="CPU cores per process (default: summary.json's threads)")
+    cost.add_argument("--tokens", type=float, help="a token budget to price at the measured throughput, e.g. 1e12")
 
 
 def run_report(args) -> int:
-    opts = ReportOptions(loss_scale=args.loss_scale, strict=args.strict)
+    opts = ReportOptions(loss_scale=args.loss_scale, strict=args.strict, hardware=args.hardware,
+                         price_per_hour=args.price, pue=args.pue, power_w=args.power, cores=args.cores,
+                         token_budget=args.tokens)
     if args.text:
         print(build_report(args.run, opts).text())
         return 0

@@ -1,5 +1,6 @@
 """Drawing for `kiln report`: inline SVG line plots (axes, ticks, labels, legend, optional log
-scale) and the HTML tables around them.
+scale, event markers), the HTML tables around them, and `training_plots`, which turns a training
+stage's metrics records into plots.
 
 Plain strings of SVG, so a report is one HTML file that any browser draws offline without
 scripts. Every series is one `<polyline>` per run of finite values (non-finite values and, on a
@@ -15,6 +16,11 @@ from dataclasses import dataclass, field
 
 COLORS = ("#4c78a8", "#f58518", "#54a24b", "#e45756", "#72b7b2", "#b279a2", "#ff9da6", "#9d755d")
 MAX_POINTS = 2000  # per series; longer series are thinned keeping each bucket's extremes
+# Event markers: the guard's and the watchdog's in strong colours, schedule changes in grey.
+EVENT_COLORS = {"nan": "#d62728", "spike": "#9467bd", "skip": "#8c564b", "rollback": "#e377c2",
+                "watchdog": "#17becf"}
+EVENT_DEFAULT_COLOR = "#7f7f7f"
+TAG_CHAR_PX = 5.6  # width of one character of an event tag (10 px sans-serif), to keep tags apart
 
 
 @dataclass
@@ -35,7 +41,9 @@ class Plot:
     ylabel: str
     series: list[Series]
     log_y: bool = False
-    vlines: list[tuple[float, str]] = field(default_factory=list)  # (x, label): events
+    # (x, label) or (x, label, tag): events. The label shows on hover; the tag (an event type) is
+    # written at the top of the line, picks its colour (EVENT_COLORS) and gets a legend entry.
+    vlines: list[tuple] = field(default_factory=list)
     hlines: list[tuple[float, str]] = field(default_factory=list)  # (y, label): limits such as grad_clip
 
 
@@ -117,14 +125,47 @@ def _domain(values: list[float], log: bool) -> tuple[float, float, list[float]]:
     return min(lo, ticks[0]), max(hi, ticks[-1]), ticks
 
 
+def _legend_rows(entries: list[tuple], left: int, width: int) -> list[list[tuple[float, tuple]]]:
+    """Legend entries placed left to right, wrapping to a new row when one would overflow."""
+    rows, x = [[]], left
+    for entry in entries:
+        need = 34 + 6.2 * len(entry[0])
+        if rows[-1] and x + need > width:
+            rows.append([])
+            x = left
+        rows[-1].append((x, entry))
+        x += need
+    return rows
+
+
+def event_color(tag: str) -> str:
+    return EVENT_COLORS.get(tag, EVENT_DEFAULT_COLOR)
+
+
 def line_plot(plot: Plot, width: int = 560, height: int = 300, max_points: int = MAX_POINTS) -> str:
     """The plot as an `<svg>` element (a string)."""
-    left, right, top, bottom = 64, 14, 46, 44
-    pw, ph = width - left - right, height - top - bottom
     drawn = []
     for i, s in enumerate(plot.series):
         xs, ys = thin(s.xs, s.ys, max_points)
         drawn.append((s, s.color or COLORS[i % len(COLORS)], xs, ys))
+    vlines = [(float(v[0]), str(v[1]), str(v[2]) if len(v) > 2 else "") for v in plot.vlines]
+    # Legend first: it may wrap, and the plot area starts below it.
+    legend = []
+    for s, color, xs, ys in drawn:
+        skipped = sum(not _placeable(x, y, plot.log_y) for x, y in zip(xs, ys))
+        note = [f"{len(xs)} of {len(s.xs)} points drawn"] if len(xs) < len(s.xs) else []
+        note += [f"{skipped} not drawable"] if skipped else []
+        legend.append((s.name + (f" ({'; '.join(note)})" if note else ""), color, s.dashed, False))
+    tags: dict[str, int] = {}
+    for _, _, tag in vlines:
+        if tag:
+            tags[tag] = tags.get(tag, 0) + 1
+    legend += [(f"{tag} ×{n}", event_color(tag), True, True) for tag, n in tags.items()]
+    left, right, bottom = 64, 14, 44
+    rows = _legend_rows(legend, left, width)
+    top = 46 + 16 * (len(rows) - 1)
+    height += 16 * (len(rows) - 1)  # the plot area keeps its size
+    pw, ph = width - left - right, height - top - bottom
     xs_all = [x for _, _, xs, ys in drawn for x, y in zip(xs, ys) if _placeable(x, y, plot.log_y)]
     ys_all = [y for _, _, xs, ys in drawn for x, y in zip(xs, ys) if _placeable(x, y, plot.log_y)]
     esc = html.escape
@@ -169,19 +210,36 @@ def line_plot(plot: Plot, width: int = 560, height: int = 300, max_points: int =
                        f'stroke-dasharray="6 3"><title>{esc(label)}</title></line>'
                        f'<text x="{left + pw - 4}" y="{py(y) - 4:.1f}" text-anchor="end" fill="#666">'
                        f'{esc(label)}</text>')
-    for x, label in plot.vlines:
+    # Tags go on two rows at the top, the guard's and the watchdog's first; one that would overprint
+    # another in both rows keeps only its line and hover text.
+    placed: list[list[tuple[float, float]]] = [[], []]
+    tag_at: dict[int, str] = {}
+    for i in sorted(range(len(vlines)), key=lambda i: (vlines[i][2] not in EVENT_COLORS, vlines[i][0])):
+        x, _, tag = vlines[i]
+        if not (tag and math.isfinite(x) and x0 <= x <= x1):
+            continue
+        w = TAG_CHAR_PX * len(tag)
+        a = px(x) + 3 if px(x) + 3 + w <= left + pw else px(x) - 3 - w
+        for row, spans in enumerate(placed):
+            if all(a + w + 3 <= b0 or a >= b1 + 3 for b0, b1 in spans):
+                spans.append((a, a + w))
+                tag_at[i] = (f'<text class="event-tag" x="{a:.1f}" y="{top + 11 + 11 * row}" '
+                             f'fill="{event_color(tag)}" font-size="10">{esc(tag)}</text>')
+                break
+    for i in sorted(range(len(vlines)), key=lambda i: vlines[i][0]):
+        x, label, tag = vlines[i]
         if math.isfinite(x) and x0 <= x <= x1:
-            out.append(f'<line class="event" x1="{px(x):.1f}" y1="{top}" x2="{px(x):.1f}" y2="{top + ph}" '
-                       f'stroke="#d62728" stroke-dasharray="3 3"><title>{esc(label)}</title></line>')
+            color = event_color(tag) if tag else EVENT_COLORS["nan"]
+            out.append(f'<line class="event" data-event="{esc(tag)}" x1="{px(x):.1f}" y1="{top}" x2="{px(x):.1f}" '
+                       f'y2="{top + ph}" stroke="{color}" stroke-width="1.3" stroke-dasharray="3 3">'
+                       f'<title>{esc(label)}</title></line>' + tag_at.get(i, ""))
     # Series: the domain covers every drawable point, so nothing needs clipping.
-    legend = []
     for s, color, xs, ys in drawn:
-        segments, current, skipped = [], [], 0
+        segments, current = [], []
         for x, y in zip(xs, ys):
             if _placeable(x, y, plot.log_y):
                 current.append((px(x), py(y)))
             else:
-                skipped += 1
                 if current:
                     segments.append(current)
                 current = []
@@ -194,21 +252,114 @@ def line_plot(plot: Plot, width: int = 560, height: int = 300, max_points: int =
                        f'stroke="{color}" stroke-width="1.6"{dash}/>')
             if s.markers or len(seg) == 1:
                 out.extend(f'<circle cx="{a:.1f}" cy="{b:.1f}" r="2.5" fill="{color}"/>' for a, b in seg)
-        note = []
-        if len(xs) < len(s.xs):
-            note.append(f"{len(xs)} of {len(s.xs)} points drawn")
-        if skipped:
-            note.append(f"{skipped} not drawable")
-        legend.append((s.name + (f" ({'; '.join(note)})" if note else ""), color, s.dashed))
-    # Legend on one row between the title and the plot area.
-    x = left
-    for name, color, dashed in legend:
-        dash = ' stroke-dasharray="5 3"' if dashed else ""
-        out.append(f'<line x1="{x}" y1="32" x2="{x + 18}" y2="32" stroke="{color}" stroke-width="2.5"{dash}/>'
-                   f'<text x="{x + 22}" y="36">{esc(name)}</text>')
-        x += 34 + 6.2 * len(name)
+    # Legend rows between the title and the plot area: series as lines, event types as ticks.
+    for r, row in enumerate(rows):
+        y = 32 + 16 * r
+        for x, (name, color, dashed, event) in row:
+            dash = ' stroke-dasharray="3 2"' if event else (' stroke-dasharray="5 3"' if dashed else "")
+            glyph = (f'<line x1="{x + 9}" y1="{y - 6}" x2="{x + 9}" y2="{y + 6}" stroke="{color}" '
+                     f'stroke-width="2"{dash}/>'
+                     if event else
+                     f'<line x1="{x}" y1="{y}" x2="{x + 18}" y2="{y}" stroke="{color}" stroke-width="2.5"{dash}/>')
+            out.append(f'{glyph}<text x="{x + 22}" y="{y + 4}">{esc(name)}</text>')
     out.append("</svg>")
     return "".join(out)
+
+
+# ---------------------------------------------------------------- a training stage's plots
+
+GROUP_ORDER = ("embed", "attn", "mlp", "norm", "head", "other")  # of grad_norm/<group>, as the trainer groups
+
+
+def _num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _series(records: list[dict], x: str, y: str, name: str, scale: float = 1.0, **style) -> Series | None:
+    points = sorted(((r[x], r[y] * scale) for r in records if _num(r.get(x)) and _num(r.get(y))),
+                    key=lambda p: p[0])
+    return Series(name, [p[0] for p in points], [p[1] for p in points], **style) if points else None
+
+
+def event_label(event: dict) -> tuple[str, str]:
+    """(type, details) of an event record."""
+    kind = str(event.get("type") or event.get("event") or event.get("name") or "event")
+    details = ", ".join(f"{k}={fmt_value(v, k)}" for k, v in event.items()
+                        if k not in ("kind", "step", "type", "event", "name"))
+    return kind, details
+
+
+def _family(records: list[dict], prefix: str) -> list[str]:
+    """Keys of `records` starting with prefix ("grad_norm/"), each with at least one number."""
+    found: dict[str, None] = {}
+    for r in records:
+        for k, v in r.items():
+            if isinstance(k, str) and k.startswith(prefix) and _num(v):
+                found[k] = None
+    return list(found)
+
+
+def _group_rank(key: str) -> tuple[int, str]:
+    group = key.split("/", 1)[1]
+    return (GROUP_ORDER.index(group) if group in GROUP_ORDER else len(GROUP_ORDER), group)
+
+
+def _system_plots(stage: str, t: list[dict]) -> list[Plot]:
+    """sys/* keys by unit: percentages, megabytes, and one plot for whatever else is logged."""
+    keys = _family(t, "sys/")
+    util = [k for k in keys if k.endswith(("_percent", "_util"))]
+    mem = [k for k in keys if k.endswith("_mb")]
+    rest = [k for k in keys if k not in util and k not in mem]
+    def name(k: str) -> str:
+        return k[len("sys/"):]
+    return [
+        Plot(f"{stage}-sys-util", "System utilisation", "step", "%", [_series(t, "step", k, name(k)) for k in util]),
+        Plot(f"{stage}-sys-memory", "System memory", "step", "MB", [_series(t, "step", k, name(k)) for k in mem]),
+        Plot(f"{stage}-sys-other", "Other system metrics", "step", "value",
+             [_series(t, "step", k, name(k)) for k in rest]),
+    ]
+
+
+def training_plots(stage: str, t: list[dict], v: list[dict], events: list[dict], log: bool = False,
+                   grad_clip=None) -> list[Plot]:
+    """The plots of one training stage's records (train, val, event; see docs/report.md); plots
+    without data are left out, so a run that logs fewer keys simply gets fewer plots."""
+    marks = []
+    for e in events:
+        kind, details = event_label(e)
+        marks.append((e["step"], f"step {e['step']}: {kind} {details}".rstrip(), kind))
+    clip = [(float(grad_clip), "grad_clip")] if _num(grad_clip) and grad_clip > 0 else []
+    groups = sorted(_family(t, "grad_norm/"), key=_group_rank)
+    batch = {r["batch_tokens"] for r in t if _num(r.get("batch_tokens"))}
+    ramp = [mark for mark in marks if mark[2] == "batch_ramp"]
+    plots = [
+        Plot(f"{stage}-loss", "Loss", "step", "loss (nats/token)",
+             [_series(t, "step", "loss", "train loss"), _series(v, "step", "val_loss", "val loss", markers=True)],
+             log_y=log, vlines=marks),
+        Plot(f"{stage}-loss-tokens", "Loss vs tokens", "tokens seen", "loss (nats/token)",
+             [_series(t, "tokens_seen", "loss", "train loss"),
+              _series(v, "tokens_seen", "val_loss", "val loss", markers=True)], log_y=log),
+        Plot(f"{stage}-val-bpb", "Validation bits per byte", "step", "bits/byte",
+             [_series(v, "step", "val_bpb", "val bpb", markers=True)]),
+        Plot(f"{stage}-lr", "Learning rate", "step", "lr", [_series(t, "step", "lr", "lr")],
+             vlines=[mark for mark in marks if mark[2] in ("lr_lowered", "rollback")]),
+        Plot(f"{stage}-grad-norm", "Gradient norm (before clipping)", "step", "global L2 norm",
+             [_series(t, "step", "grad_norm", "grad norm")], hlines=clip, vlines=marks),
+        Plot(f"{stage}-grad-norm-groups", "Gradient norm by parameter group", "step", "L2 norm",
+             [_series(t, "step", k, k.split("/", 1)[1]) for k in groups], log_y=True, vlines=marks),
+        Plot(f"{stage}-throughput", "Throughput", "step", "tokens/s", [_series(t, "step", "tokens_per_s", "tokens/s")]),
+        Plot(f"{stage}-mfu", "Model and hardware FLOPs utilization", "step", "% of peak",
+             [_series(t, "step", "mfu", "MFU", 100.0), _series(t, "step", "hfu", "HFU", 100.0, dashed=True)]),
+        # A constant batch says nothing a recipe does not; a ramp (or its events) is worth a plot.
+        Plot(f"{stage}-batch", "Batch size", "step", "tokens per step",
+             [_series(t, "step", "batch_tokens", "batch tokens") if len(batch) > 1 or ramp else None],
+             vlines=ramp),
+        Plot(f"{stage}-memory", "Peak memory", "step", "MB", [_series(t, "step", "peak_mem_mb", "peak memory")]),
+        *_system_plots(stage, t),
+    ]
+    for plot in plots:
+        plot.series = [s for s in plot.series if s is not None]
+    return [p for p in plots if p.series]
 
 
 def fmt_value(value, key: str = "") -> str:

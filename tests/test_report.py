@@ -14,7 +14,7 @@ from kiln.config import load_recipe, recipe_to_dict
 from kiln.data.config import CurateConfig
 from kiln.data.curate import curate
 from kiln.data.funnel import funnel_text
-from kiln.errors import DataError
+from kiln.errors import ConfigError, DataError
 from kiln.report import (ReportOptions, add_report_parser, build_report, read_metrics, run_report,
                          write_report)
 from kiln.report_plots import Plot, Series, line_plot, log_ticks, nice_ticks, thin
@@ -45,8 +45,8 @@ class Page(HTMLParser):
             self.sections.append(a["id"])
         elif tag == "svg":
             self.svgs.append({"plot": a.get("data-plot"), "section": self.section, "lines": [], "rects": 0,
-                              "events": 0, "viewbox": [float(v) for v in a.get("viewbox", "0 0 1e9 1e9").split()],
-                              "text": []})
+                              "events": 0, "event_types": [], "text": [],
+                              "viewbox": [float(v) for v in a.get("viewbox", "0 0 1e9 1e9").split()]})
         elif tag == "polyline":
             points = [tuple(map(float, p.split(","))) for p in a["points"].split()]
             self.svgs[-1]["lines"].append((a["data-series"], points))
@@ -54,6 +54,7 @@ class Page(HTMLParser):
             self.svgs[-1]["rects"] += 1
         elif tag == "line" and a.get("class") == "event":
             self.svgs[-1]["events"] += 1
+            self.svgs[-1]["event_types"].append(a.get("data-event"))
 
     def handle_endtag(self, tag):
         if tag in VOID:
@@ -133,7 +134,8 @@ def make_run(root: Path, curated: Path | None = None, full: bool = True) -> Path
         return root
     (root / "pretrain" / "summary.json").write_text(json.dumps(
         {"steps": 500, "tokens_seen": 2048000, "final_val_loss": 4.16, "best_val_loss": 4.16, "best_step": 500,
-         "tokens_per_s": 3100.0, "mfu": 0.24, "peak_mem_mb": 810.0, "device": "cpu"}))
+         "tokens_per_s": 3100.0, "mfu": 0.24, "peak_mem_mb": 810.0, "device": "cpu", "params": 7_000_000,
+         "wall_s": 900.0, "threads": 2}))
     for stage in ("corpus", "tokenizer", "pack", "pretrain", "sample"):
         (root / stage).mkdir(exist_ok=True)
         (root / stage / "DONE").write_text(json.dumps({"fingerprint": "x", "seconds": 1.5, "stats": {}}))
@@ -198,7 +200,7 @@ def test_full_run_has_every_plot_with_one_point_per_record(tmp_path, curated):
     assert funnel["rects"] == 2 * len(stats["steps"]) == 8
     assert {"read", "normalize", "gopher_quality", "exact_dedup"} <= set(funnel["text"])
 
-    assert page.sections == ["overview", "pretrain-training", "pretrain-checkpoints", "data",
+    assert page.sections == ["overview", "pretrain-training", "pretrain-checkpoints", "pretrain-cost", "data",
                              "tokenizer", "pack", "samples", "config"]
     text = "".join(page.data)
     assert "step-00000500" in text and "latest, best" in text and ".tmp-step" not in text
@@ -414,10 +416,171 @@ def test_report_of_a_real_training_run(tmp_path, tiny_pack_factory):
                          ("pretrain-memory", "peak memory", n_train), ("pretrain-val-bpb", "val bpb", n_val)):
         [points] = page.series(key, name)
         assert len(points) == n, (key, name)
+    # Keys of the metrics contract that this Trainer logs each get their plot, one point per record.
+    first = next(r for r in records if r["kind"] == "train")
+    for key in [k for k in first if k.startswith(("grad_norm/", "sys/"))] + ["hfu"] * ("hfu" in first):
+        plot = {"grad_norm": "pretrain-grad-norm-groups", "hfu": "pretrain-mfu"}.get(key.split("/")[0])
+        name = key.split("/", 1)[-1] if "/" in key else "HFU"
+        found = [pts for s in page.svgs if s["plot"] == plot or (plot is None and s["plot"].startswith("pretrain-sys"))
+                 for series, pts in s["lines"] if series == name]
+        numbers = sum(isinstance(r.get(key), (int, float)) for r in records if r["kind"] == "train")
+        assert [len(pts) for pts in found] == ([numbers] if numbers else []), key
     summary = json.loads((run / "pretrain" / "summary.json").read_text())
     text = report.text()
     assert f"final_val_loss {summary['final_val_loss']:.6g}, " in text
+    assert "measured: 1 CPU process(es)" in text and f"{summary['wall_s']:,.0f} s wall" in text
     from kiln.train.checkpoint import complete_checkpoints, read_manifest
     folders = complete_checkpoints(run / "pretrain" / "checkpoints")
     listed = "; ".join(f"{p.name} val {read_manifest(p)['val_loss']:.6g}" for p in folders)
     assert len(folders) == 2 and f"{listed} (latest, best)" in text
+
+
+def ops_records() -> list[dict]:
+    """Training records with every key of the metrics contract, and one event of each type."""
+    records = train_records()
+    for i, r in enumerate(records):
+        r["hfu"] = r["mfu"] * 1.33  # activation recomputation: hardware does more FLOPs than the model needs
+        # Logged in an order of its own; the plot lists the groups in the trainer's order.
+        for j, group in enumerate(("head", "other", "embed", "norm", "mlp", "attn")):
+            r[f"grad_norm/{group}"] = 0.1 * (j + 1) / math.sqrt(i + 1)
+        r.update({"sys/cpu_percent": 90.0 + i % 5, "sys/ram_mb": 4000.0 + i, "sys/rss_mb": 900.0 + i,
+                  "sys/gpu_util": None, "batch_tokens": 1024 if r["step"] <= 100 else 4096})
+    steps = {"batch_ramp": 100, "nan": 120, "spike": 250, "skip": 251, "rollback": 300, "lr_lowered": 301,
+             "watchdog": 400}
+    events = [{"kind": "event", "step": step, "type": kind, "detail": f"<{kind}>"} for kind, step in steps.items()]
+    return records + val_records() + events
+
+
+def test_operations_metrics_get_their_plots_and_events_their_marks(tmp_path):
+    run = make_run(tmp_path / "run", full=False)
+    write_lines(run / "pretrain" / "metrics.jsonl", ops_records())
+    report = build_report(run)
+    assert report.warnings == []
+    page = Page(report.html())
+
+    [mfu], [hfu] = page.series("pretrain-mfu", "MFU"), page.series("pretrain-mfu", "HFU")
+    assert len(mfu) == len(hfu) == 50 and all(h[1] < m[1] for m, h in zip(mfu, hfu))  # HFU drawn higher
+    groups = page.plot("pretrain-grad-norm-groups")
+    assert [name for name, _ in groups["lines"]] == ["embed", "attn", "mlp", "norm", "head", "other"]
+    assert all(len(points) == 50 for _, points in groups["lines"]) and "(log scale)" in "".join(groups["text"])
+    assert [name for name, _ in page.plot("pretrain-sys-util")["lines"]] == ["cpu_percent"]  # gpu_util: null
+    assert [name for name, _ in page.plot("pretrain-sys-memory")["lines"]] == ["ram_mb", "rss_mb"]
+    assert "pretrain-sys-other" not in [s["plot"] for s in page.svgs]
+    [batch] = page.series("pretrain-batch", "batch tokens")
+    assert len(batch) == 50 and batch[9][1] > batch[10][1]  # the ramp: higher value, smaller y
+
+    # Every event is a line on the loss plot with its type, written at the top and in the legend.
+    loss = page.plot("pretrain-loss")
+    kinds = ["batch_ramp", "nan", "spike", "skip", "rollback", "lr_lowered", "watchdog"]
+    assert loss["event_types"] == kinds
+    legend = "".join(loss["text"])
+    assert all(f"{k} ×1" in legend for k in kinds)
+    # Tags sit on two rows: "skip" one step after "spike" goes below it.
+    assert sorted(t for t in loss["text"] if t in kinds) == sorted(kinds)
+    assert "step 250: spike detail=<spike>" in loss["text"]
+    assert page.plot("pretrain-lr")["event_types"] == ["rollback", "lr_lowered"]
+    assert page.plot("pretrain-batch")["event_types"] == ["batch_ramp"]
+    html = report.html()
+    assert 'data-event="nan" x1=' in html and 'stroke="#d62728"' in html.split('data-event="nan"')[1][:200]
+
+
+def test_older_runs_and_bad_values_of_the_new_keys(tmp_path):
+    run = make_run(tmp_path / "run", full=False)
+    records = [r for r in ops_records() if r["kind"] != "event"]
+    for r in records:
+        r["batch_tokens"] = 4096  # no ramp: nothing to plot
+    records[3]["sys/ram_mb"] = "a lot"
+    records[4]["grad_norm/attn"] = [1.0]
+    path = write_lines(run / "pretrain" / "metrics.jsonl", records)
+    report = build_report(run)
+    [warning] = report.warnings
+    assert warning.startswith(f"{path}: skipped 2 malformed line(s) (line 4: 'sys/ram_mb' is not a number")
+    page = Page(report.html())
+    keys = [s["plot"] for s in page.svgs]
+    assert "pretrain-batch" not in keys and "pretrain-grad-norm-groups" in keys
+    assert len(page.series("pretrain-loss", "train loss")[0]) == 48
+
+    write_lines(run / "pretrain" / "metrics.jsonl", train_records() + val_records())  # before these keys
+    keys = [s["plot"] for s in Page(build_report(run).html()).svgs]
+    assert keys == ["pretrain-loss", "pretrain-loss-tokens", "pretrain-val-bpb", "pretrain-lr", "pretrain-grad-norm",
+                    "pretrain-throughput", "pretrain-mfu", "pretrain-memory"]
+
+
+def test_cost_section_per_training_stage(tmp_path, capsys):
+    run = make_run(tmp_path / "run")
+    report = build_report(run)
+    text = report.text()
+    # make_run's summary: 900 s on one process of 2 threads, 3100 tokens/s, 7M parameters.
+    # 900 s x 2 cores = 0.5 core-hours; 0.25 h x 2 x 5 W x PUE 1.2 = 3 Wh; 0.5 x $0.09 = $0.045.
+    assert "measured: 1 CPU process(es) x 2 cores, 900 s wall, 0.5 CPU core-hours, 0.003 kWh at PUE 1.2, $0.045" in text
+    assert "note: world size not in the summary: 1 device assumed" in text
+    # 20 tokens/parameter = 1.4e8 tokens at 3100 tokens/s: 45,161 s = 0.523 days, 25.09 core-hours, $2.26.
+    assert "projection 20 tokens per parameter: 1.4e+08 tokens, 0.523 days, 25.09 CPU core-hours" in text
+    assert "$2.26" in text
+    # The recipe's schedule (600 x 4096 tokens) differs from what was trained (2,048,000): priced too.
+    assert "projection recipe: 600 steps x 4,096 tokens: 2.46e+06 tokens" in text
+    page = Page(report.html())
+    assert "pretrain-cost" in page.sections and "$0.045" in "".join(page.data)
+
+    parser = argparse.ArgumentParser()
+    add_report_parser(parser.add_subparsers(dest="verb"))
+    assert run_report(parser.parse_args(["report", str(run), "--text", "--price", "0.05", "--tokens", "1e9",
+                                         "--pue", "1.5", "--cores", "4"])) == 0
+    printed = capsys.readouterr().out
+    # 900 s x 4 cores = 1 core-hour: $0.05, and 0.25 h x 20 W x 1.5 = 7.5 Wh.
+    assert "x 4 cores, 900 s wall, 1 CPU core-hours, 0.0075 kWh at PUE 1.5, $0.05" in printed
+    assert "projection requested (--tokens): 1e+09 tokens" in printed
+
+    # One --hardware for a run whose stage trained elsewhere: a warning, and the stage keeps its own.
+    report = build_report(run, ReportOptions(hardware="h100"))
+    assert report.warnings == ["pretrain cost: --hardware h100 ignored (the stage trained on cpu: H100 SXM 80GB "
+                               "figures would price time it did not spend on a GPU; leave the hardware out or "
+                               "pass cpu)"]
+    with pytest.raises(ConfigError, match="hardware: unknown accelerator"):
+        build_report(run, ReportOptions(hardware="h1000"))
+    for bad, key in ((dict(pue=0.5), "pue"), (dict(cores=0), "cores"), (dict(token_budget=-1.0), "tokens"),
+                     (dict(price_per_hour=-2.0), "price_per_hour"), (dict(power_w=0.0), "power_w")):
+        with pytest.raises(ConfigError, match=f"^{key}: "):
+            build_report(run, ReportOptions(**bad))
+
+    summary = json.loads((run / "pretrain" / "summary.json").read_text())
+    summary.update(device="cuda:0", world_size=8, wall_s=3600.0)
+    (run / "pretrain" / "summary.json").write_text(json.dumps(summary))
+    text = build_report(run, ReportOptions(hardware="h100")).text()
+    assert "measured: 8 x H100 SXM 80GB, 3,600 s wall, 8 GPU-hours, 6.72 kWh at PUE 1.2, $20.00" in text
+    del summary["wall_s"]  # summaries from before the wall time was written: no section
+    (run / "pretrain" / "summary.json").write_text(json.dumps(summary))
+    assert "pretrain-cost" not in [spec.key for spec, _ in build_report(run).parts]
+
+
+def test_crowded_event_tags_keep_their_lines():
+    """Ten spikes on ten consecutive steps: ten lines with hover text, but tags only where they fit."""
+    events = [(float(x), f"step {x}: spike", "spike") for x in range(250, 260)] + [(480.0, "step 480: nan", "nan")]
+    plot = Plot("p", "t", "step", "loss", [Series("loss", [10.0, 500.0], [4.0, 3.0])], vlines=events)
+    page = Page(line_plot(plot))
+    svg = page.plot("p")
+    assert svg["event_types"] == ["spike"] * 10 + ["nan"]
+    assert [t for t in svg["text"] if t in ("spike", "nan")] == ["spike", "spike", "nan"]  # one per row, and nan
+    assert "spike ×10" in svg["text"] and "nan ×1" in svg["text"]
+    assert sum(t.startswith("step 25") for t in svg["text"]) == 10
+
+
+def test_post_training_stages_get_plots_and_cost_without_token_projections(tmp_path):
+    run = make_run(tmp_path / "run", full=False)
+    recipe = json.loads((run / "recipe.json").read_text())
+    recipe["train"]["grad_clip"] = 0.5
+    recipe["sft"] = {"train": {"max_steps": 500, "lr": 1e-4}}
+    (run / "recipe.json").write_text(json.dumps(recipe))
+    write_lines(run / "sft" / "metrics.jsonl", train_records() + val_records())
+    (run / "sft" / "summary.json").write_text(json.dumps(
+        {"steps": 500, "tokens_seen": 500 * 1024, "tokens_per_s": 2000.0, "wall_s": 1800.0, "device": "cpu",
+         "world_size": 2, "threads": 3, "params": 7_000_000}))
+    report = build_report(run)
+    keys = [spec.key for spec, _ in report.parts]
+    assert keys == ["overview", "pretrain-training", "sft-training", "sft-cost", "config"]
+    page = Page(report.html())
+    assert "grad_clip" in page.plot("sft-grad-norm")["text"]  # [train].grad_clip, which SFT inherits
+    text = report.text()
+    # 1800 s x 2 processes x 3 threads = 3 core-hours = $0.27; a DPO "token" may be a pair: no projection.
+    assert "== SFT: cost ==\nmeasured: 2 CPU process(es) x 3 cores, 1,800 s wall, 3 CPU core-hours" in text
+    assert "$0.27" in text and "projection" not in text.split("== SFT: cost ==")[1]
