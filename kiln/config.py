@@ -8,6 +8,7 @@ component to validate its own values, so every error names the full dotted key a
 from __future__ import annotations
 
 import dataclasses
+import json
 import tomllib
 import types
 import typing
@@ -88,8 +89,15 @@ def load_recipe(path: str | Path | None = None, overrides: list[str] | tuple[str
             raw = tomllib.loads(Path(path).read_text(encoding="utf-8"))
         except FileNotFoundError:
             raise ConfigError("recipe", "file not found", source) from None
-        except tomllib.TOMLDecodeError as err:
+        except UnicodeDecodeError as err:
+            raise ConfigError("recipe", f"not UTF-8 text (byte {err.start}); TOML files are UTF-8", source) from None
+        except OSError as err:
+            raise ConfigError("recipe", f"cannot read: {err.strerror or err}", source) from None
+        except ValueError as err:  # TOMLDecodeError, or an integer over Python's 4300-digit limit
             raise ConfigError("recipe", f"invalid TOML: {err}", source) from None
+        except RecursionError:
+            # tomllib parses nested arrays and inline tables recursively.
+            raise ConfigError("recipe", "invalid TOML: arrays or tables nested too deeply", source) from None
     for item in overrides:
         key, value = parse_override(item)
         _set_dotted(raw, key, value)
@@ -106,10 +114,10 @@ def parse_override(item: str) -> tuple[str, Any]:
     key, sep, text = item.partition("=")
     key = key.strip()
     if not sep or not key or "." not in key:
-        raise ConfigError(key or item, "override must look like section.key=value", "<command line>")
+        raise ConfigError(key or _show_key(item), "override must look like section.key=value", "<command line>")
     try:
         value = tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
+    except (ValueError, RecursionError):  # not TOML, over 4300 digits, or "[[[[..." nested too deeply
         value = text  # unquoted strings such as model.preset=tiny
     return key, value
 
@@ -129,7 +137,7 @@ def recipe_from_dict(raw: dict[str, Any]) -> Recipe:
     sections = {}
     for name, table in raw.items():
         if name not in known:
-            raise ConfigError(name, f"unknown section; known: {', '.join(known)}")
+            raise ConfigError(_show_key(name), f"unknown section; known: {', '.join(known)}")
         if not isinstance(table, dict):
             raise ConfigError(name, "must be a table")
         cls = typing.get_type_hints(Recipe)[name]
@@ -143,6 +151,9 @@ def _build(cls: type, table: dict[str, Any], section: str, base=None):
     hints = {f.name: all_hints[f.name] for f in dataclasses.fields(cls)}
     base = base if base is not None else cls()
     preset_name = table.get("preset")
+    if cls is ModelConfig and preset_name is not None:
+        if not isinstance(preset_name, str):
+            raise ConfigError(f"{section}.preset", f"expected a string, got {_kind(preset_name)} {_show(preset_name)}")
     if cls is ModelConfig and preset_name:
         if preset_name not in PRESETS:
             raise ConfigError(f"{section}.preset", f"unknown preset {preset_name!r}; known: {', '.join(PRESETS)}")
@@ -150,7 +161,7 @@ def _build(cls: type, table: dict[str, Any], section: str, base=None):
     values = {}
     for key, value in table.items():
         if key not in hints:
-            raise ConfigError(f"{section}.{key}", f"unknown key; known: {', '.join(hints)}")
+            raise ConfigError(f"{section}.{_show_key(key)}", f"unknown key; known: {', '.join(hints)}")
         if dataclasses.is_dataclass(hints[key]) and isinstance(value, dict):
             # A nested table overrides the enclosing default's values (e.g. [dpo.train] keeps DPO's
             # fine-tuning defaults for every key it does not set), not the nested class's own.
@@ -183,7 +194,7 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
         return [_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value)]
     if origin is tuple:
         if not isinstance(value, list) or len(value) != len(args):
-            raise ConfigError(key, f"expected a list of {len(args)} values, got {value!r}")
+            raise ConfigError(key, f"expected a list of {len(args)} values, got {_show(value)}")
         return tuple(_coerce(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
     if origin is dict:
         if not isinstance(value, dict):
@@ -195,21 +206,47 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
         return value
     if hint is bool:
         if not isinstance(value, bool):
-            raise ConfigError(key, f"expected true or false, got {_kind(value)} {value!r}")
+            raise ConfigError(key, f"expected true or false, got {_kind(value)} {_show(value)}")
         return value
     if hint is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(key, f"expected an integer, got {_kind(value)} {value!r}")
+            raise ConfigError(key, f"expected an integer, got {_kind(value)} {_show(value)}")
+        _check_int64(value, key)
         return value
     if hint is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(key, f"expected a number, got {_kind(value)} {value!r}")
+            raise ConfigError(key, f"expected a number, got {_kind(value)} {_show(value)}")
+        if isinstance(value, int):
+            _check_int64(value, key)
         return float(value)
     if hint is str:
         if not isinstance(value, str):
-            raise ConfigError(key, f"expected a string, got {_kind(value)} {value!r}")
+            raise ConfigError(key, f"expected a string, got {_kind(value)} {_show(value)}")
         return value
     raise ConfigError(key, f"unsupported config type {hint!r}")
+
+
+def _check_int64(value: int, key: str) -> None:
+    # TOML integers are 64-bit and parsers must refuse what does not fit; tomllib takes any size.
+    if not -(2**63) <= value <= 2**63 - 1:
+        raise ConfigError(key, f"{_show(value)} is outside the 64-bit integer range TOML allows")
+
+
+def _show(value: Any) -> str:
+    """repr for an error message, cut short: a value can be a huge string, list or integer."""
+    try:
+        text = repr(value)
+    except ValueError:  # an integer over Python's 4300-digit limit for str()
+        return f"{_kind(value)} too large to print"
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _show_key(name: str) -> str:
+    """A key as TOML would write it: bare when it can be, else quoted, so that an empty or odd
+    name is visible in the error message."""
+    if name and all(ch.isascii() and (ch.isalnum() or ch in "_-") for ch in name):
+        return name
+    return json.dumps(name, ensure_ascii=False)
 
 
 def _kind(value: Any) -> str:

@@ -29,6 +29,7 @@ import gzip
 import io
 import json
 import sys
+import zlib
 from pathlib import Path
 from typing import IO, Iterable, Iterator
 
@@ -212,7 +213,8 @@ def _open_binary(path: Path) -> IO[bytes]:
 
 
 def _decompress_errors() -> tuple[type[BaseException], ...]:
-    errors: list[type[BaseException]] = [OSError, EOFError]  # gzip.BadGzipFile is an OSError
+    # gzip.BadGzipFile is an OSError; a damaged deflate stream inside a good header is a zlib.error.
+    errors: list[type[BaseException]] = [OSError, EOFError, zlib.error]
     try:
         import zstandard
         errors.append(zstandard.ZstdError)
@@ -231,7 +233,8 @@ def _read_jsonl(path: Path, source: str, name: str) -> Iterator[Record]:
                     continue  # blank lines (a trailing newline, a separator) are not records
                 yield _parse_line(path, line_no, raw, source, name)
     except errors as err:
-        yield None, rejection(path, line_no + 1, "corrupt_file", f"{type(err).__name__}: {err}")
+        kind = "zlib.error" if isinstance(err, zlib.error) else type(err).__name__  # its own name is "error"
+        yield None, rejection(path, line_no + 1, "corrupt_file", f"{kind}: {err}")
 
 
 def _parse_line(path: Path, line_no: int, raw: bytes, source: str, name: str) -> Record:
@@ -241,7 +244,9 @@ def _parse_line(path: Path, line_no: int, raw: bytes, source: str, name: str) ->
         return None, rejection(path, line_no, "bad_utf8", raw)
     try:
         record = json.loads(line)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):
+        # ValueError: JSONDecodeError, or an integer over Python's 4300-digit limit;
+        # RecursionError: arrays or objects nested thousands deep.
         return None, rejection(path, line_no, "bad_json", line)
     if not isinstance(record, dict):
         return None, rejection(path, line_no, "not_an_object", line)
@@ -288,7 +293,7 @@ def _read_parquet(path: Path, source: str, name: str) -> Iterator[Record]:
                     # Writers that cannot store a map column often store meta as a JSON string.
                     try:
                         record["meta"] = json.loads(record["meta"])
-                    except json.JSONDecodeError:
+                    except (ValueError, RecursionError):  # as in _parse_line
                         pass  # left a string: rejected below as bad_meta
                 doc, reason = make_document(record, f"{name}:{row}", source)
                 if doc is None:

@@ -155,6 +155,11 @@ class SamplingParams:
     min_p: float = 0.0               # 0: off
     repetition_penalty: float = 1.0  # 1: off
 
+    def __post_init__(self):
+        # As vLLM: below 1e-5 sampling is greedy, and dividing float32 logits by it overflows to NaN.
+        if 0 < self.temperature < 1e-5:
+            object.__setattr__(self, "temperature", 0.0)
+
     def validate(self) -> None:
         if self.temperature < 0:
             raise ConfigError("temperature", f"must be >= 0 (0 is greedy), got {self.temperature}")

@@ -23,6 +23,7 @@ def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> t
         cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
         # Drop a token when the tokens ranked above it already reach top_p; the top token never is.
         drop_sorted = (cumulative - sorted_logits.softmax(dim=-1)) >= top_p
+        drop_sorted[..., 0] = False  # a top_p below float32's range rounds to 0 and would drop every token
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         logits[drop] = float("-inf")
     return logits
