@@ -159,7 +159,7 @@ def run_kiln(trainer, source, total: int, warmup: int, count, trim=None) -> dict
         if trim is not None:
             batch = trim(batch)
         stats = trainer.train_step([batch])
-        stats["loss"].item()
+        float(stats["loss"])  # waits for the step (the loop may return a tensor or a float)
         clock.tick(warmup)
         counts.append(count(batch))
     return clock.result(warmup, counts) | {"optimizer": optimizer_name(trainer), "precision": trainer.cfg.precision}
@@ -350,7 +350,7 @@ def main() -> None:
     from kiln.infer.sample import load_model
     reference, _ = load_model(kiln_dir)
     ref_started = time.perf_counter()
-    rows = S.reference_logprobs(reference, S.pair_rows(tokenizer, pairs, args.seq_len))
+    rows = S.reference_logprobs(reference, S.pair_rows(tokenizer, pairs, args.seq_len), precision=args.precision)
     kiln_ref_s = time.perf_counter() - ref_started
     del reference
     for side, trim in (("kiln", None), ("kiln-trimmed", trim_to_longest(pad, (0, 2)))):

@@ -16,6 +16,8 @@ MINI = [
     "train.max_steps=12", "train.warmup_steps=2", "train.eval_every=6", "train.eval_batches=2",
     "train.ckpt_every=6", "train.log_every=2", "train.precision=fp32",
     "sample.max_new_tokens=8", "sample.num_samples=1",
+    # recipes/tiny.toml also runs the post-training stages; this miniature run checks the spine only.
+    'run.stages=["corpus","tokenizer","pack","pretrain","sample"]',
 ]
 
 

@@ -50,6 +50,10 @@ class StageTrainConfig:
     eval_every: int = 50
     eval_batches: int = 4
     ckpt_every: int = 50
+    # None keeps [train].compile. Post-training batches are cut to their longest row, so their length
+    # changes from step to step and a compiled model recompiles; a recipe that compiles pretraining
+    # (recipes/tiny.toml) turns it off here.
+    compile: bool | None = None
 
     def validate(self) -> None:
         if self.lr <= 0:
@@ -65,7 +69,11 @@ class StageTrainConfig:
         a micro-batch as micro_batch_size examples of seq_len (a preference pair is one example)."""
         values = dataclasses.asdict(self)
         tokens = values.pop("global_batch_tokens") or self.seq_len * self.micro_batch_size
-        return dataclasses.replace(base, **values, global_batch_tokens=tokens, schedule="cosine")
+        if values["compile"] is None:
+            values.pop("compile")
+        # Pretraining's batch ramp is sized in pretraining tokens; a fine-tuning stage runs at its own batch.
+        return dataclasses.replace(base, **values, global_batch_tokens=tokens, schedule="cosine",
+                                   batch_ramp_steps=0, batch_ramp_start_tokens=0)
 
 
 @dataclass
@@ -90,6 +98,11 @@ class DPOConfig:
     beta: float = 0.1
     loss_type: str = "sigmoid"                        # sigmoid | ipo | cdpo (label-smoothed sigmoid)
     label_smoothing: float = 0.1                      # cdpo only: assumed share of flipped labels
+    # Task pairs: "distractor" rejects one of the task's plausible wrong answers; "policy" rejects
+    # the starting model's own greedy answer where it is wrong (on-policy pairs aimed at its errors).
+    rejected: str = "distractor"
+    nll_weight: float = 0.0                           # RPO: + weight x per-token NLL of the chosen answers
+    rejected_to_divergence: bool = False              # score a rejected answer only up to its first wrong token
     train: StageTrainConfig = field(default_factory=lambda: StageTrainConfig(lr=1e-4, max_steps=100,
                                                                              micro_batch_size=8))
 
@@ -100,6 +113,12 @@ class DPOConfig:
             raise ConfigError("loss_type", f"must be sigmoid, ipo or cdpo, got {self.loss_type!r}")
         if not 0 <= self.label_smoothing < 0.5:
             raise ConfigError("label_smoothing", f"must be in [0, 0.5), got {self.label_smoothing}")
+        if self.rejected not in ("distractor", "policy"):
+            raise ConfigError("rejected", f"must be distractor or policy, got {self.rejected!r}")
+        if self.rejected == "policy" and self.files:
+            raise ConfigError("rejected", "'policy' builds pairs from the [tasks] answers; it cannot apply to files")
+        if self.nll_weight < 0:
+            raise ConfigError("nll_weight", f"must be >= 0, got {self.nll_weight}")
         try:
             self.train.validate()
         except ConfigError as err:
@@ -118,6 +137,9 @@ class GRPOConfig:
     # RLAIF: "" scores completions with the task verifiers; a path (an rm stage folder or its
     # reward_model export) lets a learned reward model judge them instead.
     reward_model: str = ""
+    # RL prompts: train-split problems of [tasks] generated with this seed instead of tasks.seed, so
+    # the policy practises problems SFT did not train on (None: the SFT problems).
+    prompt_seed: int | None = None
     train: StageTrainConfig = field(default_factory=lambda: StageTrainConfig(lr=5e-5, max_steps=60,
                                                                              eval_every=20, ckpt_every=20))
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from pathlib import Path
 
@@ -14,10 +15,12 @@ from kiln.post.sources import ExampleSource, OnlineSource
 def _trainer(recipe, out: Path, stage_cfg, data, loss_fn, init: Path, resume: str, prepare_model=None,
              eval_loss_fn=None):
     from kiln.config import recipe_to_dict
-    from kiln.train.checkpoint import load_weights
+    from kiln.train.checkpoint import model_config_from_dict, read_manifest, resolve_checkpoint
     from kiln.train.trainer import Trainer
 
-    model_cfg = load_weights(init)[0]
+    # The config alone: the Trainer loads (and checks) the weights from init_from itself.
+    folder = resolve_checkpoint(init)
+    model_cfg = model_config_from_dict(read_manifest(folder)["model_config"], str(folder))
     train_cfg = stage_cfg.train.train_config(recipe.train)
     return Trainer(model_cfg, train_cfg, None, out, recipe_dict=recipe_to_dict(recipe), resume=resume,
                    init_from=init, loss_fn=loss_fn, data=data, parallel=recipe.parallel, prepare_model=prepare_model,
@@ -102,17 +105,26 @@ def run_dpo(recipe, out: Path, init: Path, tokenizer, resume: str = "auto") -> d
     from kiln.post.tasks import task_preference_pairs
 
     cfg = recipe.dpo
+    precision = recipe.train.precision
+    reference, _ = load_model(init)
+    pair_stats = {}
     if cfg.files:
         from kiln.post.data import read_preferences
         pairs, _ = read_preferences(cfg.files)
+    elif cfg.rejected == "policy":
+        train_cfg = cfg.train.train_config(recipe.train)
+        wanted = train_cfg.max_steps * (train_cfg.global_batch_tokens // train_cfg.seq_len)
+        pairs, pair_stats = policy_pairs(reference, tokenizer, S.train_tasks(recipe.tasks), wanted,
+                                         seed=recipe.tasks.seed)
     else:
         pairs = task_preference_pairs(S.train_tasks(recipe.tasks), seed=recipe.tasks.seed)
     heldout = S.heldout_tasks(recipe.tasks)
     seq_len = cfg.train.seq_len
-    reference, _ = load_model(init)
-    rows = S.reference_logprobs(reference, S.pair_rows(tokenizer, pairs, seq_len))
+    to_divergence = cfg.rejected_to_divergence
+    rows = S.reference_logprobs(reference, S.pair_rows(tokenizer, pairs, seq_len, to_divergence), precision=precision)
     val_pairs = task_preference_pairs(heldout, seed=recipe.tasks.seed + 1)
-    val_rows = S.reference_logprobs(reference, S.pair_rows(tokenizer, val_pairs, seq_len))
+    val_rows = S.reference_logprobs(reference, S.pair_rows(tokenizer, val_pairs, seq_len, to_divergence),
+                                    precision=precision)
     before = S.task_accuracy(reference, tokenizer, heldout)
     del reference
     vocab = tokenizer.vocab_size
@@ -120,27 +132,66 @@ def run_dpo(recipe, out: Path, init: Path, tokenizer, resume: str = "auto") -> d
     val = ExampleSource(val_rows, cfg.train.micro_batch_size, shuffle=False, vocab_size=vocab)
     trainer = _trainer(recipe, out, cfg, (train, val), S.make_dpo_loss(cfg), init, resume,
                        prepare_model=_peft(recipe))
-    stats = _finish(trainer, tokenizer, heldout, before, out, {"pairs": len(rows)}, recipe)
-    stats["heldout_preferences"] = preference_stats(trainer.model, val_rows, cfg.beta)
+    stats = _finish(trainer, tokenizer, heldout, before, out, {"pairs": len(rows), **pair_stats}, recipe)
+    stats["heldout_preferences"] = preference_stats(trainer.model, val_rows, cfg.beta, precision)
     if trainer.is_main:
         S.write_stats(out, stats)
     return stats
 
 
+def policy_pairs(model, tokenizer, tasks: list[dict], wanted: int, seed: int = 0,
+                 chunk: int = 256) -> tuple[list, dict]:
+    """On-policy preference pairs: chosen = the task's answer, rejected = the model's own greedy
+    answer where the grader marks it wrong. Tasks are visited in a seeded order until `wanted` pairs
+    exist (one pass of training), so the cost is bounded by what the stage will use. Problems the
+    model already solves give no pair; if it solves every one, the distractor pairs stand in."""
+    from kiln.post.chat import render_prompt
+    from kiln.post.tasks import grade, task_preference_pairs, to_messages
+
+    order = list(range(len(tasks)))
+    random.Random(f"kiln-policy-pairs|{seed}").shuffle(order)
+    pairs, asked = [], 0
+    for start in range(0, len(order), chunk):
+        batch = [tasks[i] for i in order[start:start + chunk]]
+        prompts = [render_prompt(tokenizer, to_messages(ex, with_answer=False)) for ex in batch]
+        completions = S.complete(model, tokenizer, prompts, max_new_tokens=16)
+        asked += len(batch)
+        for ex, ids in zip(batch, completions):
+            text = tokenizer.decode(S.strip_stop(tokenizer, ids)).strip()
+            if text and grade(ex, text) == 0.0:
+                pairs.append((to_messages(ex, with_answer=False), ex["answer"], text))
+        if len(pairs) >= wanted:
+            break
+    stats = {"rejected": "policy", "prompts_tried": asked, "policy_wrong": len(pairs)}
+    if not pairs:
+        print("[dpo] the starting model answers every task prompt tried correctly: using distractor pairs")
+        return task_preference_pairs(tasks, seed=seed), {**stats, "rejected": "distractor"}
+    return pairs, stats
+
+
 @torch.no_grad()
-def preference_stats(model, rows: list[tuple], beta: float) -> dict:
+def preference_stats(model, rows: list[tuple], beta: float, precision: str = "fp32") -> dict:
     """Implicit-reward accuracy and margin on held-out pairs: reward = beta * (policy - reference)."""
     was_training = model.training
     model.eval()
+    device = next(model.parameters()).device
     correct, margins = 0, []
     for start in range(0, len(rows), 32):
         parts = [torch.stack(p) for p in zip(*rows[start:start + 32])]
-        pol_c, pol_r = S._pair_logprobs(model, *parts[:4])
+        with S.autocast(precision, device):
+            pol_c, pol_r = (x.cpu() for x in S._pair_logprobs(model, *(p.to(device) for p in parts[:4])))
         margin = beta * ((pol_c - parts[4]) - (pol_r - parts[5]))
         correct += int((margin > 0).sum())
         margins += margin.tolist()
     model.train(was_training)
     return {"reward_accuracy": correct / len(margins), "mean_reward_margin": sum(margins) / len(margins)}
+
+
+def rl_prompts(recipe) -> list[dict]:
+    """GRPO's prompt pool: [tasks] train-split problems, drawn with grpo.prompt_seed when it is set
+    (problems SFT did not see; the split hash keeps them out of the held-out set either way)."""
+    seed = recipe.grpo.prompt_seed
+    return S.train_tasks(recipe.tasks if seed is None else dataclasses.replace(recipe.tasks, seed=seed))
 
 
 def run_grpo(recipe, out: Path, init: Path, tokenizer, resume: str = "auto") -> dict:
@@ -149,7 +200,7 @@ def run_grpo(recipe, out: Path, init: Path, tokenizer, resume: str = "auto") -> 
     from kiln.post.tasks import grade
 
     cfg = recipe.grpo
-    prompts = S.train_tasks(recipe.tasks)
+    prompts = rl_prompts(recipe)
     heldout = S.heldout_tasks(recipe.tasks)
     before = _baseline(init, tokenizer, heldout)
     pad = tokenizer.token_id("<|pad|>")

@@ -9,6 +9,7 @@ on Kiln's verifiable tasks, the headline number of every post-training stage.
 from __future__ import annotations
 
 import json
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -103,6 +104,10 @@ def _pair_logprobs(model, chosen, chosen_targets, rejected, rejected_targets):
 
 
 def make_dpo_loss(cfg: DPOConfig):
+    """DPO (sigmoid, IPO or cDPO) on pre-computed reference log-probs, plus `nll_weight` times the
+    per-token NLL of the chosen answers (RPO; OpenRLHF's nll_loss_coef). The NLL term keeps the
+    likelihood of the correct answer from falling while the margin grows: without it, DPO on small,
+    low-diversity pairs lowers both answers' likelihood and greedy accuracy with them."""
     from kiln.post.losses import dpo_loss
 
     loss_type = "sigmoid" if cfg.loss_type == "cdpo" else cfg.loss_type
@@ -111,13 +116,26 @@ def make_dpo_loss(cfg: DPOConfig):
     def loss_fn(model, batch: tuple) -> tuple[torch.Tensor, int]:
         chosen, chosen_t, rejected, rejected_t, ref_chosen, ref_rejected = batch
         pol_chosen, pol_rejected = _pair_logprobs(model, chosen, chosen_t, rejected, rejected_t)
+        chosen_lengths = (chosen_t != IGNORE).sum(-1)
         # IPO's target margin is per token (TRL's normalisation), so it needs the answer lengths.
         loss, _, _ = dpo_loss(pol_chosen, pol_rejected, ref_chosen, ref_rejected, beta=cfg.beta,
                               loss_type=loss_type, label_smoothing=smoothing,
-                              chosen_lengths=(chosen_t != IGNORE).sum(-1),
+                              chosen_lengths=chosen_lengths,
                               rejected_lengths=(rejected_t != IGNORE).sum(-1))
+        if cfg.nll_weight:
+            loss = loss - cfg.nll_weight * pol_chosen.sum() / chosen_lengths.sum().clamp(min=1)
         return loss, chosen.shape[0]
     return loss_fn
+
+
+def autocast(precision: str, device: torch.device | str = "cpu"):
+    """The training loop's autocast for `precision`: reference log-probs computed under it equal the
+    policy's at step 0, so DPO's margin starts at exactly zero (fp32 references under a bf16 policy
+    would start it at the rounding difference)."""
+    from kiln.train.trainer import PRECISION_DTYPES
+    if precision == "fp32":
+        return nullcontext()
+    return torch.autocast(torch.device(device).type, dtype=PRECISION_DTYPES[precision])
 
 
 # ---- data ------------------------------------------------------------------------------------------
@@ -148,33 +166,49 @@ def sft_rows(tokenizer, conversations: list[list[dict]], seq_len: int, packing: 
                   "assistant_tokens": sum(sum(m) for _, m in tokenized)}
 
 
-def pair_rows(tokenizer, pairs: list[tuple[list[dict], str, str]], seq_len: int) -> list[tuple]:
-    """(chosen ids, chosen targets, rejected ids, rejected targets) with loss on the answers only."""
+def pair_rows(tokenizer, pairs: list[tuple[list[dict], str, str]], seq_len: int,
+              rejected_to_divergence: bool = False) -> list[tuple]:
+    """(chosen ids, chosen targets, rejected ids, rejected targets) with loss on the answers only.
+
+    `rejected_to_divergence` scores the rejected answer only up to its first token that differs
+    from the chosen one. A near miss ("sun cat dog" for "sun dog cat") is wrong at that token; the
+    tokens after it continue a wrong prefix and are often right in themselves, and pushing them down
+    unlearns the skill the chosen answer uses (measured: held-out accuracy fell). The shared prefix
+    scores the same in both sequences, so it cancels in the margin."""
     from kiln.post.chat import render_conversation
     pad = tokenizer.token_id("<|pad|>")
     rows = []
     for prompt, chosen, rejected in pairs:
-        row = []
+        row, rendered = [], []
         for answer in (chosen, rejected):
             ids, mask = render_conversation(tokenizer, [*prompt, {"role": "assistant", "content": answer}])
             ids, mask = ids[:seq_len + 1], mask[:seq_len + 1]
+            rendered.append(ids)
             targets = [t if m else IGNORE for t, m in zip(ids[1:], mask[1:])]
+            if rejected_to_divergence and len(rendered) == 2:
+                first = next((i for i, (a, b) in enumerate(zip(*rendered)) if a != b), min(map(len, rendered)))
+                # targets[j] predicts ids[j + 1]: keep up to the prediction of the first differing id.
+                targets = [t if j < first else IGNORE for j, t in enumerate(targets)]
             row += [torch.tensor(_pad(ids[:-1], seq_len, pad)), torch.tensor(_pad(targets, seq_len, IGNORE))]
         rows.append(tuple(row))
     return rows
 
 
 @torch.no_grad()
-def reference_logprobs(model, rows: list[tuple], batch_size: int = 32) -> list[tuple]:
+def reference_logprobs(model, rows: list[tuple], batch_size: int = 32, precision: str = "fp32") -> list[tuple]:
     """Append the frozen reference model's sequence log-probs of chosen and rejected to each row:
-    computed once before training, so DPO needs no second model in memory while it trains."""
+    computed once before training, so DPO needs no second model in memory while it trains.
+    `precision` is the training loop's, so the reference runs under the policy's autocast."""
     was_training = model.training
     model.eval()
+    device = next(model.parameters()).device
     out = []
     for start in range(0, len(rows), batch_size):
         chunk = rows[start:start + batch_size]
-        parts = [torch.stack(p) for p in zip(*chunk)]
-        ref_c, ref_r = _pair_logprobs(model, *parts)
+        parts = [torch.stack(p).to(device) for p in zip(*chunk)]
+        with autocast(precision, device):
+            ref_c, ref_r = _pair_logprobs(model, *parts)
+        ref_c, ref_r = ref_c.cpu(), ref_r.cpu()
         out += [(*row, c, r) for row, c, r in zip(chunk, ref_c.float(), ref_r.float())]
     model.train(was_training)
     return out
