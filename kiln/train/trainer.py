@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
 from kiln.data.loader import TokenLoader

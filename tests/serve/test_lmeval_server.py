@@ -6,10 +6,7 @@ tokenization)."""
 import argparse
 import json
 import shutil
-import socket
 import sysconfig
-import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -20,6 +17,7 @@ from kiln.data.config import TokenizerConfig
 from kiln.data.tokenizer import Tokenizer, train_tokenizer
 from kiln.model import ModelConfig, build_model
 from kiln.train.checkpoint import save_weights
+from serve_helpers import ForcesToken, serving
 
 KEY = "sk-lmeval"
 NAME = "tiny"
@@ -54,49 +52,6 @@ def _write_tasks(data: Path) -> list[str]:
     return ["srv_mc", "srv_ppl", "srv_gen"]
 
 
-class _Server:
-    """`kiln serve`'s app on a free local port, in a thread (uvicorn), until stop()."""
-
-    def __init__(self, app):
-        import uvicorn
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        self.base = f"http://127.0.0.1:{self.port}"
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(self.base + "/health").status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "server did not start"
-            time.sleep(0.05)
-
-    def stop(self):
-        self.server.should_exit = True
-        self.thread.join(30)
-
-
-class _ForcesToken(torch.nn.Module):
-    """The model, but `token` is forced as the prediction for position `at`."""
-
-    def __init__(self, inner, token: int, at: int):
-        super().__init__()
-        self.inner, self.cfg, self.token, self.at = inner, inner.cfg, token, at
-
-    def forward(self, tokens, kv_cache=None, **kwargs):
-        before = torch.tensor(kv_cache.lengths if kv_cache is not None else [0] * tokens.shape[0])
-        logits = self.inner(tokens, kv_cache=kv_cache, **kwargs)
-        predicted = before[:, None] + torch.arange(tokens.shape[1]) + 1
-        logits[..., self.token] += (predicted == self.at).to(logits.dtype) * 1000.0
-        return logits
-
-
 def test_special_tokens_are_left_out_of_generated_text_unless_asked(tmp_path):
     """vLLM's skip_special_tokens (default true), which lm-eval's HF backend matches by decoding with
     skip_special_tokens=True: a generated <|user|> is counted and has a logprob, but is not text."""
@@ -112,7 +67,7 @@ def test_special_tokens_are_left_out_of_generated_text_unless_asked(tmp_path):
     cfg = ModelConfig(vocab_size=tok.vocab_size, dim=32, n_layers=1, n_heads=2, max_seq_len=64)
     user = tok.token_id("<|user|>")
     prompt = tok.encode("import os")
-    model = _ForcesToken(build_model(cfg).eval(), user, len(prompt) + 3)
+    model = ForcesToken(build_model(cfg).eval(), user, len(prompt) + 3, onward=False)
     with TestClient(create_app(model, tok, model_name="m")) as client:
         def complete(**extra):
             body = {"model": "m", "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
@@ -166,11 +121,10 @@ def test_lm_eval_scores_the_same_through_the_hf_export_and_the_server(tmp_path, 
     encode = RemoteTokenizer.encode
     monkeypatch.setattr(RemoteTokenizer, "encode", lambda self, text: remote_calls.append(text) or encode(self, text))
     monkeypatch.setenv("OPENAI_API_KEY", KEY)  # local-completions sends it as the Bearer token
-    server = _Server(create_app(model, served_tok, model_name=NAME, api_keys=[KEY]))
     served = {}
-    try:
+    with serving(create_app(model, served_tok, model_name=NAME, api_keys=[KEY])) as (server_base, _):
         # max_length is the model's context (lm-eval's default of 2048 would send inputs the server refuses).
-        base = (f"model={NAME},base_url={server.base}/v1/completions,auth_token={KEY},max_length={MAX_SEQ_LEN},"
+        base = (f"model={NAME},base_url={server_base}/v1/completions,auth_token={KEY},max_length={MAX_SEQ_LEN},"
                 "batch_size=4,num_concurrent=2,max_retries=1,tokenized_requests=True")
         # tokenizer_backend auto: lm-eval finds /tokenizer_info and /tokenize and tokenizes through the
         # server, so the client needs no copy of the tokenizer; or it reads the HF export's tokenizer.
@@ -179,9 +133,7 @@ def test_lm_eval_scores_the_same_through_the_hf_export_and_the_server(tmp_path, 
             served[backend] = lm_eval.simple_evaluate(model="local-completions", model_args=base + extra, **common)
             assert bool(remote_calls) == (backend == "remote")
             remote_calls.clear()
-        assert httpx.get(server.base + "/health").json()["status"] == "ok"
-    finally:
-        server.stop()
+        assert httpx.get(server_base + "/health").json()["status"] == "ok"
     for backend, out in served.items():
         worst = _assert_same_scores(out, hf)
         ours, theirs = out["results"], hf["results"]

@@ -10,6 +10,7 @@ from kiln.errors import ConfigError
 from kiln.infer.engine import Engine, KVCache, SamplingParams
 from kiln.model import ModelConfig, build_model
 from kiln.serve.scheduler import (Busy, GenerationRequest, PromptScores, Scheduler, SchedulerError, TokenEvent)
+from serve_helpers import ForcesToken
 
 PROMPTS = [[5, 17, 42], [1, 2, 3, 4, 5, 6, 7, 8, 9], [9], [33, 2, 250, 7, 7]]
 
@@ -57,21 +58,6 @@ class Gate(torch.nn.Module):
             self.reached.set()
             assert self.open.wait(30), "the test never opened the gate"
         return self.inner(tokens, **kwargs)
-
-
-class EndsAt(torch.nn.Module):
-    """The model, but `token` is forced at every position >= `at`: a request stops on it there."""
-
-    def __init__(self, inner, token: int, at: int):
-        super().__init__()
-        self.inner, self.cfg, self.token, self.at = inner, inner.cfg, token, at
-
-    def forward(self, tokens, kv_cache=None, **kwargs):
-        before = torch.tensor(kv_cache.lengths if kv_cache is not None else [0] * tokens.shape[0])
-        logits = self.inner(tokens, kv_cache=kv_cache, **kwargs)
-        predicted = before[:, None] + torch.arange(tokens.shape[1]) + 1  # position of the token each logit predicts
-        logits[..., self.token] += (predicted >= self.at).to(logits.dtype) * 1000.0
-        return logits
 
 
 class Fails(torch.nn.Module):
@@ -195,7 +181,7 @@ def test_joining_rows_leave_running_rows_unchanged(model, scheduler_for):
 
 def test_stop_token_and_length(model, scheduler_for):
     end = 3
-    scheduler = scheduler_for(EndsAt(model, end, at=10))
+    scheduler = scheduler_for(ForcesToken(model, end, at=10))
     handles = scheduler.submit([GenerationRequest(PROMPTS[0], 20, SamplingParams(temperature=0), stop_token_ids=[end]),
                                 GenerationRequest(PROMPTS[0], 4, SamplingParams(temperature=0), stop_token_ids=[end]),
                                 GenerationRequest(PROMPTS[0], 20, SamplingParams(temperature=0))])

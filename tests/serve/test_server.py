@@ -6,21 +6,17 @@ import asyncio
 import io
 import json
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
 import sysconfig
-import threading
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
 import torch
-import uvicorn
 
 from kiln.data.config import TokenizerConfig
 from kiln.data.tokenizer import Tokenizer, train_tokenizer
@@ -30,25 +26,11 @@ from kiln.post.chat import ChatTokens, render_prompt
 from kiln.serve.app import create_app
 from kiln.serve.cli import add_serve_parsers, load_for_inference, run_chat
 from kiln.train.checkpoint import save_weights
+from serve_helpers import ForcesToken, serving
 
 KEY = "sk-kiln-test"
 NAME = "tiny"
 LIMIT = 100
-
-
-class EndsAt(torch.nn.Module):
-    """The model, but `token` is forced at every position >= `at` (so replies end there)."""
-
-    def __init__(self, inner, token: int, at: int):
-        super().__init__()
-        self.inner, self.cfg, self.token, self.at = inner, inner.cfg, token, at
-
-    def forward(self, tokens, kv_cache=None, **kwargs):
-        before = torch.tensor(kv_cache.lengths if kv_cache is not None else [0] * tokens.shape[0])
-        logits = self.inner(tokens, kv_cache=kv_cache, **kwargs)
-        predicted = before[:, None] + torch.arange(tokens.shape[1]) + 1
-        logits[..., self.token] += (predicted >= self.at).to(logits.dtype) * 1000.0
-        return logits
 
 
 @pytest.fixture(scope="module")
@@ -73,37 +55,12 @@ def loaded(checkpoint):
     return load_for_inference(args)
 
 
-@contextmanager
-def serving(app):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:  # as vLLM's test harness does: poll /health until the server answers
-        try:
-            if httpx.get(base + "/health").status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, "server did not start"
-        time.sleep(0.05)
-    try:
-        yield base
-    finally:
-        server.should_exit = True
-        thread.join(30)
-
-
 @pytest.fixture(scope="module")
 def server(loaded):
     model, tok = loaded
     app = create_app(model, tok, model_name=NAME, api_keys=[KEY], max_body_bytes=64 * 1024, max_tokens_limit=LIMIT,
                      max_batch=32, max_waiting=64)
-    with serving(app) as base:
+    with serving(app) as (base, _):
         yield base, app
 
 
@@ -227,8 +184,8 @@ def test_chat_stops_at_end_of_turn_and_reports_logprobs(loaded):
     messages = [{"role": "user", "content": "Say something."}]
     prompt = render_prompt(tok, messages)
     at = len(prompt) + 5  # the 6th generated token is <|end|>
-    app = create_app(EndsAt(model, end, at), tok, model_name=NAME)
-    with serving(app) as base:
+    app = create_app(ForcesToken(model, end, at), tok, model_name=NAME)
+    with serving(app) as (base, _):
         client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
         out = client.chat.completions.create(model=NAME, messages=messages, max_tokens=30, temperature=0,
                                              logprobs=True, top_logprobs=3)
@@ -243,8 +200,8 @@ def test_chat_stops_at_end_of_turn_and_reports_logprobs(loaded):
             assert len(e.top_logprobs) == 3 and e.top_logprobs[0].logprob == e.logprob  # greedy
             assert bytes(e.bytes).decode("utf-8") == e.token
         # Completions stop at <|endoftext|> the same way.
-        app_eot = create_app(EndsAt(model, tok.eot_id, 8), tok, model_name=NAME)
-    with serving(app_eot) as base:
+        app_eot = create_app(ForcesToken(model, tok.eot_id, 8), tok, model_name=NAME)
+    with serving(app_eot) as (base, _):
         client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
         out = client.completions.create(model=NAME, prompt=[[7, 8, 9]], max_tokens=30, temperature=0)
         # Positions 3..7 are free; the token at 8 is <|endoftext|>, counted as vLLM counts its EOS.
@@ -362,7 +319,7 @@ class Slow(torch.nn.Module):
 def test_client_that_disconnects_frees_its_row(loaded):
     model, tok = loaded
     app = create_app(Slow(model, 0.02), tok, model_name=NAME)
-    with serving(app) as base:
+    with serving(app) as (base, _):
         body = {"model": NAME, "prompt": "x", "max_tokens": 100, "stream": True, "ignore_eos": True}
         with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as response:
             assert response.headers["content-type"].startswith("text/event-stream")

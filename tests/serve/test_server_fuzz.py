@@ -8,9 +8,6 @@ import os
 import shutil
 import socket
 import sys
-import threading
-import time
-from contextlib import contextmanager
 from urllib.parse import quote
 
 import httpx
@@ -34,6 +31,7 @@ from kiln.model import ModelConfig, build_model  # noqa: E402
 from kiln.serve.app import create_app  # noqa: E402
 from kiln.serve.cli import load_for_inference  # noqa: E402
 from kiln.train.checkpoint import save_weights  # noqa: E402
+from serve_helpers import serving  # noqa: E402
 
 KEY = "sk-fuzz"
 NAME = "tiny"
@@ -221,31 +219,6 @@ def test_sampling_fields_never_fail(schema):
 HOSTILE_NAMES = ["../../etc/passwd", "/etc/passwd", "..%2F..%2Fetc%2Fpasswd", "%2e%2e/%2e%2e/etc/passwd",
                  "....//....//etc/passwd", "..\\..\\windows\\win.ini", "file:///etc/passwd", "~/.ssh/id_rsa",
                  "tiny/../../outside/secret.txt", "../outside/secret.txt", "tiny\x00../../etc/passwd", ""]
-
-
-@contextmanager
-def serving(app):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if httpx.get(base + "/health").status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, "server did not start"
-        time.sleep(0.05)
-    try:
-        yield base, port
-    finally:
-        server.should_exit = True
-        thread.join(30)
 
 
 class FileWatch:
