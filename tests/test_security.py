@@ -164,24 +164,50 @@ def test_crafted_sharded_metadata_is_refused(tmp_path, marker):
     assert not marker.exists()
 
 
-def test_crafted_sharded_entry_is_refused(tmp_path, marker):
-    """A non-tensor entry (DCP reads those with torch.load(weights_only=False)) pointing at a payload."""
+def _craft_sharded_entry(folder: Path, marker: Path, key: str | None = None) -> str:
+    """Point a non-tensor entry of a sharded checkpoint at a payload (the first existing one, or a new
+    `key`); returns the entry's key."""
     import io
 
     from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import MetadataIndex
-    folder = _sharded_checkpoint(tmp_path / "ckpt")
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
     meta_path = folder / "sharded" / ".metadata"
     metadata = pickle.loads(meta_path.read_bytes())  # Kiln's own file, just written
+    if key is None:
+        key = next(k for k, m in metadata.state_dict_metadata.items() if isinstance(m, BytesStorageMetadata))
     blob = io.BytesIO()
     torch.save(Payload(marker), blob)
     (folder / "sharded" / "extra.distcp").write_bytes(blob.getvalue())
-    key = "optim.param_groups.0.lr"
     metadata.storage_data[MetadataIndex(key)] = _StorageInfo("extra.distcp", 0, len(blob.getvalue()))
     meta_path.write_bytes(pickle.dumps(metadata))
     _rewrite_manifest_checksums(folder, added=("sharded/extra.distcp",))
+    return key
+
+
+def test_crafted_sharded_entry_is_refused(tmp_path, marker):
+    """A non-tensor entry (DCP's default planner unpickles those without restriction) pointing at a payload."""
+    folder = _sharded_checkpoint(tmp_path / "ckpt")
+    key = _craft_sharded_entry(folder, marker, "optim.param_groups.0.lr")
     with pytest.raises(CheckpointError, match=rf"extra.distcp: entry '{key}' is not plain data"):
         CheckpointManager(tmp_path / "ckpt").load(folder)
+    assert not marker.exists()
+
+
+def test_sharded_load_unpickles_entries_weights_only(tmp_path, marker):
+    """Even past the up-front check, the load itself unpickles non-tensor entries with weights_only=True."""
+    import warnings
+
+    from kiln.parallel.checkpoint import load_sharded
+    folder = _sharded_checkpoint(tmp_path / "ckpt")
+    _craft_sharded_entry(folder, marker)
+    model = build_model(CFG)
+    opt, _ = _train_state(model)
+    from torch.distributed.checkpoint.api import CheckpointException
+    with warnings.catch_warnings(), pytest.raises(CheckpointException) as failed:
+        warnings.simplefilter("ignore", UserWarning)
+        load_sharded(folder, model, opt)
+    (error, _), = failed.value.failures.values()  # rank 0's exception and its traceback
+    assert isinstance(error, pickle.UnpicklingError) and "Unsupported global" in str(error)
     assert not marker.exists()
 
 

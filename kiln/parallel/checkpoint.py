@@ -20,6 +20,21 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_o
 
 from kiln.train.checkpoint import TRAIN_STATE_FILE, CheckpointManager, write_manifest
 
+
+class WeightsOnlyLoadPlanner(dcp.DefaultLoadPlanner):
+    """DCP's default load planner, except that the non-tensor entries of a checkpoint (optimizer
+    hyperparameters, step counters) are unpickled with weights_only=True: the default planner
+    unpickles them without restriction, so a crafted checkpoint could run code on load."""
+
+    def load_bytes(self, read_item, value) -> None:
+        from torch.distributed.checkpoint._traverse import set_element
+
+        obj = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
 SHARDED_DIR = "sharded"
 
 
@@ -79,7 +94,7 @@ class ShardedSaver:
 def load_sharded(folder: Path, model, optimizer) -> None:
     """Load a (verified) sharded checkpoint's model and optimizer state into any layout."""
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
-    dcp.load(state, checkpoint_id=Path(folder) / SHARDED_DIR)
+    dcp.load(state, checkpoint_id=Path(folder) / SHARDED_DIR, planner=WeightsOnlyLoadPlanner())
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, optimizer, state["optim"])
 
@@ -97,5 +112,5 @@ def load_sharded_weights(folder: Path) -> dict[str, torch.Tensor]:
             state[key] = torch.empty(meta.size, dtype=meta.properties.dtype)
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
-        dcp.load(state, storage_reader=reader, no_dist=True)
+        dcp.load(state, storage_reader=reader, planner=WeightsOnlyLoadPlanner(), no_dist=True)
     return {key[len("model."):]: t for key, t in state.items()}

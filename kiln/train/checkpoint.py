@@ -217,11 +217,11 @@ class _MetadataUnpickler(pickle.Unpickler):
 def check_sharded_pickles(folder: Path, manifest: dict) -> None:
     """Refuse a sharded checkpoint whose pickled parts could run code when loaded.
 
-    torch.distributed.checkpoint reads `.metadata` with plain pickle.load and its non-tensor
-    entries (optimizer hyperparameters) with torch.load(weights_only=False). Both are read here
-    first with restricted unpicklers: the allowlisted metadata unpickler, then weights_only=True
-    for each non-tensor entry. Whatever passes names only allowlisted globals, so DCP's unrestricted
-    load of the same bytes calls nothing else."""
+    torch.distributed.checkpoint's reader unpickles `.metadata` without restriction; it is read here
+    first with an allowlisted unpickler, so whatever passes names only allowlisted globals. The
+    non-tensor entries (optimizer hyperparameters) are loaded by kiln.parallel.checkpoint's
+    WeightsOnlyLoadPlanner with weights_only=True; they are also checked here, before any model is
+    built, so that resume=auto can fall back to an earlier checkpoint instead of failing mid-load."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
     folder = Path(folder)
