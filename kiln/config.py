@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import tomllib
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the same parser, published as tomli
+    import tomli as tomllib
 import types
 import typing
 from dataclasses import dataclass, field
@@ -115,11 +118,15 @@ def parse_override(item: str) -> tuple[str, Any]:
     key = key.strip()
     if not sep or not key or "." not in key:
         raise ConfigError(key or _show_key(item), "override must look like section.key=value", "<command line>")
+    return key, parse_value(text)
+
+
+def parse_value(text: str) -> Any:
+    """A command-line value: TOML (``3e-4``, ``true``, ``[1, 2]``, ``"x"``), else the bare string."""
     try:
-        value = tomllib.loads(f"v = {text}")["v"]
+        return tomllib.loads(f"v = {text}")["v"]
     except (ValueError, RecursionError):  # not TOML, over 4300 digits, or "[[[[..." nested too deeply
-        value = text  # unquoted strings such as model.preset=tiny
-    return key, value
+        return text  # unquoted strings such as model.preset=tiny
 
 
 def _set_dotted(tree: dict, key: str, value: Any) -> None:

@@ -17,13 +17,16 @@ import math
 import re
 import sys
 import time
-import tomllib
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the same parser, published as tomli
+    import tomli as tomllib
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kiln.config import STAGES, Recipe, load_recipe
+from kiln.config import STAGES, Recipe, load_recipe, parse_value
 from kiln.model.config import PRESETS
 from kiln.errors import ConfigError
 
@@ -132,19 +135,12 @@ def _spec_from_text(key: str, text: str, source: str) -> dict:
     if KINDS[name][0] == "categorical":
         if not rest:
             raise ConfigError(key, f"{name} needs comma-separated choices, e.g. {name}:a,b", source)
-        return {"type": name, "choices": [_toml_or_text(part) for part in rest.split(",")]}
+        return {"type": name, "choices": [parse_value(part.strip()) for part in rest.split(",")]}
     parts = rest.split(":")
     if len(parts) not in (2, 3):
         raise ConfigError(key, f"expected {name}:LOW:HIGH[:STEP], got {text!r}", source)
-    values = [_toml_or_text(p) for p in parts]
+    values = [parse_value(p.strip()) for p in parts]
     return {"type": name, **dict(zip(("low", "high", "step"), values))}
-
-
-def _toml_or_text(text: str) -> Any:
-    try:
-        return tomllib.loads(f"v = {text.strip()}")["v"]
-    except tomllib.TOMLDecodeError:
-        return text.strip()
 
 
 def parse_space(params: list[str] = (), space_file: str | Path | None = None) -> list[Param]:
