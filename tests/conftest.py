@@ -42,3 +42,30 @@ def make_tiny_pack(root: Path, vocab: int = 64, train_docs: int = 200, val_docs:
 def tiny_pack_factory():
     """make_tiny_pack(root) -> root, for tests that need a fresh pack of their own."""
     return make_tiny_pack
+
+
+@pytest.fixture
+def one_thread():
+    """Decoding runs many tiny matmuls in sequence; a second thread only adds hand-off stalls."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def byte_tokenizer(tmp_path_factory):
+    """Byte-level BPE whose only merges are ASCII: a Chinese character is 3 tokens, an emoji 4."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    from kiln.data.tokenizer import Tokenizer
+    hf = HFTokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    hf.train_from_iterator(["hello world. hello there."] * 4, trainers.BpeTrainer(
+        vocab_size=270, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    hf.save(str(path))
+    return Tokenizer.load(path)

@@ -1,9 +1,6 @@
 import pytest
 import torch
-from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from kiln.data.tokenizer import Tokenizer
 from kiln.errors import ConfigError
 from kiln.infer.engine import (Engine, KVCache, SamplingParams, TextStream, apply_repetition_penalty, min_p_filter,
                                sampling_logits)
@@ -13,13 +10,7 @@ from kiln.model import ModelConfig, build_model
 PROMPTS = [[5, 17, 42], [1, 2, 3, 4, 5, 6, 7, 8, 9], [9], [33, 2, 250, 7, 7]]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Decoding runs many tiny matmuls in sequence; a second thread only adds hand-off stalls.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_model(**overrides):
@@ -33,18 +24,6 @@ def model():
     return tiny_model(n_kv_heads=2)
 
 
-@pytest.fixture(scope="module")
-def byte_tokenizer(tmp_path_factory):
-    """Byte-level BPE whose only merges are ASCII: a Chinese character is 3 tokens, an emoji 4."""
-    hf = HFTokenizer(models.BPE())
-    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    hf.decoder = decoders.ByteLevel()
-    hf.train_from_iterator(["hello world. hello there."] * 4, trainers.BpeTrainer(
-        vocab_size=270, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False))
-    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
-    hf.save(str(path))
-    return Tokenizer.load(path)
 
 
 class Scripted(torch.nn.Module):

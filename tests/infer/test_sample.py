@@ -11,14 +11,7 @@ from kiln.infer.sample import filter_logits, generate, sample_texts
 from kiln.model import ModelConfig, build_model
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Generation runs many tiny matmuls one after another: a second thread cannot speed them up, and
-    # on a busy machine each thread hand-off can stall for a scheduler time slice.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

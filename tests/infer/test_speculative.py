@@ -2,10 +2,7 @@ import itertools
 
 import pytest
 import torch
-from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from kiln.data.tokenizer import Tokenizer
 from kiln.errors import ConfigError
 from kiln.infer.engine import Engine, SamplingParams, sampling_logits
 from kiln.infer.sample import generate
@@ -15,12 +12,7 @@ from kiln.model import ModelConfig, build_model
 PROMPTS = [[5, 17, 42], [1, 2, 3, 4, 5, 6, 7, 8, 9], [9], [33, 2, 250, 7, 7]]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny(seed, **overrides):
@@ -86,17 +78,6 @@ def test_greedy_stops_like_the_engine(target):
     assert len(outs[1].ids) == 40 - len(PROMPTS[1])  # ran into max_seq_len
 
 
-@pytest.fixture(scope="module")
-def byte_tokenizer(tmp_path_factory):
-    hf = HFTokenizer(models.BPE())
-    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    hf.decoder = decoders.ByteLevel()
-    hf.train_from_iterator(["hello world. hello there."] * 4, trainers.BpeTrainer(
-        vocab_size=270, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False))
-    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
-    hf.save(str(path))
-    return Tokenizer.load(path)
 
 
 def test_text_and_stop_strings_match_the_engine(target, byte_tokenizer):

@@ -2,10 +2,7 @@ import threading
 
 import pytest
 import torch
-from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from kiln.data.tokenizer import Tokenizer
 from kiln.errors import ConfigError
 from kiln.infer.engine import Engine, KVCache, SamplingParams
 from kiln.model import ModelConfig, build_model
@@ -15,12 +12,7 @@ from serve_helpers import ForcesToken
 PROMPTS = [[5, 17, 42], [1, 2, 3, 4, 5, 6, 7, 8, 9], [9], [33, 2, 250, 7, 7]]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
@@ -30,17 +22,6 @@ def model():
                                    init_std=0.2)).eval()
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    hf = HFTokenizer(models.BPE())
-    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    hf.decoder = decoders.ByteLevel()
-    hf.train_from_iterator(["hello world. hello there."] * 4, trainers.BpeTrainer(
-        vocab_size=270, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False))
-    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
-    hf.save(str(path))
-    return Tokenizer.load(path)
 
 
 class Gate(torch.nn.Module):
@@ -124,7 +105,7 @@ def test_extended_cache_decodes_like_one_prefilled_together(model):
         cache.extend(KVCache(1, 1, 4, 30, 8))
 
 
-def test_each_request_gets_what_the_engine_gives_it_alone(model, tokenizer, scheduler_for):
+def test_each_request_gets_what_the_engine_gives_it_alone(model, byte_tokenizer, scheduler_for):
     """Mixed sampling parameters in one batch; each request equals Engine.stream on its own."""
     cases = [
         (PROMPTS[0], 12, SamplingParams(temperature=0), {}),
@@ -133,10 +114,10 @@ def test_each_request_gets_what_the_engine_gives_it_alone(model, tokenizer, sche
         (PROMPTS[3], 10, SamplingParams(temperature=0, repetition_penalty=1.3), {}),
         (PROMPTS[1], 20, SamplingParams(temperature=0.7, min_p=0.05), {"seed": 11, "stop_strings": ["o"]}),
     ]
-    scheduler = scheduler_for(model, tokenizer, max_batch=8)
+    scheduler = scheduler_for(model, byte_tokenizer, max_batch=8)
     requests = [GenerationRequest(list(p), n, params, stop_token_ids=(0,), **kw) for p, n, params, kw in cases]
     handles = scheduler.submit(requests)
-    engine = Engine(model, tokenizer)
+    engine = Engine(model, byte_tokenizer)
     for (prompt, n, params, kw), handle in zip(cases, handles):
         _, events = collect(handle)
         expected = list(engine.stream(prompt, n, params.temperature, params.top_k, params.top_p, params.min_p,
