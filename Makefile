@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 CONSTRAINTS ?= constraints.txt
 RECIPE ?= recipes/data-demo.toml
 
-.PHONY: setup demo test test-slow bench clean
+.PHONY: setup demo lint test test-slow bench clean
 
 $(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
@@ -17,6 +17,10 @@ setup: $(VENV)/.installed
 
 demo: setup
 	$(VENV)/bin/kiln run $(RECIPE)
+
+lint: setup
+	$(VENV)/bin/ruff check kiln tests bench
+	$(VENV)/bin/ruff format --check kiln tests bench
 
 test: setup
 	$(PY) -m pytest -q -m "not slow"

@@ -70,12 +70,21 @@ def timed(fn) -> tuple[float, float]:
 
 # ---- contenders -----------------------------------------------------------------------------------
 
+
 def hf_generate(model):
     def run(prompts: torch.Tensor, new: int) -> list[list[int]]:
         with torch.inference_mode():
-            out = model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new,
-                                 min_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0)
-        return out[:, prompts.shape[1]:].tolist()
+            out = model.generate(
+                prompts,
+                attention_mask=torch.ones_like(prompts),
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+        return out[:, prompts.shape[1] :].tolist()
+
     return run
 
 
@@ -84,6 +93,7 @@ def kiln_generate(model):
 
     def run(prompts: torch.Tensor, new: int) -> list[list[int]]:
         return [c.ids for c in engine.generate(prompts.tolist(), new, temperature=0)]
+
     return run
 
 
@@ -128,8 +138,10 @@ def report_speed(rates: dict, others: list[float], max_others: float, batch: int
         print("  WARNING: other processes used the CPU in every round; all rounds used")
         clean = [True] * len(others)
     medians = {n: statistics.median(r for r, ok in zip(v, clean) if ok) for n, v in rates.items()}
-    print(f"\n[batch {batch}] decode tokens/s, median of clean rounds (other processes' CPU cores per round: "
-          f"{', '.join(f'{b:.2f}' for b in others)}; * = left out)")
+    print(
+        f"\n[batch {batch}] decode tokens/s, median of clean rounds (other processes' CPU cores per round: "
+        f"{', '.join(f'{b:.2f}' for b in others)}; * = left out)"
+    )
     for name, per_round in rates.items():
         base = "transformers fp32" if "fp32" in name else "transformers bf16"
         ratio = "" if name.startswith("transformers") else f"  {medians[name] / medians[base]:5.2f}x vs {base}"
@@ -139,6 +151,7 @@ def report_speed(rates: dict, others: list[float], max_others: float, batch: int
 
 
 # ---- perplexity -----------------------------------------------------------------------------------
+
 
 def load_checkpoint(path):
     """(model, the validation loss its manifest records). Checkpoints written before the fused-row
@@ -170,24 +183,31 @@ def ppl_table(ckpt: str, pack: str, windows: int) -> None:
     loader = TokenLoader(pack, "val", seq_len=cfg.max_seq_len, batch_size=8)
     batches = list(loader.iter_batches(max(1, windows // 8)))
     tokens = sum(y.numel() for _, y in batches)
-    print(f"\nperplexity: {ckpt} (dim {cfg.dim}, {cfg.n_layers} layers, vocab {cfg.vocab_size}, "
-          f"{count_params(cfg) / 1e6:.1f}M params), "
-          f"{tokens} validation tokens of {pack}")
+    print(
+        f"\nperplexity: {ckpt} (dim {cfg.dim}, {cfg.n_layers} layers, vocab {cfg.vocab_size}, "
+        f"{count_params(cfg) / 1e6:.1f}M params), "
+        f"{tokens} validation tokens of {pack}"
+    )
     loss = math.log(perplexity(base, batches))
     # Validation subsets differ by up to ~1 nat on this corpus; weights that do not fit the code are
     # near or above log(vocab) (~9 for 8192 tokens).
     if recorded is not None and abs(loss - recorded) > 2.0:
-        print(f"  the checkpoint does not reproduce its recorded validation loss ({loss:.2f} here, {recorded:.2f} "
-              f"recorded): its weights do not fit this model code; perplexity table skipped")
+        print(
+            f"  the checkpoint does not reproduce its recorded validation loss ({loss:.2f} here, {recorded:.2f} "
+            f"recorded): its weights do not fit this model code; perplexity table skipped"
+        )
         return
-    variants = [("fp32", torch.float32, None), ("bf16", torch.bfloat16, None),
-                ("int8 (fp32 compute)", torch.float32, ("int8", None, True)),
-                ("int8", torch.bfloat16, ("int8", None, True)),
-                ("int4 g32", torch.bfloat16, ("int4", 32, True)),
-                ("int4 g64", torch.bfloat16, ("int4", 64, True)),
-                ("int4 g128", torch.bfloat16, ("int4", 128, True)),
-                ("int4 g64, bf16 head", torch.bfloat16, ("int4", 64, False)),
-                ("nf4 b64", torch.bfloat16, ("nf4", 64, True))]
+    variants = [
+        ("fp32", torch.float32, None),
+        ("bf16", torch.bfloat16, None),
+        ("int8 (fp32 compute)", torch.float32, ("int8", None, True)),
+        ("int8", torch.bfloat16, ("int8", None, True)),
+        ("int4 g32", torch.bfloat16, ("int4", 32, True)),
+        ("int4 g64", torch.bfloat16, ("int4", 64, True)),
+        ("int4 g128", torch.bfloat16, ("int4", 128, True)),
+        ("int4 g64, bf16 head", torch.bfloat16, ("int4", 64, False)),
+        ("nf4 b64", torch.bfloat16, ("nf4", 64, True)),
+    ]
     reference = None
     print(f"  {'weights':22s} {'ppl':>8s} {'vs fp32':>8s} {'bits/quantised param':>21s} {'model MiB':>9s}")
     for name, dtype, quant in variants:
@@ -203,11 +223,14 @@ def ppl_table(ckpt: str, pack: str, windows: int) -> None:
             bits = f"{quantized_bits_per_param(model):.2f}"
         ppl = perplexity(model, batches)
         reference = reference or ppl
-        print(f"  {name:22s} {ppl:8.3f} {100 * (ppl / reference - 1):+7.2f}% {bits:>21s} "
-              f"{model_bytes(model) / 2**20:9.2f}")
+        print(
+            f"  {name:22s} {ppl:8.3f} {100 * (ppl / reference - 1):+7.2f}% {bits:>21s} "
+            f"{model_bytes(model) / 2**20:9.2f}"
+        )
 
 
 # ---- speculative decoding ------------------------------------------------------------------------
+
 
 def train_draft(target, pack: str, steps: int):
     """A small draft distilled from the target on its training data: cross-entropy against the
@@ -215,8 +238,9 @@ def train_draft(target, pack: str, steps: int):
     proposals the target keeps."""
     from kiln.data.loader import TokenLoader
 
-    cfg = ModelConfig(vocab_size=target.cfg.vocab_size, dim=128, n_layers=2, n_heads=2,
-                      max_seq_len=target.cfg.max_seq_len)
+    cfg = ModelConfig(
+        vocab_size=target.cfg.vocab_size, dim=128, n_layers=2, n_heads=2, max_seq_len=target.cfg.max_seq_len
+    )
     torch.manual_seed(0)
     draft = build_model(cfg)
     opt = torch.optim.AdamW(draft.parameters(), lr=3e-3, weight_decay=0.0)
@@ -239,8 +263,10 @@ def train_draft(target, pack: str, steps: int):
     x, _ = next(iter(TokenLoader(pack, "val", seq_len=cfg.max_seq_len, batch_size=8).iter_batches(1)))
     with torch.no_grad():
         agree = (draft(x).argmax(-1) == target(x).argmax(-1)).float().mean().item()
-    print(f"  draft: dim 128, 2 layers ({count_params(cfg) / 1e6:.1f}M params), distilled {steps} steps in "
-          f"{time.perf_counter() - start:.0f} s; top-1 agreement with the target on validation text {agree:.2f}")
+    print(
+        f"  draft: dim 128, 2 layers ({count_params(cfg) / 1e6:.1f}M params), distilled {steps} steps in "
+        f"{time.perf_counter() - start:.0f} s; top-1 agreement with the target on validation text {agree:.2f}"
+    )
     return draft.eval()
 
 
@@ -262,24 +288,31 @@ def speculative(ckpt: str, pack: str, steps: int, new: int, rounds: int, max_oth
         outs = spec.generate(prompts, new, temperature=0)
         same = all(o.ids == a.ids for o, a in zip(outs, alone))
         s = spec.stats
-        print(f"  fp32, k={k}, {len(prompts)} prompts x {new} tokens: greedy output identical to the target alone: "
-              f"{'yes' if same else 'NO'}; {s.accepted}/{s.proposed} proposals kept ({s.acceptance_rate:.2f}), "
-              f"{1 + k * s.acceptance_rate:.2f} tokens per row per verification pass")
+        print(
+            f"  fp32, k={k}, {len(prompts)} prompts x {new} tokens: greedy output identical to the target alone: "
+            f"{'yes' if same else 'NO'}; {s.accepted}/{s.proposed} proposals kept ({s.acceptance_rate:.2f}), "
+            f"{1 + k * s.acceptance_rate:.2f} tokens per row per verification pass"
+        )
     fast_target = prepack_bf16(copy.deepcopy(target).to(torch.bfloat16))
     fast_draft = prepack_bf16(copy.deepcopy(draft).to(torch.bfloat16))
     one = prompts[:1]
-    runs = {"target alone": lambda n: Engine(fast_target).generate(one, n, temperature=0),
-            "draft alone": lambda n: Engine(fast_draft).generate(one, n, temperature=0)}
+    runs = {
+        "target alone": lambda n: Engine(fast_target).generate(one, n, temperature=0),
+        "draft alone": lambda n: Engine(fast_draft).generate(one, n, temperature=0),
+    }
     engines = {}
     for k in (1, 2, 4):
         engines[k] = SpeculativeEngine(fast_target, fast_draft, k=k)
         runs[f"with draft, k={k}"] = (lambda e: lambda n: e.generate(one, n, temperature=0))(engines[k])
-    rates, others = decode_rates({n: (lambda f: lambda p, m: f(m))(f) for n, f in runs.items()},
-                                 torch.zeros(1, 1), new, rounds)
+    rates, others = decode_rates(
+        {n: (lambda f: lambda p, m: f(m))(f) for n, f in runs.items()}, torch.zeros(1, 1), new, rounds
+    )
     clean = [b <= max_others for b in others] if any(b <= max_others for b in others) else [True] * len(others)
     base = statistics.median(r for r, ok in zip(rates["target alone"], clean) if ok)
-    print(f"  bf16 prepacked, batch 1, decode tokens/s (other processes' CPU cores per round: "
-          f"{', '.join(f'{b:.2f}' for b in others)})")
+    print(
+        f"  bf16 prepacked, batch 1, decode tokens/s (other processes' CPU cores per round: "
+        f"{', '.join(f'{b:.2f}' for b in others)})"
+    )
     for name, per_round in rates.items():
         med = statistics.median(r for r, ok in zip(per_round, clean) if ok)
         k = int(name.rpartition("=")[2]) if "k=" in name else None
@@ -297,12 +330,23 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--schemes", default="int8,int4-g32,int4-g128",
-                        help="quantised Kiln contenders (int8, int4-g<group>, nf4-g<block>)")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads; decode runs many small kernels, where a second thread mostly waits")
-    parser.add_argument("--max-others", type=float, default=0.25,
-                        help="leave out rounds in which other processes kept more CPU cores busy than this")
+    parser.add_argument(
+        "--schemes",
+        default="int8,int4-g32,int4-g128",
+        help="quantised Kiln contenders (int8, int4-g<group>, nf4-g<block>)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads; decode runs many small kernels, where a second thread mostly waits",
+    )
+    parser.add_argument(
+        "--max-others",
+        type=float,
+        default=0.25,
+        help="leave out rounds in which other processes kept more CPU cores busy than this",
+    )
     parser.add_argument("--ckpt", default="runs/tiny/pretrain")
     parser.add_argument("--pack", default="runs/tiny/pack")
     parser.add_argument("--ppl-windows", type=int, default=128)
@@ -314,18 +358,29 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     import transformers
-    print(f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.get_num_threads()} "
-          f"threads, CPU capability {torch.backends.cpu.get_cpu_capability()}, load average "
-          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+
+    print(
+        f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.get_num_threads()} "
+        f"threads, CPU capability {torch.backends.cpu.get_cpu_capability()}, load average "
+        f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}"
+    )
     if not args.skip_speed:
-        cfg = ModelConfig(vocab_size=args.vocab, dim=args.dim, n_layers=args.n_layers, n_heads=args.n_heads,
-                          max_seq_len=max(512, args.prompt_len + args.new_tokens))
+        cfg = ModelConfig(
+            vocab_size=args.vocab,
+            dim=args.dim,
+            n_layers=args.n_layers,
+            n_heads=args.n_heads,
+            max_seq_len=max(512, args.prompt_len + args.new_tokens),
+        )
         torch.manual_seed(0)
         base = build_model(cfg).eval()
-        print(f"speed model: dim {cfg.dim}, {cfg.n_layers} layers, {cfg.n_heads} heads, ffn {cfg.ffn_hidden_size}, "
-              f"vocab {cfg.vocab_size}: {count_params(cfg) / 1e6:.1f}M params; prompt {args.prompt_len}, "
-              f"{args.new_tokens} new tokens, greedy")
+        print(
+            f"speed model: dim {cfg.dim}, {cfg.n_layers} layers, {cfg.n_heads} heads, ffn {cfg.ffn_hidden_size}, "
+            f"vocab {cfg.vocab_size}: {count_params(cfg) / 1e6:.1f}M params; prompt {args.prompt_len}, "
+            f"{args.new_tokens} new tokens, greedy"
+        )
         from kiln.hf import export_hf
+
         with tempfile.TemporaryDirectory() as export_dir:
             export_hf(cfg, base.state_dict(), None, export_dir)
             runs = contenders(base, Path(export_dir), [s for s in args.schemes.split(",") if s])
@@ -340,18 +395,23 @@ def main() -> None:
             summary[batch] = report_speed(rates, others, args.max_others, batch)
         print("\nsummary: Kiln / transformers decode tokens/s (same dtype)")
         for batch, med in summary.items():
-            print(f"  batch {batch}: fp32 {med['kiln fp32'] / med['transformers fp32']:.2f}x, "
-                  f"bf16 {med['kiln bf16'] / med['transformers bf16']:.2f}x, "
-                  f"bf16 prepacked {med['kiln bf16 prepacked'] / med['transformers bf16']:.2f}x"
-                  + "".join(f", {s} {med[f'kiln {s}'] / med['transformers bf16']:.2f}x"
-                            for s in args.schemes.split(",") if s))
+            print(
+                f"  batch {batch}: fp32 {med['kiln fp32'] / med['transformers fp32']:.2f}x, "
+                f"bf16 {med['kiln bf16'] / med['transformers bf16']:.2f}x, "
+                f"bf16 prepacked {med['kiln bf16 prepacked'] / med['transformers bf16']:.2f}x"
+                + "".join(
+                    f", {s} {med[f'kiln {s}'] / med['transformers bf16']:.2f}x" for s in args.schemes.split(",") if s
+                )
+            )
     have_ckpt = Path(args.ckpt).exists() and Path(args.pack).exists()
     if not args.skip_ppl:
         if have_ckpt:
             ppl_table(args.ckpt, args.pack, args.ppl_windows)
         else:
-            print(f"\nperplexity skipped: no checkpoint at {args.ckpt} or no pack at {args.pack} "
-                  f"(run `kiln run recipes/tiny.toml` first)")
+            print(
+                f"\nperplexity skipped: no checkpoint at {args.ckpt} or no pack at {args.pack} "
+                f"(run `kiln run recipes/tiny.toml` first)"
+            )
     if args.speculative:
         if have_ckpt:
             speculative(args.ckpt, args.pack, args.draft_steps, args.new_tokens, args.rounds, args.max_others)

@@ -62,6 +62,7 @@ BUSY_CORES = 0.25
 
 # ---- shared setup: tokenizer, model, data -------------------------------------------------------
 
+
 def stdlib_texts(limit_bytes: int) -> list[str]:
     """Python standard-library source files, in a fixed order, up to limit_bytes."""
     root = Path(sysconfig.get_paths()["stdlib"])
@@ -98,11 +99,16 @@ def build_model_folder(work: Path, vocab: int, seed: int) -> tuple[Path, Path, o
 
 def task_examples(per_family: int, seed: int) -> list[dict]:
     from kiln.post.tasks import generate_tasks
-    return [ex for i, family in enumerate(FAMILIES)
-            for ex in generate_tasks(family, per_family, split="train", difficulty=1, seed=seed + i)]
+
+    return [
+        ex
+        for i, family in enumerate(FAMILIES)
+        for ex in generate_tasks(family, per_family, split="train", difficulty=1, seed=seed + i)
+    ]
 
 
 # ---- timing --------------------------------------------------------------------------------------
+
 
 class StepClock:
     """Step durations from consecutive step ends, plus the CPU other processes used meanwhile."""
@@ -126,13 +132,20 @@ class StepClock:
         seconds = ends[-1] - ends[warmup]
         others = (machine_busy_seconds() - self.machine) - (sum(os.times()[:2]) - self.ours)
         steps = len(self.ends) - warmup
-        examples, tokens, positions = (sum(c[k] for c in counts[warmup:len(self.ends)]) for k in range(3))
-        return {"steps": steps, "seconds": seconds, "examples_per_s": examples / seconds,
-                "tokens_per_s": tokens / seconds, "positions_per_step": positions / steps,
-                "step_ms": 1000 * seconds / steps, "others": max(others, 0.0) / seconds}
+        examples, tokens, positions = (sum(c[k] for c in counts[warmup : len(self.ends)]) for k in range(3))
+        return {
+            "steps": steps,
+            "seconds": seconds,
+            "examples_per_s": examples / seconds,
+            "tokens_per_s": tokens / seconds,
+            "positions_per_step": positions / steps,
+            "step_ms": 1000 * seconds / steps,
+            "others": max(others, 0.0) / seconds,
+        }
 
 
 # ---- Kiln ----------------------------------------------------------------------------------------
+
 
 def kiln_trainer(init: Path, out: Path, stage_train, precision: str, loss_fn, rows):
     from kiln.post.sources import ExampleSource
@@ -145,8 +158,9 @@ def kiln_trainer(init: Path, out: Path, stage_train, precision: str, loss_fn, ro
     train_cfg = stage_train.train_config(TrainConfig(precision=precision, peak_flops=1e12))
     source = ExampleSource(rows, stage_train.micro_batch_size, seed=1337, vocab_size=model_cfg.vocab_size)
     shutil.rmtree(out, ignore_errors=True)
-    trainer = Trainer(model_cfg, train_cfg, None, out, resume="none", init_from=init, loss_fn=loss_fn,
-                      data=(source, source))
+    trainer = Trainer(
+        model_cfg, train_cfg, None, out, resume="none", init_from=init, loss_fn=loss_fn, data=(source, source)
+    )
     return trainer, source
 
 
@@ -174,6 +188,7 @@ def count_sft_rows(pad: int):
         last = (real.sum(-1, keepdim=True) - 1).clamp(min=0)
         tokens = int(real.sum()) + int((targets.gather(1, last) != IGNORE).sum())
         return int(((positions == 0) & real).sum()), tokens, inputs.numel()
+
     return count
 
 
@@ -183,19 +198,23 @@ def count_pair_rows(pad: int):
         # inputs are a sequence minus its last token (none is truncated: checked in main)
         tokens = int((chosen != pad).sum() + (rejected != pad).sum()) + 2 * chosen.shape[0]
         return chosen.shape[0], tokens, chosen.numel() + rejected.numel()
+
     return count
 
 
 def trim_to_longest(pad: int, sequences: tuple[int, ...]):
     """Cut a batch's padding columns beyond its longest row (the tensors at `sequences` say how
     long rows are). The loss is unchanged: attention is causal and the cut columns have no target."""
+
     def trim(batch):
         longest = max(int((batch[i] != pad).sum(-1).max()) for i in sequences)
         return tuple(t[:, :longest] if t.dim() == 2 else t for t in batch)
+
     return trim
 
 
 # ---- TRL -----------------------------------------------------------------------------------------
+
 
 def trl_callback(clock: StepClock, warmup: int):
     from transformers import TrainerCallback
@@ -206,20 +225,40 @@ def trl_callback(clock: StepClock, warmup: int):
 
         def on_step_end(self, args, state, control, **kwargs):
             clock.tick(warmup)
+
     return Clock()
 
 
 def trl_common(args, out: Path, batch: int, lr: float, max_steps: int) -> dict:
-    return dict(output_dir=str(out), per_device_train_batch_size=batch, gradient_accumulation_steps=1,
-                max_steps=max_steps, learning_rate=lr, adam_beta1=0.9, adam_beta2=0.95, weight_decay=0.0,
-                max_grad_norm=1.0, lr_scheduler_type="cosine", warmup_steps=0,
-                bf16=args.precision == "bf16", use_cpu=True, gradient_checkpointing=False,
-                logging_strategy="no", save_strategy="no", eval_strategy="no", report_to="none",
-                disable_tqdm=True, dataloader_num_workers=0, seed=1337, max_length=args.seq_len)
+    return dict(
+        output_dir=str(out),
+        per_device_train_batch_size=batch,
+        gradient_accumulation_steps=1,
+        max_steps=max_steps,
+        learning_rate=lr,
+        adam_beta1=0.9,
+        adam_beta2=0.95,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        lr_scheduler_type="cosine",
+        warmup_steps=0,
+        bf16=args.precision == "bf16",
+        use_cpu=True,
+        gradient_checkpointing=False,
+        logging_strategy="no",
+        save_strategy="no",
+        eval_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        seed=1337,
+        max_length=args.seq_len,
+    )
 
 
 def hf_model(hf_dir: Path):
     from transformers import LlamaForCausalLM
+
     return LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="sdpa")
 
 
@@ -232,12 +271,15 @@ def run_trl(trainer, clock: StepClock, warmup: int) -> dict:
         batch = collate(features)
         counts.append((len(features), int(batch["attention_mask"].sum()), batch["input_ids"].numel()))
         return batch
+
     trainer.data_collator = counting
     trainer.train()
     precision = trainer.accelerator.mixed_precision
     params = next(trainer.model.parameters()).dtype
-    return clock.result(warmup, counts) | {"optimizer": optimizer_name(trainer),
-                                           "precision": f"{precision} autocast, {str(params)[6:]} weights"}
+    return clock.result(warmup, counts) | {
+        "optimizer": optimizer_name(trainer),
+        "precision": f"{precision} autocast, {str(params)[6:]} weights",
+    }
 
 
 def trl_sft(args, hf_dir: Path, work: Path, conversations, kiln_rendered, total: int) -> dict:
@@ -246,12 +288,21 @@ def trl_sft(args, hf_dir: Path, work: Path, conversations, kiln_rendered, total:
     from trl import SFTConfig, SFTTrainer
 
     data = Dataset.from_list([{"prompt": c[:-1], "completion": c[-1:]} for c in conversations])
-    cfg = SFTConfig(**trl_common(args, work / "trl-sft", args.sft_batch, args.sft_lr, total),
-                    packing=False, padding_free=False, completion_only_loss=True, dataset_num_proc=None)
+    cfg = SFTConfig(
+        **trl_common(args, work / "trl-sft", args.sft_batch, args.sft_lr, total),
+        packing=False,
+        padding_free=False,
+        completion_only_loss=True,
+        dataset_num_proc=None,
+    )
     clock = StepClock()
-    trainer = SFTTrainer(hf_model(hf_dir), args=cfg, train_dataset=data,
-                         processing_class=AutoTokenizer.from_pretrained(hf_dir),
-                         callbacks=[trl_callback(clock, args.warmup)])
+    trainer = SFTTrainer(
+        hf_model(hf_dir),
+        args=cfg,
+        train_dataset=data,
+        processing_class=AutoTokenizer.from_pretrained(hf_dir),
+        callbacks=[trl_callback(clock, args.warmup)],
+    )
     for i in (0, len(data) // 2, len(data) - 1):  # TRL must train on exactly Kiln's tokens and mask
         row = trainer.train_dataset[i]
         ids, mask = kiln_rendered[i]
@@ -266,15 +317,32 @@ def trl_dpo(args, hf_dir: Path, work: Path, pairs, kiln_rendered, total: int, pr
     from transformers import AutoTokenizer
     from trl import DPOConfig, DPOTrainer
 
-    data = Dataset.from_list([{"prompt": p, "chosen": [{"role": "assistant", "content": c}],
-                               "rejected": [{"role": "assistant", "content": r}]} for p, c, r in pairs])
-    cfg = DPOConfig(**trl_common(args, work / "trl-dpo", args.dpo_batch, args.dpo_lr, total),
-                    beta=0.1, loss_type=["sigmoid"], padding_free=False, precompute_ref_log_probs=precompute)
+    data = Dataset.from_list(
+        [
+            {
+                "prompt": p,
+                "chosen": [{"role": "assistant", "content": c}],
+                "rejected": [{"role": "assistant", "content": r}],
+            }
+            for p, c, r in pairs
+        ]
+    )
+    cfg = DPOConfig(
+        **trl_common(args, work / "trl-dpo", args.dpo_batch, args.dpo_lr, total),
+        beta=0.1,
+        loss_type=["sigmoid"],
+        padding_free=False,
+        precompute_ref_log_probs=precompute,
+    )
     clock = StepClock()
     started = time.perf_counter()
-    trainer = DPOTrainer(hf_model(hf_dir), args=cfg, train_dataset=data,
-                         processing_class=AutoTokenizer.from_pretrained(hf_dir),
-                         callbacks=[trl_callback(clock, args.warmup)])
+    trainer = DPOTrainer(
+        hf_model(hf_dir),
+        args=cfg,
+        train_dataset=data,
+        processing_class=AutoTokenizer.from_pretrained(hf_dir),
+        callbacks=[trl_callback(clock, args.warmup)],
+    )
     setup = time.perf_counter() - started
     row = trainer.train_dataset[0]
     chosen, rejected = kiln_rendered[0]
@@ -292,6 +360,7 @@ def optimizer_name(trainer) -> str:
 
 
 # ---- main ----------------------------------------------------------------------------------------
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -321,41 +390,57 @@ def main() -> None:
     conversations = task_sft_examples(tasks)
     pairs = task_preference_pairs(tasks, seed=0)
     rendered = [render_conversation(tokenizer, c) for c in conversations]
-    rendered_pairs = [tuple(render_conversation(tokenizer, [*p, {"role": "assistant", "content": a}])[0]
-                            for a in (c, r)) for p, c, r in pairs]
+    rendered_pairs = [
+        tuple(render_conversation(tokenizer, [*p, {"role": "assistant", "content": a}])[0] for a in (c, r))
+        for p, c, r in pairs
+    ]
     longest = max(len(ids) for pair in rendered_pairs for ids in pair)
     longest = max(longest, max(len(ids) for ids, _ in rendered))
     if longest > args.seq_len + 1:
-        raise SystemExit(f"a conversation has {longest} tokens; raise --seq-len to at least {longest - 1} "
-                         f"so that neither side truncates")
+        raise SystemExit(
+            f"a conversation has {longest} tokens; raise --seq-len to at least {longest - 1} "
+            f"so that neither side truncates"
+        )
     total = args.warmup + args.steps
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, precision {args.precision}; "
-          f"{len(conversations)} conversations, {sum(len(i) for i, _ in rendered) / len(rendered):.1f} tokens "
-          f"each on average (longest {longest}), seq_len {args.seq_len}; setup {time.perf_counter() - started:.1f} s")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, precision {args.precision}; "
+        f"{len(conversations)} conversations, {sum(len(i) for i, _ in rendered) / len(rendered):.1f} tokens "
+        f"each on average (longest {longest}), seq_len {args.seq_len}; setup {time.perf_counter() - started:.1f} s"
+    )
 
     results = {}
-    sft_train = StageTrainConfig(lr=args.sft_lr, max_steps=total, warmup_steps=0, seq_len=args.seq_len,
-                                 micro_batch_size=args.sft_batch)
-    for side, packing, trim in (("kiln", False, None), ("kiln-packed", True, None),
-                                ("kiln-trimmed", False, trim_to_longest(pad, (0,)))):
+    sft_train = StageTrainConfig(
+        lr=args.sft_lr, max_steps=total, warmup_steps=0, seq_len=args.seq_len, micro_batch_size=args.sft_batch
+    )
+    for side, packing, trim in (
+        ("kiln", False, None),
+        ("kiln-packed", True, None),
+        ("kiln-trimmed", False, trim_to_longest(pad, (0,))),
+    ):
         rows, _ = S.sft_rows(tokenizer, conversations, args.seq_len, packing)
         trainer, source = kiln_trainer(kiln_dir, args.work / "kiln-sft", sft_train, args.precision, S.sft_loss, rows)
         results[("sft", side)] = run_kiln(trainer, source, total, args.warmup, count_sft_rows(pad), trim)
         del trainer
     results[("sft", "trl")] = trl_sft(args, hf_dir, args.work, conversations, rendered, total)
 
-    dpo_cfg = DPOConfig(beta=0.1, loss_type="sigmoid",
-                        train=StageTrainConfig(lr=args.dpo_lr, max_steps=total, warmup_steps=0, seq_len=args.seq_len,
-                                               micro_batch_size=args.dpo_batch))
+    dpo_cfg = DPOConfig(
+        beta=0.1,
+        loss_type="sigmoid",
+        train=StageTrainConfig(
+            lr=args.dpo_lr, max_steps=total, warmup_steps=0, seq_len=args.seq_len, micro_batch_size=args.dpo_batch
+        ),
+    )
     from kiln.infer.sample import load_model
+
     reference, _ = load_model(kiln_dir)
     ref_started = time.perf_counter()
     rows = S.reference_logprobs(reference, S.pair_rows(tokenizer, pairs, args.seq_len), precision=args.precision)
     kiln_ref_s = time.perf_counter() - ref_started
     del reference
     for side, trim in (("kiln", None), ("kiln-trimmed", trim_to_longest(pad, (0, 2)))):
-        trainer, source = kiln_trainer(kiln_dir, args.work / "kiln-dpo", dpo_cfg.train, args.precision,
-                                       S.make_dpo_loss(dpo_cfg), rows)
+        trainer, source = kiln_trainer(
+            kiln_dir, args.work / "kiln-dpo", dpo_cfg.train, args.precision, S.make_dpo_loss(dpo_cfg), rows
+        )
         results[("dpo", side)] = run_kiln(trainer, source, total, args.warmup, count_pair_rows(pad), trim)
         del trainer
     results[("dpo", "kiln")]["setup_s"] = kiln_ref_s
@@ -367,27 +452,37 @@ def main() -> None:
 
 
 def report(results: dict, args) -> None:
-    print(f"\n{args.steps} timed steps after {args.warmup} warmup steps; SFT batch {args.sft_batch} conversations, "
-          f"DPO batch {args.dpo_batch} pairs; positions = token slots the model ran on per step (padding "
-          f"included); * = other processes used > {BUSY_CORES} cores meanwhile")
-    print(f"{'stage':5} {'side':16} {'examples/s':>10} {'tokens/s':>9} {'positions':>9} {'ms/step':>8} {'others':>6}"
-          f"  optimizer; precision")
+    print(
+        f"\n{args.steps} timed steps after {args.warmup} warmup steps; SFT batch {args.sft_batch} conversations, "
+        f"DPO batch {args.dpo_batch} pairs; positions = token slots the model ran on per step (padding "
+        f"included); * = other processes used > {BUSY_CORES} cores meanwhile"
+    )
+    print(
+        f"{'stage':5} {'side':16} {'examples/s':>10} {'tokens/s':>9} {'positions':>9} {'ms/step':>8} {'others':>6}"
+        f"  optimizer; precision"
+    )
     for (stage, side), r in results.items():
         star = "*" if r["others"] > BUSY_CORES else " "
-        print(f"{stage:5} {side:16} {r['examples_per_s']:10.1f} {r['tokens_per_s']:9.0f} {r['positions_per_step']:9.0f} "
-              f"{r['step_ms']:8.1f} {r['others']:5.2f}{star}  {r['optimizer']}; {r['precision']}"
-              + (f"; setup {r['setup_s']:.1f} s" if "setup_s" in r else ""))
+        print(
+            f"{stage:5} {side:16} {r['examples_per_s']:10.1f} {r['tokens_per_s']:9.0f} {r['positions_per_step']:9.0f} "
+            f"{r['step_ms']:8.1f} {r['others']:5.2f}{star}  {r['optimizer']}; {r['precision']}"
+            + (f"; setup {r['setup_s']:.1f} s" if "setup_s" in r else "")
+        )
     print("\nratio Kiln / TRL")
-    pairs = [("sft", "kiln", "trl", "SFT, no packing on either side (like for like)"),
-             ("sft", "kiln-packed", "trl", "SFT, Kiln packed (its default) vs TRL unpacked"),
-             ("sft", "kiln-trimmed", "trl", "SFT, diagnostic: Kiln batches cut to their longest row"),
-             ("dpo", "kiln", "trl-precomputed", "DPO, reference log-probs precomputed on both sides (like for like)"),
-             ("dpo", "kiln", "trl", "DPO, vs TRL's default (reference forward in every step)"),
-             ("dpo", "kiln-trimmed", "trl-precomputed", "DPO, diagnostic: Kiln batches cut to their longest row")]
+    pairs = [
+        ("sft", "kiln", "trl", "SFT, no packing on either side (like for like)"),
+        ("sft", "kiln-packed", "trl", "SFT, Kiln packed (its default) vs TRL unpacked"),
+        ("sft", "kiln-trimmed", "trl", "SFT, diagnostic: Kiln batches cut to their longest row"),
+        ("dpo", "kiln", "trl-precomputed", "DPO, reference log-probs precomputed on both sides (like for like)"),
+        ("dpo", "kiln", "trl", "DPO, vs TRL's default (reference forward in every step)"),
+        ("dpo", "kiln-trimmed", "trl-precomputed", "DPO, diagnostic: Kiln batches cut to their longest row"),
+    ]
     for stage, a, b, label in pairs:
         ra, rb = results[(stage, a)], results[(stage, b)]
-        print(f"  {label:72} {ra['examples_per_s'] / rb['examples_per_s']:5.2f}x examples/s, "
-              f"{ra['tokens_per_s'] / rb['tokens_per_s']:5.2f}x tokens/s")
+        print(
+            f"  {label:72} {ra['examples_per_s'] / rb['examples_per_s']:5.2f}x examples/s, "
+            f"{ra['tokens_per_s'] / rb['tokens_per_s']:5.2f}x tokens/s"
+        )
 
 
 if __name__ == "__main__":

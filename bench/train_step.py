@@ -38,8 +38,8 @@ import torch
 
 from kiln.model import ModelConfig, build_model, count_params, flops_per_token
 from kiln.train.config import TrainConfig
-from kiln.train.optim import build_optimizer
 from kiln.train.objective import next_token_loss
+from kiln.train.optim import build_optimizer
 
 GRAD_CLIP = 1.0  # Kiln's TrainConfig.grad_clip default and transformers Trainer's max_grad_norm
 
@@ -48,11 +48,18 @@ def hf_llama(cfg: ModelConfig):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     hf_cfg = LlamaConfig(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.dim, intermediate_size=cfg.ffn_hidden_size,
-        num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
-        num_key_value_heads=cfg.kv_heads, max_position_embeddings=cfg.max_seq_len,
-        rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta, tie_word_embeddings=cfg.tie_embeddings,
-        attention_bias=False, mlp_bias=False,
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.dim,
+        intermediate_size=cfg.ffn_hidden_size,
+        num_hidden_layers=cfg.n_layers,
+        num_attention_heads=cfg.n_heads,
+        num_key_value_heads=cfg.kv_heads,
+        max_position_embeddings=cfg.max_seq_len,
+        rms_norm_eps=cfg.norm_eps,
+        rope_theta=cfg.rope_theta,
+        tie_word_embeddings=cfg.tie_embeddings,
+        attention_bias=False,
+        mlp_bias=False,
     )
     hf_cfg._attn_implementation = "sdpa"  # transformers' fastest CPU attention path
     return LlamaForCausalLM(hf_cfg)
@@ -82,8 +89,9 @@ def autocast_for(precision: str):
 def kiln_step(cfg: ModelConfig, precision: str, compile: bool, seq: int, batch: int):
     torch.manual_seed(0)
     model = build_model(cfg)
-    train_cfg = TrainConfig(seq_len=seq, micro_batch_size=batch, global_batch_tokens=seq * batch,
-                            precision=precision, compile=compile)
+    train_cfg = TrainConfig(
+        seq_len=seq, micro_batch_size=batch, global_batch_tokens=seq * batch, precision=precision, compile=compile
+    )
     optimizer = build_optimizer(model, train_cfg)
     # The same wrapping as Trainer with train.compile on: the loss function is compiled and the model
     # it calls is not, so dynamo traces the model inline into the loss's graph.
@@ -143,8 +151,16 @@ def time_steps(step, x, y, steps: int) -> tuple[float, float]:
     return wall, max(others, 0.0) / wall
 
 
-def run(cfg: ModelConfig, batch: int, seq: int, precision: str, repeats: int, steps: int, warmup: int,
-        compile_modes: list[bool]):
+def run(
+    cfg: ModelConfig,
+    batch: int,
+    seq: int,
+    precision: str,
+    repeats: int,
+    steps: int,
+    warmup: int,
+    compile_modes: list[bool],
+):
     """({(side, compiled): [tokens/s per round]}, [CPU cores others used, per round (the most over
     its contenders)], {(side, compiled): seconds of the first, compiling, step})."""
     steps_of = {}
@@ -168,7 +184,7 @@ def run(cfg: ModelConfig, batch: int, seq: int, precision: str, repeats: int, st
     groups = [g for g in groups if g]
     for r in range(repeats):
         order = []
-        for group in (groups if r % 2 == 0 else groups[::-1]):
+        for group in groups if r % 2 == 0 else groups[::-1]:
             turn = r % len(group)
             order += group[turn:] + group[:turn]
         busiest = 0.0
@@ -193,8 +209,9 @@ def ratio_line(name: str, rates: dict, clean: list[bool], kiln_key, hf_key) -> t
     of_medians = statistics.median(kiln) / statistics.median(hf)
     per_round = [k / h for k, h in zip(kiln, hf)]
     rounds = ", ".join(f"{r:.2f}" for r in per_round)
-    return (f"  {name:58s} {of_medians:5.2f}x  (per-round median {statistics.median(per_round):.2f}x; "
-            f"{rounds})"), of_medians
+    return (
+        f"  {name:58s} {of_medians:5.2f}x  (per-round median {statistics.median(per_round):.2f}x; {rounds})"
+    ), of_medians
 
 
 def main() -> None:
@@ -211,67 +228,98 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2, help="training steps per contender per round")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps after the first (compiling) one")
     parser.add_argument("--no-compile", action="store_true", help="time eager mode only")
-    parser.add_argument("--max-others", type=float, default=0.15,
-                        help="leave out rounds in which other processes kept more CPU cores busy than this")
+    parser.add_argument(
+        "--max-others",
+        type=float,
+        default=0.15,
+        help="leave out rounds in which other processes kept more CPU cores busy than this",
+    )
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    cfg = ModelConfig(vocab_size=args.vocab, dim=args.dim, n_layers=args.n_layers, n_heads=args.n_heads,
-                      n_kv_heads=args.n_kv_heads, max_seq_len=args.seq)
+    cfg = ModelConfig(
+        vocab_size=args.vocab,
+        dim=args.dim,
+        n_layers=args.n_layers,
+        n_heads=args.n_heads,
+        n_kv_heads=args.n_kv_heads,
+        max_seq_len=args.seq,
+    )
     flops = flops_per_token(cfg, args.seq)
     import transformers
-    print(f"torch {torch.__version__}, transformers {transformers.__version__}, "
-          f"{torch.get_num_threads()} threads, CPU capability {torch.backends.cpu.get_cpu_capability()}")
-    print(f"config: dim={cfg.dim} layers={cfg.n_layers} heads={cfg.n_heads} kv_heads={cfg.kv_heads} "
-          f"ffn={cfg.ffn_hidden_size} vocab={cfg.vocab_size} seq={args.seq} batch={args.batch}; "
-          f"params={count_params(cfg) / 1e6:.2f}M ({count_params(cfg, non_embedding=True) / 1e6:.2f}M "
-          f"non-embedding); {flops / 1e6:.1f} MFLOP/token")
+
+    print(
+        f"torch {torch.__version__}, transformers {transformers.__version__}, "
+        f"{torch.get_num_threads()} threads, CPU capability {torch.backends.cpu.get_cpu_capability()}"
+    )
+    print(
+        f"config: dim={cfg.dim} layers={cfg.n_layers} heads={cfg.n_heads} kv_heads={cfg.kv_heads} "
+        f"ffn={cfg.ffn_hidden_size} vocab={cfg.vocab_size} seq={args.seq} batch={args.batch}; "
+        f"params={count_params(cfg) / 1e6:.2f}M ({count_params(cfg, non_embedding=True) / 1e6:.2f}M "
+        f"non-embedding); {flops / 1e6:.1f} MFLOP/token"
+    )
     precisions = ["fp32", "bf16"] if args.precision == "both" else [args.precision]
     compile_modes = [False] if args.no_compile else [False, True]
     summary = []
     for precision in precisions:
         dtype = torch.bfloat16 if precision == "bf16" else torch.float32
         peak = matmul_peak(dtype)
-        rates, others, first_step = run(cfg, args.batch, args.seq, precision, args.repeats, args.steps,
-                                        args.warmup, compile_modes)
+        rates, others, first_step = run(
+            cfg, args.batch, args.seq, precision, args.repeats, args.steps, args.warmup, compile_modes
+        )
         peak = max(peak, matmul_peak(dtype))  # before and after: a busy moment only lowers it
         clean = [busy <= args.max_others for busy in others]
         busy_rounds = len(clean) - sum(clean)
         if not any(clean):
             print(f"\n[{precision}] WARNING: other processes used the CPU in every round; using all rounds")
             clean = [True] * len(others)
-        print(f"\n[{precision}] matmul peak {peak / 1e9:.0f} GFLOP/s; {args.repeats} rounds of "
-              f"{args.steps} steps x {args.batch * args.seq} tokens; {busy_rounds} left out as busy "
-              f"(CPU cores used by other processes per round: {', '.join(f'{b:.2f}' for b in others)})")
+        print(
+            f"\n[{precision}] matmul peak {peak / 1e9:.0f} GFLOP/s; {args.repeats} rounds of "
+            f"{args.steps} steps x {args.batch * args.seq} tokens; {busy_rounds} left out as busy "
+            f"(CPU cores used by other processes per round: {', '.join(f'{b:.2f}' for b in others)})"
+        )
         for key, per_round in rates.items():
             median = statistics.median(r for r, ok in zip(per_round, clean) if ok)
             spread = ", ".join(f"{r:.0f}" + ("" if ok else "*") for r, ok in zip(per_round, clean))
             extra = ""
             if key[1]:
                 extra = f"  compile ~{first_step[key] - args.batch * args.seq / median:.0f} s"
-            print(f"  {label(key):26s} {median:7.0f} tokens/s  MFU {median * flops / peak:6.1%}  "
-                  f"(rounds: {spread}){extra}")
+            print(
+                f"  {label(key):26s} {median:7.0f} tokens/s  MFU {median * flops / peak:6.1%}  "
+                f"(rounds: {spread}){extra}"
+            )
         print("  ratio kiln/transformers (median tokens/s over clean rounds):")
         line, eager = ratio_line("eager vs eager", rates, clean, ("kiln", False), ("transformers", False))
         print(line)
         row = {"precision": precision, "eager": eager}
         if not args.no_compile:
-            line, row["compiled"] = ratio_line("compiled vs compiled", rates, clean, ("kiln", True),
-                                               ("transformers", True))
+            line, row["compiled"] = ratio_line(
+                "compiled vs compiled", rates, clean, ("kiln", True), ("transformers", True)
+            )
             print(line)
             # Kiln as configured: the trainer compiles whenever train.compile is on, whatever the
             # precision, and the shipped recipe turns it on; transformers' default is eager.
             line, row["kiln compiled vs hf eager"] = ratio_line(
-                "Kiln as configured (train.compile = true) vs transformers eager", rates, clean, ("kiln", True),
-                ("transformers", False))
+                "Kiln as configured (train.compile = true) vs transformers eager",
+                rates,
+                clean,
+                ("kiln", True),
+                ("transformers", False),
+            )
             print(line)
-            line, row["kiln compile gain"] = ratio_line("(kiln compiled vs kiln eager)", rates, clean,
-                                                        ("kiln", True), ("kiln", False))
+            line, row["kiln compile gain"] = ratio_line(
+                "(kiln compiled vs kiln eager)", rates, clean, ("kiln", True), ("kiln", False)
+            )
             print(line)
-            line, row["hf compile gain"] = ratio_line("(transformers compiled vs transformers eager)", rates,
-                                                      clean, ("transformers", True), ("transformers", False))
+            line, row["hf compile gain"] = ratio_line(
+                "(transformers compiled vs transformers eager)",
+                rates,
+                clean,
+                ("transformers", True),
+                ("transformers", False),
+            )
             print(line)
         row["busy rounds"] = f"{busy_rounds}/{len(clean)}" + (" (all used)" if busy_rounds == len(clean) else "")
         summary.append(row)

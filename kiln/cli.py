@@ -52,12 +52,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", default="auto", help="auto (newest complete checkpoint), none, or a checkpoint path")
     p.add_argument("--init-from", help="start a new run from this checkpoint's weights")
 
-    for verb, what in (("sft", "supervised fine-tuning on conversations and the verifiable tasks"),
-                       ("rm", "reward model: the transformer with a scalar head, Bradley-Terry on pairs"),
-                       ("dpo", "direct preference optimisation (sigmoid, IPO or conservative DPO)"),
-                       ("ppo", "PPO: actor, critic, frozen reference, verifier or reward-model reward"),
-                       ("grpo", "group-relative policy optimisation with the task verifiers as rewards"),
-                       ("distill", "distillation from a teacher checkpoint: generated data and soft targets")):
+    for verb, what in (
+        ("sft", "supervised fine-tuning on conversations and the verifiable tasks"),
+        ("rm", "reward model: the transformer with a scalar head, Bradley-Terry on pairs"),
+        ("dpo", "direct preference optimisation (sigmoid, IPO or conservative DPO)"),
+        ("ppo", "PPO: actor, critic, frozen reference, verifier or reward-model reward"),
+        ("grpo", "group-relative policy optimisation with the task verifiers as rewards"),
+        ("distill", "distillation from a teacher checkpoint: generated data and soft targets"),
+    ):
         p = verbs.add_parser(verb, help=what)
         _recipe_args(p)
         p.add_argument("--resume", default="auto", help="auto (newest complete checkpoint), none, or a path")
@@ -74,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-samples", type=int, default=1, help="completions of the prompt, generated as one batch")
     p.add_argument("--seed", type=int, default=0, help="sample i uses seed + i")
     from kiln.serve.cli import add_inference_args
+
     add_inference_args(p)
     p.add_argument("--draft", help="draft checkpoint for speculative decoding (same tokenizer, smaller model)")
     p.add_argument("--draft-tokens", type=int, default=4, help="tokens the draft proposes per step")
@@ -97,15 +100,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     from kiln.parallel.launch import add_launch_parser
     from kiln.parallel.plan_cli import add_plan_parser
+
     add_launch_parser(verbs)
     add_plan_parser(verbs)
     from kiln.report import add_report_parser
+
     add_report_parser(verbs)
     from kiln.serve.cli import add_serve_parsers
+
     add_serve_parsers(verbs)
     from kiln.eval.cli import add_eval_parser
+
     add_eval_parser(verbs)
     from kiln.sweep import add_parser as add_sweep_parser
+
     add_sweep_parser(verbs)
     return parser
 
@@ -139,13 +147,20 @@ def _dispatch(args: argparse.Namespace) -> int:
     from kiln.config import POST_STAGES, STAGES, load_recipe
     from kiln.pipeline import run_recipe
 
-    stage_of_verb = {"corpus": "corpus", "data": "data", "tokenizer": "tokenizer", "pack": "pack", "pretrain": "pretrain",
-                     **{stage: stage for stage in POST_STAGES}}
+    stage_of_verb = {
+        "corpus": "corpus",
+        "data": "data",
+        "tokenizer": "tokenizer",
+        "pack": "pack",
+        "pretrain": "pretrain",
+        **{stage: stage for stage in POST_STAGES},
+    }
     if args.verb in ("run", *stage_of_verb) and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         # Started by torchrun (directly, or through `kiln launch`, Slurm or Kubernetes): join the job.
         import torch
 
         from kiln.parallel.dims import init_distributed
+
         init_distributed("cuda" if torch.cuda.is_available() else "cpu")
     if args.verb == "run":
         recipe = load_recipe(args.recipe, args.overrides)
@@ -154,8 +169,23 @@ def _dispatch(args: argparse.Namespace) -> int:
         print(f"run folder: {recipe.run_dir}")
         if "pretrain" in results:
             summary = results["pretrain"]
-            print("pretrain summary: " + json.dumps({k: summary.get(k) for k in
-                  ("steps", "tokens_seen", "final_val_loss", "best_val_loss", "final_val_bpb", "tokens_per_s", "mfu")}))
+            print(
+                "pretrain summary: "
+                + json.dumps(
+                    {
+                        k: summary.get(k)
+                        for k in (
+                            "steps",
+                            "tokens_seen",
+                            "final_val_loss",
+                            "best_val_loss",
+                            "final_val_bpb",
+                            "tokens_per_s",
+                            "mfu",
+                        )
+                    }
+                )
+            )
         return 0
     if args.verb in stage_of_verb:
         recipe = load_recipe(args.recipe, args.overrides)
@@ -172,46 +202,57 @@ def _dispatch(args: argparse.Namespace) -> int:
         return 0
     if args.verb == "classifier":
         from kiln.data.classifier import train_from_files
+
         stats = train_from_files(args.positive, args.negative, args.out)
         print(json.dumps(stats, indent=1))
         return 0
     if args.verb == "launch":
         from kiln.parallel.launch import run_launch
+
         return run_launch(args)
     if args.verb == "eval":
         from kiln.eval.cli import run_eval
+
         return run_eval(args)
     if args.verb == "serve":
         from kiln.serve.cli import run_serve
+
         return run_serve(args)
     if args.verb == "chat":
         from kiln.serve.cli import run_chat
+
         return run_chat(args)
     if args.verb == "report":
         from kiln.report import run_report
+
         return run_report(args)
     if args.verb == "plan":
         from kiln.parallel.plan_cli import run_plan
+
         return run_plan(args)
     if args.verb == "sweep":
         from kiln.sweep import main as sweep_main
+
         return sweep_main(args)
     if args.verb == "generate":
         return _generate(args)
     if args.verb == "export" and args.format == "single":
         from kiln.train.checkpoint import load_weights, save_weights
+
         cfg, state, manifest = load_weights(args.checkpoint)
         save_weights(args.out, cfg, state, {"step": manifest.get("step"), "converted_from": str(args.checkpoint)})
         print(f"wrote {args.out}/model.safetensors ({len(state)} tensors, step {manifest.get('step')})")
         return 0
     if args.verb == "export":
         from kiln.hf import export_checkpoint_to_hf
+
         tokenizer = Path(args.tokenizer) if args.tokenizer else find_tokenizer(args.checkpoint)
         export_checkpoint_to_hf(args.checkpoint, tokenizer, args.out)
         print(f"exported {args.checkpoint} -> {args.out}")
         return 0
     if args.verb == "import":
         from kiln.hf import import_hf_to_checkpoint
+
         import_hf_to_checkpoint(args.folder, args.out)
         print(f"imported {args.folder} -> {args.out}")
         return 0
@@ -228,8 +269,15 @@ def _generate(args: argparse.Namespace) -> int:
     from kiln.infer.speculative import SpeculativeEngine
     from kiln.serve.cli import load_for_inference
 
-    cfg = SampleConfig(prompt=args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                       top_k=args.top_k, top_p=args.top_p, num_samples=args.num_samples, seed=args.seed)
+    cfg = SampleConfig(
+        prompt=args.prompt,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        num_samples=args.num_samples,
+        seed=args.seed,
+    )
     try:
         cfg.validate()
     except ConfigError as err:
@@ -239,14 +287,23 @@ def _generate(args: argparse.Namespace) -> int:
     prompt = [tokenizer.eot_id] + prompt_tokens
     max_new = min(args.max_new_tokens, model.cfg.max_seq_len - len(prompt))
     if max_new < 1:
-        raise ConfigError("--prompt", f"{len(prompt)} tokens leave no room in the model's context of "
-                          f"{model.cfg.max_seq_len}", "<command line>")
-    kwargs = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                  stop_token_ids=[tokenizer.eot_id], seed=args.seed)
+        raise ConfigError(
+            "--prompt",
+            f"{len(prompt)} tokens leave no room in the model's context of {model.cfg.max_seq_len}",
+            "<command line>",
+        )
+    kwargs = dict(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        stop_token_ids=[tokenizer.eot_id],
+        seed=args.seed,
+    )
     try:
         if args.draft:
-            engine = SpeculativeEngine(model, load_draft(args.draft, model, args.draft_tokens), tokenizer,
-                                       k=args.draft_tokens)
+            engine = SpeculativeEngine(
+                model, load_draft(args.draft, model, args.draft_tokens), tokenizer, k=args.draft_tokens
+            )
         else:
             engine = Engine(model, tokenizer)
         outs = engine.generate([prompt] * args.num_samples, max_new, **kwargs)
@@ -259,12 +316,14 @@ def _generate(args: argparse.Namespace) -> int:
         # Decoding prompt and completion together keeps a character whose bytes straddle the boundary
         # whole; the prompt's own text is then cut off the front.
         full = tokenizer.decode(prompt_tokens + ids)
-        print(args.prompt + (full[len(prompt_text):] if full.startswith(prompt_text) else tokenizer.decode(ids)))
+        print(args.prompt + (full[len(prompt_text) :] if full.startswith(prompt_text) else tokenizer.decode(ids)))
     if args.draft:
         stats = engine.stats
-        print(f"speculative decoding: {stats.accepted}/{stats.proposed} proposals kept "
-              f"({stats.acceptance_rate:.0%}), {stats.target_calls} target forwards for {stats.tokens} tokens",
-              file=sys.stderr)
+        print(
+            f"speculative decoding: {stats.accepted}/{stats.proposed} proposals kept "
+            f"({stats.acceptance_rate:.0%}), {stats.target_calls} target forwards for {stats.tokens} tokens",
+            file=sys.stderr,
+        )
     return 0
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10: the same parser, published as tomli
@@ -257,8 +258,14 @@ def _show_key(name: str) -> str:
 
 
 def _kind(value: Any) -> str:
-    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
-            list: "a list", dict: "a table"}.get(type(value), type(value).__name__)
+    return {
+        bool: "a boolean",
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+        list: "a list",
+        dict: "a table",
+    }.get(type(value), type(value).__name__)
 
 
 def recipe_to_dict(recipe: Recipe) -> dict[str, Any]:

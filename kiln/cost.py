@@ -80,8 +80,9 @@ def _world_size(summary: dict, override: int | None) -> tuple[int, str]:
     return 1, "assumed"
 
 
-def _rates(kind: str, spec_power: float | None, cores: int | None, price: float | None,
-           power_w: float | None) -> tuple[float | None, float | None, float]:
+def _rates(
+    kind: str, spec_power: float | None, cores: int | None, price: float | None, power_w: float | None
+) -> tuple[float | None, float | None, float]:
     """(watts per device, USD per device-hour, billing units per device: 1 GPU, or the cores of a
     CPU process; 0 when unknown). None where the figure is unknown."""
     if kind == "gpu":
@@ -94,15 +95,22 @@ def _rates(kind: str, spec_power: float | None, cores: int | None, price: float 
 
 
 def _price(device_hours: float, units: float, watts, per_device_hour, pue: float) -> dict:
-    return {"device_hours": device_hours,
-            "units": device_hours * units if units else None,
-            "energy_kwh": device_hours * watts * pue / 1000 if watts is not None else None,
-            "cost_usd": device_hours * per_device_hour if per_device_hour is not None else None}
+    return {
+        "device_hours": device_hours,
+        "units": device_hours * units if units else None,
+        "energy_kwh": device_hours * watts * pue / 1000 if watts is not None else None,
+        "cost_usd": device_hours * per_device_hour if per_device_hour is not None else None,
+    }
 
 
-def check_options(hardware: str | None = None, price_per_hour: float | None = None, pue: float = DEFAULT_PUE,
-                  power_w: float | None = None, cores: int | None = None,
-                  token_budgets: dict[str, float] | None = None) -> None:
+def check_options(
+    hardware: str | None = None,
+    price_per_hour: float | None = None,
+    pue: float = DEFAULT_PUE,
+    power_w: float | None = None,
+    cores: int | None = None,
+    token_budgets: dict[str, float] | None = None,
+) -> None:
     """Raise ConfigError naming the first impossible cost option (what run_cost takes beside the summary)."""
     if hardware is not None and hardware.strip().lower() != "cpu":
         gpu_key(hardware)
@@ -117,9 +125,17 @@ def check_options(hardware: str | None = None, price_per_hour: float | None = No
             raise ConfigError("tokens", f"the token budget {label!r} must be a positive number, got {budget!r}")
 
 
-def run_cost(summary: dict, hardware: str | None = None, price_per_hour: float | None = None, *,
-             pue: float = DEFAULT_PUE, power_w: float | None = None, cores: int | None = None,
-             world_size: int | None = None, token_budgets: dict[str, float] | None = None) -> dict:
+def run_cost(
+    summary: dict,
+    hardware: str | None = None,
+    price_per_hour: float | None = None,
+    *,
+    pue: float = DEFAULT_PUE,
+    power_w: float | None = None,
+    cores: int | None = None,
+    world_size: int | None = None,
+    token_budgets: dict[str, float] | None = None,
+) -> dict:
     """Cost of the stage whose summary.json is `summary`.
 
     hardware: a key of kiln.parallel.hardware.GPUS (or alias), or "cpu"; default: detected from
@@ -147,8 +163,11 @@ def run_cost(summary: dict, hardware: str | None = None, price_per_hour: float |
     elif wanted is not None:
         key = gpu_key(wanted)
         if not ran_on_gpu:
-            raise ConfigError("hardware", f"the stage trained on {device}: {GPUS[key].name} figures would "
-                                          f"price time it did not spend on a GPU; leave the hardware out or pass cpu")
+            raise ConfigError(
+                "hardware",
+                f"the stage trained on {device}: {GPUS[key].name} figures would "
+                f"price time it did not spend on a GPU; leave the hardware out or pass cpu",
+            )
         found_by = "given"
     elif ran_on_gpu:
         key, found_by = _detect_gpu(summary)
@@ -182,40 +201,66 @@ def run_cost(summary: dict, hardware: str | None = None, price_per_hour: float |
     device_hours = wall_s * world / 3600
     measured = _price(device_hours, units, watts, per_device_hour, pue)
     tokens = summary.get("tokens_seen")
-    per_million = (measured["cost_usd"] / tokens * 1e6 if measured["cost_usd"] is not None and _num(tokens)
-                   and tokens > 0 else None)
+    per_million = (
+        measured["cost_usd"] / tokens * 1e6
+        if measured["cost_usd"] is not None and _num(tokens) and tokens > 0
+        else None
+    )
     result = {
-        "kind": kind, "device": device, "hardware": spec.name if spec else ("cpu" if kind == "cpu" else None),
-        "hardware_from": found_by or None, "world_size": world, "world_size_from": world_from,
-        "wall_s": wall_s, "train_s": summary.get("train_s") if _num(summary.get("train_s")) else None,
+        "kind": kind,
+        "device": device,
+        "hardware": spec.name if spec else ("cpu" if kind == "cpu" else None),
+        "hardware_from": found_by or None,
+        "world_size": world,
+        "world_size_from": world_from,
+        "wall_s": wall_s,
+        "train_s": summary.get("train_s") if _num(summary.get("train_s")) else None,
         "tokens_seen": tokens if _num(tokens) else None,
         "tokens_per_s": tokens_per_s if _num(tokens_per_s) else None,
-        "device_hours": device_hours, "gpu_hours": device_hours if kind == "gpu" else 0.0,
-        "core_hours": measured["units"] if kind == "cpu" else None, "cores": cores if kind == "cpu" else None,
-        "power_w": watts, "pue": pue, "energy_kwh": measured["energy_kwh"],
+        "device_hours": device_hours,
+        "gpu_hours": device_hours if kind == "gpu" else 0.0,
+        "core_hours": measured["units"] if kind == "cpu" else None,
+        "cores": cores if kind == "cpu" else None,
+        "power_w": watts,
+        "pue": pue,
+        "energy_kwh": measured["energy_kwh"],
         "price_per_hour": per_device_hour / units if per_device_hour is not None and units else None,
-        "price_unit": unit, "cost_usd": measured["cost_usd"], "usd_per_million_tokens": per_million,
-        "notes": notes, "projections": [],
+        "price_unit": unit,
+        "cost_usd": measured["cost_usd"],
+        "usd_per_million_tokens": per_million,
+        "notes": notes,
+        "projections": [],
     }
     if token_budgets is None:
         params = summary.get("params")
-        token_budgets = ({f"{CHINCHILLA_TOKENS_PER_PARAM} tokens per parameter": CHINCHILLA_TOKENS_PER_PARAM * params}
-                         if _num(params) and params > 0 else {})
+        token_budgets = (
+            {f"{CHINCHILLA_TOKENS_PER_PARAM} tokens per parameter": CHINCHILLA_TOKENS_PER_PARAM * params}
+            if _num(params) and params > 0
+            else {}
+        )
     if _num(tokens_per_s) and tokens_per_s > 0:
         for label, budget in token_budgets.items():
             seconds = budget / tokens_per_s
             row = _price(seconds * world / 3600, units, watts, per_device_hour, pue)
-            result["projections"].append({"label": label, "tokens": budget, "days": seconds / 86400,
-                                          "device_hours": row["device_hours"],
-                                          "gpu_hours": row["device_hours"] if kind == "gpu" else 0.0,
-                                          "core_hours": row["units"] if kind == "cpu" else None,
-                                          "energy_kwh": row["energy_kwh"], "cost_usd": row["cost_usd"]})
+            result["projections"].append(
+                {
+                    "label": label,
+                    "tokens": budget,
+                    "days": seconds / 86400,
+                    "device_hours": row["device_hours"],
+                    "gpu_hours": row["device_hours"] if kind == "gpu" else 0.0,
+                    "core_hours": row["units"] if kind == "cpu" else None,
+                    "energy_kwh": row["energy_kwh"],
+                    "cost_usd": row["cost_usd"],
+                }
+            )
     elif token_budgets:
         notes.append("no measured tokens_per_s: no projection")
     return result
 
 
 # ---------------------------------------------------------------- presentation (kiln report)
+
 
 def _money(v) -> str:
     if not _num(v):
@@ -235,20 +280,30 @@ def cost_html_text(c: dict, stage: str) -> tuple[str, str]:
     """The report's view of `run_cost`'s result: (HTML tables, plain-text lines)."""
     esc = html.escape
     gpu = c["kind"] == "gpu"
-    what = (f"{c['world_size']} x {c['hardware'] or 'unidentified GPU'}" if gpu
-            else f"{c['world_size']} CPU process(es)" + (f" x {c['cores']} cores" if c["cores"] else ""))
+    what = (
+        f"{c['world_size']} x {c['hardware'] or 'unidentified GPU'}"
+        if gpu
+        else f"{c['world_size']} CPU process(es)" + (f" x {c['cores']} cores" if c["cores"] else "")
+    )
     unit_name = "GPU-hours" if gpu else "CPU core-hours"
     unit_hours = c["gpu_hours"] if gpu else c["core_hours"]
     price = f"{_money(c['price_per_hour'])} per {c['price_unit']}" if _num(c["price_per_hour"]) else "–"
     power = f"{c['power_w']:,.0f} W per {'GPU' if gpu else 'process'}" if _num(c["power_w"]) else "–"
-    rows = [("devices", f"{what} (world size: {c['world_size_from']})"),
-            ("wall time", f"{c['wall_s']:,.0f} s" + (f" ({c['train_s']:,.0f} s in training steps)"
-                                                      if _num(c["train_s"]) else "")),
-            ("device-hours" if gpu else "device-hours (CPU process-hours)", _hours(c["device_hours"])),
-            *([] if gpu else [(unit_name, _hours(unit_hours))]),
-            ("power", power), ("PUE", f"{c['pue']:g}"), ("energy", _kwh(c["energy_kwh"])),
-            ("price", price), ("cost", _money(c["cost_usd"])),
-            ("cost per million tokens", _money(c["usd_per_million_tokens"]))]
+    rows = [
+        ("devices", f"{what} (world size: {c['world_size_from']})"),
+        (
+            "wall time",
+            f"{c['wall_s']:,.0f} s" + (f" ({c['train_s']:,.0f} s in training steps)" if _num(c["train_s"]) else ""),
+        ),
+        ("device-hours" if gpu else "device-hours (CPU process-hours)", _hours(c["device_hours"])),
+        *([] if gpu else [(unit_name, _hours(unit_hours))]),
+        ("power", power),
+        ("PUE", f"{c['pue']:g}"),
+        ("energy", _kwh(c["energy_kwh"])),
+        ("price", price),
+        ("cost", _money(c["cost_usd"])),
+        ("cost per million tokens", _money(c["usd_per_million_tokens"])),
+    ]
     body = "".join(f"<tr><td>{esc(k)}</td><td class=n>{esc(v)}</td></tr>" for k, v in rows)
     parts = [f"<table><tr><th>{esc(stage)}</th><th>measured</th></tr>{body}</table>"]
     if c["notes"]:
@@ -258,20 +313,38 @@ def cost_html_text(c: dict, stage: str) -> tuple[str, str]:
     known += [_money(c["cost_usd"])] if _num(c["cost_usd"]) else []
     text = [f"measured: {what}, {c['wall_s']:,.0f} s wall, " + ", ".join(known)] + [f"note: {n}" for n in c["notes"]]
     if c["projections"]:
-        prows = [[p["label"], f"{p['tokens']:.3g}", f"{p['days']:.3g}",
-                  _hours(p["gpu_hours"] if gpu else p["core_hours"] if p["core_hours"] is not None
-                         else p["device_hours"]),
-                  f"{p['energy_kwh']:.4g}" if _num(p["energy_kwh"]) else "–", _money(p["cost_usd"])]
-                 for p in c["projections"]]
+        prows = [
+            [
+                p["label"],
+                f"{p['tokens']:.3g}",
+                f"{p['days']:.3g}",
+                _hours(
+                    p["gpu_hours"] if gpu else p["core_hours"] if p["core_hours"] is not None else p["device_hours"]
+                ),
+                f"{p['energy_kwh']:.4g}" if _num(p["energy_kwh"]) else "–",
+                _money(p["cost_usd"]),
+            ]
+            for p in c["projections"]
+        ]
         hours_name = unit_name if gpu or c["core_hours"] is not None else "device-hours"
         head = "".join(f"<th>{h}</th>" for h in ("token budget", "tokens", "days", hours_name, "kWh", "cost"))
-        pbody = "".join("<tr>" + "".join(f"<td{' class=n' if i else ''}>{esc(v)}</td>" for i, v in enumerate(r))
-                        + "</tr>" for r in prows)
-        parts.append(f"<h3>Projection at the measured {c['tokens_per_s']:,.0f} tokens/s on the same devices</h3>"
-                     f"<table><tr>{head}</tr>{pbody}</table>")
-        text += [f"projection {r[0]}: {r[1]} tokens, {r[2]} days, {r[3]} {hours_name}"
-                 + (f", {r[4]} kWh" if r[4] != "–" else "") + (f", {r[5]}" if r[5] != "–" else "") for r in prows]
-    parts.append('<p class="note">device-hours = wall time x devices; energy = device-hours x power x PUE; '
-                 "cost = device-hours x price (core-hours x price on CPU). Projections take training steps only "
-                 "(no evaluation, checkpoint or compile time). Formulas and defaults: docs/cost.md.</p>")
+        pbody = "".join(
+            "<tr>" + "".join(f"<td{' class=n' if i else ''}>{esc(v)}</td>" for i, v in enumerate(r)) + "</tr>"
+            for r in prows
+        )
+        parts.append(
+            f"<h3>Projection at the measured {c['tokens_per_s']:,.0f} tokens/s on the same devices</h3>"
+            f"<table><tr>{head}</tr>{pbody}</table>"
+        )
+        text += [
+            f"projection {r[0]}: {r[1]} tokens, {r[2]} days, {r[3]} {hours_name}"
+            + (f", {r[4]} kWh" if r[4] != "–" else "")
+            + (f", {r[5]}" if r[5] != "–" else "")
+            for r in prows
+        ]
+    parts.append(
+        '<p class="note">device-hours = wall time x devices; energy = device-hours x power x PUE; '
+        "cost = device-hours x price (core-hours x price on CPU). Projections take training steps only "
+        "(no evaluation, checkpoint or compile time). Formulas and defaults: docs/cost.md.</p>"
+    )
     return "".join(parts), "\n".join(text)

@@ -31,13 +31,17 @@ DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float
 
 # ---- name mapping -------------------------------------------------------------------------------
 
+
 def kiln_to_hf_state(cfg: ModelConfig, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     if any(cfg.is_moe_layer(i) for i in range(cfg.n_layers)):
-        raise ConfigError("model.moe_every", "exporting MoE models to Hugging Face is not supported yet; "
-                                             "export a dense model")
+        raise ConfigError(
+            "model.moe_every", "exporting MoE models to Hugging Face is not supported yet; export a dense model"
+        )
     # .contiguous() copies the row slices: safetensors refuses views into a larger tensor.
-    out = {"model.embed_tokens.weight": state_dict["tok_embeddings.weight"],
-           "model.norm.weight": state_dict["norm.weight"]}
+    out = {
+        "model.embed_tokens.weight": state_dict["tok_embeddings.weight"],
+        "model.norm.weight": state_dict["norm.weight"],
+    }
     if not cfg.tie_embeddings:
         out["lm_head.weight"] = state_dict["output.weight"]
     for i in range(cfg.n_layers):
@@ -48,14 +52,16 @@ def kiln_to_hf_state(cfg: ModelConfig, state_dict: dict[str, torch.Tensor]) -> d
             for name, t in (("q_proj", q), ("k_proj", k), ("v_proj", v)):
                 out[f"{dst}self_attn.{name}.{suffix}"] = t.contiguous()
         gate, up = split_gate_up(state_dict[f"{src}ffn.w13.weight"])
-        out.update({
-            f"{dst}self_attn.o_proj.weight": state_dict[f"{src}attn.wo.weight"],
-            f"{dst}mlp.gate_proj.weight": gate.contiguous(),
-            f"{dst}mlp.up_proj.weight": up.contiguous(),
-            f"{dst}mlp.down_proj.weight": state_dict[f"{src}ffn.w2.weight"],
-            f"{dst}input_layernorm.weight": state_dict[f"{src}attn_norm.weight"],
-            f"{dst}post_attention_layernorm.weight": state_dict[f"{src}ffn_norm.weight"],
-        })
+        out.update(
+            {
+                f"{dst}self_attn.o_proj.weight": state_dict[f"{src}attn.wo.weight"],
+                f"{dst}mlp.gate_proj.weight": gate.contiguous(),
+                f"{dst}mlp.up_proj.weight": up.contiguous(),
+                f"{dst}mlp.down_proj.weight": state_dict[f"{src}ffn.w2.weight"],
+                f"{dst}input_layernorm.weight": state_dict[f"{src}attn_norm.weight"],
+                f"{dst}post_attention_layernorm.weight": state_dict[f"{src}ffn_norm.weight"],
+            }
+        )
     return {name: t.detach().contiguous() for name, t in out.items()}
 
 
@@ -76,7 +82,8 @@ def hf_to_kiln_state(cfg: ModelConfig, tensors: dict[str, torch.Tensor], where: 
         suffixes = ("weight", "bias") if cfg.qkv_bias else ("weight",)
         for suffix in suffixes:
             out[f"{dst}attn.wqkv.{suffix}"] = fuse_qkv(
-                *(take(f"{src}self_attn.{p}.{suffix}") for p in ("q_proj", "k_proj", "v_proj")), cfg.kv_heads)
+                *(take(f"{src}self_attn.{p}.{suffix}") for p in ("q_proj", "k_proj", "v_proj")), cfg.kv_heads
+            )
         out[f"{dst}attn.wo.weight"] = take(f"{src}self_attn.o_proj.weight")
         out[f"{dst}ffn.w13.weight"] = fuse_gate_up(take(f"{src}mlp.gate_proj.weight"), take(f"{src}mlp.up_proj.weight"))
         out[f"{dst}ffn.w2.weight"] = take(f"{src}mlp.down_proj.weight")
@@ -87,19 +94,23 @@ def hf_to_kiln_state(cfg: ModelConfig, tensors: dict[str, torch.Tensor], where: 
     ignorable = {"lm_head.weight"} if cfg.tie_embeddings else set()
     extra = sorted(n for n in tensors if n not in used and n not in ignorable and not n.endswith("rotary_emb.inv_freq"))
     if extra:
-        raise DataError(f"{where}: tensors Kiln's Transformer has no place for: {', '.join(extra[:5])}"
-                        + (f" (+{len(extra) - 5} more)" if len(extra) > 5 else ""))
+        raise DataError(
+            f"{where}: tensors Kiln's Transformer has no place for: {', '.join(extra[:5])}"
+            + (f" (+{len(extra) - 5} more)" if len(extra) > 5 else "")
+        )
     return out
 
 
 # ---- export -------------------------------------------------------------------------------------
 
+
 def _check_exportable(cfg: ModelConfig) -> None:
     needs = {"pos": "rope", "norm": "rmsnorm", "ffn": "swiglu"}
     for key, value in needs.items():
         if getattr(cfg, key) != value:
-            raise ConfigError(key, f"HF export supports Llama-style models only ({key}={value!r}), "
-                                   f"got {getattr(cfg, key)!r}")
+            raise ConfigError(
+                key, f"HF export supports Llama-style models only ({key}={value!r}), got {getattr(cfg, key)!r}"
+            )
 
 
 def _tokenizer_file(tokenizer_path) -> Path:
@@ -111,8 +122,9 @@ def _tokenizer_file(tokenizer_path) -> Path:
     return path
 
 
-def export_hf(model_cfg: ModelConfig, state_dict: dict[str, torch.Tensor], tokenizer_path, out_dir,
-              chat: bool = False) -> Path:
+def export_hf(
+    model_cfg: ModelConfig, state_dict: dict[str, torch.Tensor], tokenizer_path, out_dir, chat: bool = False
+) -> Path:
     """Write a transformers-loadable folder. tokenizer_path (tokenizer.json or a folder holding it)
     may be None to export weights only. Tensors keep the dtype they have in state_dict."""
     from tokenizers import Tokenizer as HFTokenizer
@@ -128,8 +140,11 @@ def export_hf(model_cfg: ModelConfig, state_dict: dict[str, torch.Tensor], token
         tok_file = _tokenizer_file(tokenizer_path)
         tok = HFTokenizer.from_file(str(tok_file))
         if tok.get_vocab_size(with_added_tokens=True) > model_cfg.vocab_size:
-            raise ConfigError("vocab_size", f"model has {model_cfg.vocab_size} embeddings but {tok_file} has "
-                                            f"{tok.get_vocab_size(with_added_tokens=True)} tokens")
+            raise ConfigError(
+                "vocab_size",
+                f"model has {model_cfg.vocab_size} embeddings but {tok_file} has "
+                f"{tok.get_vocab_size(with_added_tokens=True)} tokens",
+            )
         eot = tok.token_to_id(EOT)
         if eot is None:
             raise DataError(f"{tok_file}: tokenizer has no {EOT!r} token")
@@ -137,46 +152,65 @@ def export_hf(model_cfg: ModelConfig, state_dict: dict[str, torch.Tensor], token
         # next: it is the model's bos and eos (as in GPT-2).
         special_ids = {"bos_token_id": eot, "eos_token_id": eot}
         shutil.copyfile(tok_file, out / "tokenizer.json")
-        tok_config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOT,
-                      "model_max_length": model_cfg.max_seq_len, "clean_up_tokenization_spaces": False}
+        tok_config = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "eos_token": EOT,
+            "model_max_length": model_cfg.max_seq_len,
+            "clean_up_tokenization_spaces": False,
+        }
         if tok.token_to_id("<|pad|>") is not None:
             tok_config["pad_token"] = "<|pad|>"
         if all(tok.token_to_id(t) is not None for t in ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>")):
             # The chat template travels with every export, so apply_chat_template gives Kiln's ids; a
             # chat model (chat=True) also stops generating at the end of its turn.
             from kiln.post.chat import hf_tokenizer_config_extra
+
             tok_config.update(hf_tokenizer_config_extra(chat=chat))
             if chat:
-                special_ids = {"bos_token_id": eot, "eos_token_id": [tok.token_to_id("<|end|>"), eot],
-                               "pad_token_id": tok.token_to_id("<|pad|>")}
+                special_ids = {
+                    "bos_token_id": eot,
+                    "eos_token_id": [tok.token_to_id("<|end|>"), eot],
+                    "pad_token_id": tok.token_to_id("<|pad|>"),
+                }
         (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
 
     model_type = "qwen2" if model_cfg.qkv_bias else "llama"  # Llama's attention_bias would add an o_proj bias
     config = {
-        "architectures": [ARCHITECTURES[model_type]], "model_type": model_type,
-        "vocab_size": model_cfg.vocab_size, "hidden_size": model_cfg.dim,
-        "intermediate_size": model_cfg.ffn_hidden_size, "num_hidden_layers": model_cfg.n_layers,
-        "num_attention_heads": model_cfg.n_heads, "num_key_value_heads": model_cfg.kv_heads,
-        "head_dim": model_cfg.head_dim, "hidden_act": "silu",
-        "max_position_embeddings": model_cfg.max_seq_len, "rms_norm_eps": model_cfg.norm_eps,
+        "architectures": [ARCHITECTURES[model_type]],
+        "model_type": model_type,
+        "vocab_size": model_cfg.vocab_size,
+        "hidden_size": model_cfg.dim,
+        "intermediate_size": model_cfg.ffn_hidden_size,
+        "num_hidden_layers": model_cfg.n_layers,
+        "num_attention_heads": model_cfg.n_heads,
+        "num_key_value_heads": model_cfg.kv_heads,
+        "head_dim": model_cfg.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": model_cfg.max_seq_len,
+        "rms_norm_eps": model_cfg.norm_eps,
         # rope_theta at top level is what transformers 4.x and vLLM read; 5.x reads rope_parameters.
         "rope_theta": model_cfg.rope_theta,
         "rope_parameters": {"rope_type": "default", "rope_theta": model_cfg.rope_theta},
-        "tie_word_embeddings": model_cfg.tie_embeddings, "initializer_range": model_cfg.init_std,
+        "tie_word_embeddings": model_cfg.tie_embeddings,
+        "initializer_range": model_cfg.init_std,
         "torch_dtype": DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch.")),
-        "use_cache": True, **special_ids,
+        "use_cache": True,
+        **special_ids,
     }
     if model_type == "llama":
         config.update(attention_bias=False, mlp_bias=False)
     else:
         config.update(use_sliding_window=False, sliding_window=None, max_window_layers=model_cfg.n_layers)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    (out / "generation_config.json").write_text(json.dumps({"_from_model_config": True, **special_ids}, indent=2) + "\n")
+    (out / "generation_config.json").write_text(
+        json.dumps({"_from_model_config": True, **special_ids}, indent=2) + "\n"
+    )
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
 
 
 # ---- import -------------------------------------------------------------------------------------
+
 
 def _read_json(path: Path) -> dict:
     try:
@@ -216,12 +250,18 @@ def config_from_hf(hf: dict, where: str) -> ModelConfig:
     if window and (model_type == "mistral" or hf.get("use_sliding_window")):
         max_seq_len = min(max_seq_len, window)
     cfg = ModelConfig(
-        vocab_size=hf["vocab_size"], dim=dim, n_layers=hf["num_hidden_layers"], n_heads=n_heads,
-        n_kv_heads=hf.get("num_key_value_heads") or n_heads, ffn_hidden=hf["intermediate_size"],
+        vocab_size=hf["vocab_size"],
+        dim=dim,
+        n_layers=hf["num_hidden_layers"],
+        n_heads=n_heads,
+        n_kv_heads=hf.get("num_key_value_heads") or n_heads,
+        ffn_hidden=hf["intermediate_size"],
         norm_eps=hf.get("rms_norm_eps", 1e-6),
         rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
-        max_seq_len=max_seq_len, tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        qkv_bias=model_type == "qwen2", init_std=hf.get("initializer_range", 0.02),
+        max_seq_len=max_seq_len,
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        qkv_bias=model_type == "qwen2",
+        init_std=hf.get("initializer_range", 0.02),
     )
     cfg.validate()
     return cfg
@@ -231,9 +271,11 @@ def config_from_hf(hf: dict, where: str) -> ModelConfig:
 # carries, and even torch.load(weights_only=True) has had bypasses (CVE-2025-32434). Kiln reads
 # safetensors only and says how to convert.
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
-CONVERT_HINT = ("Kiln never unpickles weights (a pickle can run code when loaded): convert them to safetensors "
-                "on a machine where you trust the file (e.g. transformers' save_pretrained(OUT, "
-                "safe_serialization=True)), or download the model's .safetensors files instead")
+CONVERT_HINT = (
+    "Kiln never unpickles weights (a pickle can run code when loaded): convert them to safetensors "
+    "on a machine where you trust the file (e.g. transformers' save_pretrained(OUT, "
+    "safe_serialization=True)), or download the model's .safetensors files instead"
+)
 
 
 def _refuse_pickle(path: Path, where) -> None:
@@ -251,9 +293,10 @@ def _load_safetensors(folder: Path) -> dict[str, torch.Tensor]:
         files = ["model.safetensors"]
     else:
         pickled = sorted(p.name for p in folder.iterdir() if p.name.lower().endswith(PICKLE_SUFFIXES))
-        raise DataError(f"{folder}: no model.safetensors or model.safetensors.index.json"
-                        + (f"; found only pickled weights ({', '.join(pickled[:3])}). {CONVERT_HINT}"
-                           if pickled else ""))
+        raise DataError(
+            f"{folder}: no model.safetensors or model.safetensors.index.json"
+            + (f"; found only pickled weights ({', '.join(pickled[:3])}). {CONVERT_HINT}" if pickled else "")
+        )
     tensors = {}
     for name in files:
         path = folder / str(name)
@@ -287,6 +330,7 @@ def import_hf(folder) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
 
 
 # ---- checkpoint glue (the `kiln export hf` / `kiln import hf` verbs) ----------------------------
+
 
 def import_hf_to_checkpoint(folder, out_dir) -> Path:
     """Convert an HF folder into a Kiln weights checkpoint at out_dir; its tokenizer.json is copied

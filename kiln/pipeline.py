@@ -27,8 +27,20 @@ STAGE_INPUTS = {
     "pretrain": ("corpus", "data", "tokenizer", "pack", "model", "train"),
     "sample": ("corpus", "data", "tokenizer", "pack", "model", "train", "sample"),
     # A post-training stage starts from the one before it, so it depends on all of their tables.
-    **{stage: ("corpus", "data", "tokenizer", "pack", "model", "train", "tasks", "peft",
-               *POST_STAGES[:POST_STAGES.index(stage) + 1]) for stage in POST_STAGES},
+    **{
+        stage: (
+            "corpus",
+            "data",
+            "tokenizer",
+            "pack",
+            "model",
+            "train",
+            "tasks",
+            "peft",
+            *POST_STAGES[: POST_STAGES.index(stage) + 1],
+        )
+        for stage in POST_STAGES
+    },
 }
 MARKER = "DONE"
 RESUMABLE = ("pretrain", *POST_STAGES)  # stages that continue from their own checkpoints
@@ -55,8 +67,13 @@ def is_done(recipe: Recipe, stage: str) -> bool:
         return False
 
 
-def run_recipe(recipe: Recipe, stages: list[str] | None = None, force: bool = False,
-               resume: str = "auto", init_from: str | None = None) -> dict[str, Any]:
+def run_recipe(
+    recipe: Recipe,
+    stages: list[str] | None = None,
+    force: bool = False,
+    resume: str = "auto",
+    init_from: str | None = None,
+) -> dict[str, Any]:
     """Run ``stages`` (default: the recipe's) in pipeline order; return each stage's stats."""
     wanted = stages if stages is not None else recipe.run.stages
     results: dict[str, Any] = {}
@@ -100,8 +117,13 @@ def run_recipe(recipe: Recipe, stages: list[str] | None = None, force: bool = Fa
             # Atomic: a kill mid-write must not leave an unreadable marker, which the next run would
             # take for stale output.
             tmp = marker.with_name(marker.name + ".tmp")
-            tmp.write_text(json.dumps({"fingerprint": fingerprint(recipe, stage), "seconds": seconds,
-                                       "stats": stats}, indent=2, default=str))
+            tmp.write_text(
+                json.dumps(
+                    {"fingerprint": fingerprint(recipe, stage), "seconds": seconds, "stats": stats},
+                    indent=2,
+                    default=str,
+                )
+            )
             tmp.replace(marker)
         _barrier(world)
         results[stage] = stats if stats is not None else json.loads(marker.read_text()).get("stats", {})
@@ -121,11 +143,13 @@ def _rank_and_world() -> tuple[int, int]:
 def _barrier(world: int) -> None:
     if world > 1:
         import torch.distributed as dist
+
         dist.barrier()
 
 
 def _corpus(recipe: Recipe, out: Path, **_) -> dict:
     from kiln.data.corpus import build_corpus
+
     return build_corpus(recipe.corpus, out)
 
 
@@ -138,11 +162,13 @@ def documents_dir(recipe: Recipe) -> Path:
 
 def _data(recipe: Recipe, out: Path, **_) -> dict:
     from kiln.data.curate import curate
+
     return curate(recipe.data, out, default_inputs=sorted(stage_dir(recipe, "corpus").glob("*.jsonl")))
 
 
 def _tokenizer(recipe: Recipe, out: Path, **_) -> dict:
     from kiln.data.tokenizer import train_tokenizer_from_corpus
+
     stats = train_tokenizer_from_corpus(documents_dir(recipe), recipe.tokenizer, out)
     print(f"[tokenizer] held-out compression: {stats['bytes_per_token']:.2f} bytes/token")
     return stats
@@ -150,8 +176,8 @@ def _tokenizer(recipe: Recipe, out: Path, **_) -> dict:
 
 def _pack(recipe: Recipe, out: Path, **_) -> dict:
     from kiln.data.pack import pack
-    return pack(documents_dir(recipe), stage_dir(recipe, "tokenizer") / "tokenizer.json",
-                recipe.pack, out)
+
+    return pack(documents_dir(recipe), stage_dir(recipe, "tokenizer") / "tokenizer.json", recipe.pack, out)
 
 
 def resolved_model_config(recipe: Recipe):
@@ -164,9 +190,17 @@ def resolved_model_config(recipe: Recipe):
 
 def _pretrain(recipe: Recipe, out: Path, resume: str = "auto", init_from: str | None = None, **_) -> dict:
     from kiln.train.trainer import Trainer
-    trainer = Trainer(resolved_model_config(recipe), recipe.train, stage_dir(recipe, "pack"), out,
-                      recipe_dict=recipe_to_dict(recipe), resume=resume, init_from=init_from,
-                      parallel=recipe.parallel)
+
+    trainer = Trainer(
+        resolved_model_config(recipe),
+        recipe.train,
+        stage_dir(recipe, "pack"),
+        out,
+        recipe_dict=recipe_to_dict(recipe),
+        resume=resume,
+        init_from=init_from,
+        parallel=recipe.parallel,
+    )
     return trainer.fit()
 
 
@@ -191,7 +225,7 @@ def _sample(recipe: Recipe, out: Path, **_) -> dict:
 def init_checkpoint(recipe: Recipe, stage: str) -> Path:
     """Where a post-training stage starts: the policy the post-training stage before it in the run
     left (the reward model is not a policy), else pretraining's best checkpoint."""
-    earlier = [s for s in POST_STAGES[:POST_STAGES.index(stage)] if s in recipe.run.stages and s != "rm"]
+    earlier = [s for s in POST_STAGES[: POST_STAGES.index(stage)] if s in recipe.run.stages and s != "rm"]
     if earlier:
         previous = stage_dir(recipe, earlier[-1])
         # PPO leaves the actor alone in policy/ (its checkpoints hold the critic too); a PEFT stage
@@ -209,11 +243,20 @@ def _post(stage: str):
     def run(recipe: Recipe, out: Path, resume: str = "auto", init_from: str | None = None, **_) -> dict:
         from kiln.data.tokenizer import Tokenizer
         from kiln.post import run as post
+
         tokenizer = Tokenizer.load(stage_dir(recipe, "tokenizer"))
         init = Path(init_from) if init_from else init_checkpoint(recipe, stage)
         return getattr(post, f"run_{stage}")(recipe, out, init, tokenizer, resume=resume)
+
     return run
 
 
-STAGE_RUNNERS = {"corpus": _corpus, "data": _data, "tokenizer": _tokenizer, "pack": _pack,
-                 "pretrain": _pretrain, "sample": _sample, **{stage: _post(stage) for stage in POST_STAGES}}
+STAGE_RUNNERS = {
+    "corpus": _corpus,
+    "data": _data,
+    "tokenizer": _tokenizer,
+    "pack": _pack,
+    "pretrain": _pretrain,
+    "sample": _sample,
+    **{stage: _post(stage) for stage in POST_STAGES},
+}

@@ -23,24 +23,46 @@ from kiln.config import STAGES
 from kiln.cost import CHINCHILLA_TOKENS_PER_PARAM, DEFAULT_PUE, check_options, cost_html_text, run_cost
 from kiln.data.funnel import funnel_html, funnel_text
 from kiln.errors import ConfigError, DataError
-from kiln.report_plots import (MAX_POINTS, Plot, Series, cards, event_label, fmt_value, kv_table, line_plot, page,
-                               table, training_plots)
+from kiln.report_plots import (
+    MAX_POINTS,
+    Plot,
+    Series,
+    cards,
+    event_label,
+    fmt_value,
+    kv_table,
+    line_plot,
+    page,
+    table,
+    training_plots,
+)
 
 TRAIN_FIELDS = ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "hfu", "peak_mem_mb", "tokens_seen", "batch_tokens")
 # Families of training keys ("grad_norm/attn", "sys/ram_mb"): each value must be a number, or null.
 TRAIN_PREFIXES = ("grad_norm/", "sys/")
 VAL_FIELDS = ("val_loss", "val_bpb", "tokens_seen")
 SHOWN_SKIPS = 5  # malformed lines listed by number in a warning; the rest are counted
-HEADLINE = ("steps", "tokens_seen", "final_val_loss", "final_val_bpb", "best_val_loss", "best_step",
-            "tokens_per_s", "mfu", "peak_mem_mb", "wall_s", "device")  # of summary.json, for --text
+HEADLINE = (
+    "steps",
+    "tokens_seen",
+    "final_val_loss",
+    "final_val_bpb",
+    "best_val_loss",
+    "best_step",
+    "tokens_per_s",
+    "mfu",
+    "peak_mem_mb",
+    "wall_s",
+    "device",
+)  # of summary.json, for --text
 SAMPLE_CHARS = 64_000  # of sample/samples.txt shown; the rest is cut with a note
 
 
 @dataclass
 class ReportOptions:
-    loss_scale: str = "linear"   # "linear" or "log": the y axis of the loss plots
+    loss_scale: str = "linear"  # "linear" or "log": the y axis of the loss plots
     max_points: int = MAX_POINTS  # per plotted series; longer ones are thinned keeping extremes
-    strict: bool = False          # a malformed metrics line fails the report instead of being skipped
+    strict: bool = False  # a malformed metrics line fails the report instead of being skipped
     # Cost (kiln.cost.run_cost): None takes what the summary says or the hardware table's figure.
     hardware: str | None = None
     price_per_hour: float | None = None
@@ -53,16 +75,17 @@ class ReportOptions:
 @dataclass
 class Part:
     """What a section function returns: its HTML, and its plain-text lines for `--text` ("" omits)."""
+
     html: str
     text: str = ""
 
 
 @dataclass(frozen=True)
 class SectionSpec:
-    key: str                     # HTML id of the section
+    key: str  # HTML id of the section
     title: str
-    order: float                 # position on the page, ascending
-    inputs: tuple[str, ...]      # paths in the run folder it reads, named in its warnings
+    order: float  # position on the page, ascending
+    inputs: tuple[str, ...]  # paths in the run folder it reads, named in its warnings
     render: Callable[["Run", ReportOptions], Part | None]
 
 
@@ -74,22 +97,25 @@ SECTION_MODULES: list[str] = []
 
 def section(key: str, title: str, order: float, inputs: tuple[str, ...] = ()):
     """Register `fn(run, opts) -> Part | None` as a report section."""
+
     def register(fn):
         if key in SECTIONS:
             raise ValueError(f"report section {key!r} is registered twice")
         SECTIONS[key] = SectionSpec(key, title, order, tuple(inputs), fn)
         return fn
+
     return register
 
 
 @dataclass
 class Metrics:
     """The records of one metrics.jsonl, by kind, and the lines that could not be read."""
+
     path: Path
     train: list[dict] = field(default_factory=list)
     val: list[dict] = field(default_factory=list)
     events: list[dict] = field(default_factory=list)
-    other: int = 0                                                 # records of kinds not drawn
+    other: int = 0  # records of kinds not drawn
     skipped: list[tuple[int, str]] = field(default_factory=list)  # (line number, why)
 
 
@@ -155,8 +181,7 @@ class Run:
         if not (path / "recipe.json").is_file():
             if (path.parent / "recipe.json").is_file():
                 raise DataError(f"{path}: is a stage folder of the run {path.parent}; pass {path.parent}")
-            raise DataError(f"{path}: not a Kiln run folder (no recipe.json; `kiln run` writes one into "
-                            f"runs/<name>/)")
+            raise DataError(f"{path}: not a Kiln run folder (no recipe.json; `kiln run` writes one into runs/<name>/)")
         self.path = path
         self.strict = strict
         self.warnings: list[str] = []
@@ -210,8 +235,12 @@ class Report:
 
     def html(self) -> str:
         subtitle = f"{self.run.path.resolve()} · generated {self.generated}"
-        return page(f"Kiln report: {self.run.name}", subtitle, self.warnings,
-                    [(spec.key, spec.title, part.html) for spec, part in self.parts])
+        return page(
+            f"Kiln report: {self.run.name}",
+            subtitle,
+            self.warnings,
+            [(spec.key, spec.title, part.html) for spec, part in self.parts],
+        )
 
     def text(self) -> str:
         lines = [f"Kiln run {self.run.name} ({self.run.path})"]
@@ -229,8 +258,14 @@ def build_report(run_dir, opts: ReportOptions | None = None) -> Report:
     if opts.loss_scale not in ("linear", "log"):
         raise ConfigError("loss_scale", f"must be linear or log, got {opts.loss_scale!r}")
     # Cost options fail here, once, rather than as a warning in every cost section.
-    check_options(opts.hardware, opts.price_per_hour, opts.pue, opts.power_w, opts.cores,
-                  {"--tokens": opts.token_budget} if opts.token_budget is not None else None)
+    check_options(
+        opts.hardware,
+        opts.price_per_hour,
+        opts.pue,
+        opts.power_w,
+        opts.cores,
+        {"--tokens": opts.token_budget} if opts.token_budget is not None else None,
+    )
     for name in SECTION_MODULES:
         importlib.import_module(name)
     run = Run(run_dir, strict=opts.strict)
@@ -247,8 +282,7 @@ def build_report(run_dir, opts: ReportOptions | None = None) -> Report:
             # Files written by other versions or edited by hand: one section is lost, not the report.
             if opts.strict:
                 raise DataError(f"{inputs}: unexpected content ({type(e).__name__}: {e})") from e
-            run.warn(f"section {spec.title!r} left out: {inputs} has unexpected content "
-                     f"({type(e).__name__}: {e})")
+            run.warn(f"section {spec.title!r} left out: {inputs} has unexpected content ({type(e).__name__}: {e})")
         else:
             if part is not None:
                 parts.append((spec, part))
@@ -271,6 +305,7 @@ def write_report(run_dir, out=None, opts: ReportOptions | None = None) -> tuple[
 
 # ---------------------------------------------------------------- sections
 
+
 def _num(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
@@ -282,8 +317,11 @@ def _dict(v) -> dict:
 def _stage_rows(run: Run) -> list[list]:
     listed = _dict(run.recipe.get("run")).get("stages") or []
     names = [s for s in STAGES if s in listed or (run.path / s).is_dir()]
-    names += sorted(d.name for d in run.path.iterdir() if d.is_dir() and d.name not in names
-                    and ((d / "DONE").is_file() or (d / "metrics.jsonl").is_file()))
+    names += sorted(
+        d.name
+        for d in run.path.iterdir()
+        if d.is_dir() and d.name not in names and ((d / "DONE").is_file() or (d / "metrics.jsonl").is_file())
+    )
     rows = []
     for name in names:
         if not (run.path / name).is_dir():
@@ -323,25 +361,32 @@ def _training(run: Run, opts: ReportOptions, stage: str, config_table: str) -> P
     m = run.metrics(stage)
     if m is None:
         return None
-    plots = training_plots(stage, m.train, m.val, m.events, opts.loss_scale == "log",
-                           _train_table(run, config_table).get("grad_clip"))
+    plots = training_plots(
+        stage, m.train, m.val, m.events, opts.loss_scale == "log", _train_table(run, config_table).get("grad_clip")
+    )
     other = f", {m.other} of other kinds" if m.other else ""
-    note = (f'<p class="note">{len(m.train)} training and {len(m.val)} validation records, '
-            f"{len(m.events)} events{other}, from {html.escape(str(m.path))}.</p>")
+    note = (
+        f'<p class="note">{len(m.train)} training and {len(m.val)} validation records, '
+        f"{len(m.events)} events{other}, from {html.escape(str(m.path))}.</p>"
+    )
     svgs = "".join(line_plot(p, max_points=opts.max_points) for p in plots)
     text = [f"{len(m.train)} training records, {len(m.val)} validation records, {len(m.events)} events"]
     losses = [r for r in m.train if _num(r.get("loss"))]
     if losses:
         low = min(losses, key=lambda r: r["loss"] if math.isfinite(r["loss"]) else float("inf"))
-        text.append(f"train loss {losses[0]['loss']:.4f} at step {losses[0]['step']} -> {losses[-1]['loss']:.4f} "
-                    f"at step {losses[-1]['step']} (lowest {low['loss']:.4f} at step {low['step']})")
+        text.append(
+            f"train loss {losses[0]['loss']:.4f} at step {losses[0]['step']} -> {losses[-1]['loss']:.4f} "
+            f"at step {losses[-1]['step']} (lowest {low['loss']:.4f} at step {low['step']})"
+        )
     vals = [r for r in m.val if _num(r.get("val_loss"))]
     if vals:
         text.append(f"val loss {vals[-1]['val_loss']:.4f} at step {vals[-1]['step']}")
     last = m.train[-1] if m.train else {}
     if _num(last.get("tokens_per_s")):
-        text.append(f"last logged: {last['tokens_per_s']:.0f} tokens/s, MFU {fmt_value(last.get('mfu'), 'mfu')}, "
-                    f"peak memory {fmt_value(last.get('peak_mem_mb'))} MB")
+        text.append(
+            f"last logged: {last['tokens_per_s']:.0f} tokens/s, MFU {fmt_value(last.get('mfu'), 'mfu')}, "
+            f"peak memory {fmt_value(last.get('peak_mem_mb'))} MB"
+        )
     return Part(note + f'<div class="plots">{svgs}</div>', "\n".join(text))
 
 
@@ -352,6 +397,7 @@ def _checkpoints(run: Run, stage: str) -> Part | None:
     pointers = {p: (root / p).read_text().strip() for p in ("latest", "best") if (root / p).is_file()}
     folders = [d for d in root.iterdir() if d.is_dir() and d.name.split("step-")[0] in ("", "abandoned-")]
     rows = []
+
     def step_of(d: Path) -> int:
         digits = d.name.rsplit("-", 1)[-1]
         return int(digits) if digits.isdigit() else -1
@@ -365,13 +411,27 @@ def _checkpoints(run: Run, stage: str) -> Part | None:
             continue
         notes += ["sharded"] if manifest.get("layout") == "sharded" else []
         size = sum(f.get("bytes", 0) for f in _dict(manifest.get("files")).values() if isinstance(f, dict))
-        rows.append([d.name, manifest.get("step"), manifest.get("tokens_seen"), manifest.get("val_loss"),
-                     size / 2**20, ", ".join(notes)])
+        rows.append(
+            [
+                d.name,
+                manifest.get("step"),
+                manifest.get("tokens_seen"),
+                manifest.get("val_loss"),
+                size / 2**20,
+                ", ".join(notes),
+            ]
+        )
     if not rows:
         return None
     text = "; ".join(f"{r[0]} val {fmt_value(r[3])}" + (f" ({r[5]})" if r[5] else "") for r in rows)
-    return Part(table(["checkpoint", "step", "tokens seen", "val loss", "MB", "notes"], rows,
-                      ["checkpoint", "step", "tokens_seen", "val_loss", "mb", "notes"]), text)
+    return Part(
+        table(
+            ["checkpoint", "step", "tokens seen", "val loss", "MB", "notes"],
+            rows,
+            ["checkpoint", "step", "tokens_seen", "val_loss", "mb", "notes"],
+        ),
+        text,
+    )
 
 
 def _events(run: Run, stage: str) -> Part | None:
@@ -421,19 +481,31 @@ def training_section(stage: str, title: str, order: float, config_table: str, pr
     training keys ("train", or "sft.train" over [train]); `project` prices token budgets, which
     only makes sense where the trainer counts tokens (post-training may count pairs or sequences)."""
     section(f"{stage}-training", title, order, (f"{stage}/metrics.jsonl",))(
-        lambda run, opts: _training(run, opts, stage, config_table))
+        lambda run, opts: _training(run, opts, stage, config_table)
+    )
     section(f"{stage}-checkpoints", f"{title}: checkpoints", order + 0.1, (f"{stage}/checkpoints",))(
-        lambda run, opts: _checkpoints(run, stage))
+        lambda run, opts: _checkpoints(run, stage)
+    )
     section(f"{stage}-events", f"{title}: events", order + 0.2, (f"{stage}/metrics.jsonl",))(
-        lambda run, opts: _events(run, stage))
+        lambda run, opts: _events(run, stage)
+    )
     section(f"{stage}-cost", f"{title}: cost", order + 0.3, (f"{stage}/summary.json",))(
-        lambda run, opts: _cost(run, opts, stage, config_table, project))
+        lambda run, opts: _cost(run, opts, stage, config_table, project)
+    )
 
 
 training_section("pretrain", "Pretraining", 20, "train")
 # The post-training stages run the same Trainer into runs/<name>/<stage>/, with [<stage>.train].
-for _order, (_stage, _title) in enumerate((("sft", "SFT"), ("rm", "Reward model"), ("dpo", "DPO"), ("ppo", "PPO"),
-                                          ("grpo", "GRPO"), ("distill", "Distillation"))):
+for _order, (_stage, _title) in enumerate(
+    (
+        ("sft", "SFT"),
+        ("rm", "Reward model"),
+        ("dpo", "DPO"),
+        ("ppo", "PPO"),
+        ("grpo", "GRPO"),
+        ("distill", "Distillation"),
+    )
+):
     training_section(_stage, _title, 25 + _order, f"{_stage}.train", project=False)
 
 
@@ -462,8 +534,11 @@ def _eval(run: Run, opts: ReportOptions) -> Part | None:
     parts, text = [], []
     stepped = sorted(((flat["step"], flat) for _, flat in results if _num(flat.get("step"))), key=lambda p: p[0])
     if len(stepped) >= 2:
-        keys = [k for k, v in stepped[0][1].items() if _num(v) and k not in ("step", "tokens_seen")
-                and all(_num(flat.get(k)) for _, flat in stepped)][:8]
+        keys = [
+            k
+            for k, v in stepped[0][1].items()
+            if _num(v) and k not in ("step", "tokens_seen") and all(_num(flat.get(k)) for _, flat in stepped)
+        ][:8]
         series = [Series(k, [s for s, _ in stepped], [flat[k] for _, flat in stepped], markers=True) for k in keys]
         if series:
             plot = Plot("eval-scores", "Evaluation scores across checkpoints", "step", "score", series)
@@ -481,11 +556,21 @@ def _corpus(run: Run, opts: ReportOptions) -> Part | None:
     if not isinstance(stats, dict):
         return None
     sources = _dict(stats.get("sources"))
-    rows = [[name, s.get("documents"), s.get("bytes"), s.get("candidates"),
-             ", ".join(f"{k} {v}" for k, v in _dict(s.get("dropped")).items())] for name, s in sources.items()]
+    rows = [
+        [
+            name,
+            s.get("documents"),
+            s.get("bytes"),
+            s.get("candidates"),
+            ", ".join(f"{k} {v}" for k, v in _dict(s.get("dropped")).items()),
+        ]
+        for name, s in sources.items()
+    ]
     totals = {k: v for k, v in stats.items() if k != "sources"}
-    text = (f"{fmt_value(stats.get('documents'))} documents, {fmt_value(stats.get('bytes'))} bytes "
-            f"from {len(sources)} sources")
+    text = (
+        f"{fmt_value(stats.get('documents'))} documents, {fmt_value(stats.get('bytes'))} bytes "
+        f"from {len(sources)} sources"
+    )
     return Part(kv_table(totals) + table(["source", "documents", "bytes", "candidates", "dropped"], rows), text)
 
 
@@ -496,12 +581,14 @@ def _data(run: Run, opts: ReportOptions) -> Part | None:
         return None
     funnel_page = funnel_html(stats, "Data funnel")
     # funnel_html makes a whole page; its chart and table start at the <svg>.
-    chart = funnel_page[funnel_page.index("<svg"):]
+    chart = funnel_page[funnel_page.index("<svg") :]
     docs_in, docs_out = stats.get("docs_in"), stats.get("docs_out")
     kept = f" ({100 * docs_out / docs_in:.1f}% kept)" if _num(docs_in) and _num(docs_out) and docs_in else ""
-    intro = (f"<p>{fmt_value(docs_in)} documents in, {fmt_value(docs_out)} out{kept}, in "
-             f"{fmt_value(stats.get('tasks'))} tasks. Documents (blue) and bytes (orange) kept after each step, "
-             f"as a share of what was read.</p>")
+    intro = (
+        f"<p>{fmt_value(docs_in)} documents in, {fmt_value(docs_out)} out{kept}, in "
+        f"{fmt_value(stats.get('tasks'))} tasks. Documents (blue) and bytes (orange) kept after each step, "
+        f"as a share of what was read.</p>"
+    )
     return Part(intro + f'<div class="wide">{chart}</div>', funnel_text(stats))
 
 
@@ -511,14 +598,19 @@ def _tokenizer(run: Run, opts: ReportOptions) -> Part | None:
     if not isinstance(stats, dict):
         return None
     by_source = _dict(stats.get("heldout_by_source"))
-    rows = [[name, s.get("documents"), s.get("bytes"), s.get("tokens"), s.get("bytes_per_token")]
-            for name, s in by_source.items()]
+    rows = [
+        [name, s.get("documents"), s.get("bytes"), s.get("tokens"), s.get("bytes_per_token")]
+        for name, s in by_source.items()
+    ]
     html_ = kv_table({k: v for k, v in stats.items() if k != "heldout_by_source"})
     if rows:
         html_ += "<h3>Held-out text by source</h3>" + table(
-            ["source", "documents", "bytes", "tokens", "bytes/token"], rows)
-    text = (f"vocabulary {fmt_value(stats.get('vocab_size'))}, {fmt_value(stats.get('bytes_per_token'))} "
-            f"bytes/token on held-out text")
+            ["source", "documents", "bytes", "tokens", "bytes/token"], rows
+        )
+    text = (
+        f"vocabulary {fmt_value(stats.get('vocab_size'))}, {fmt_value(stats.get('bytes_per_token'))} "
+        f"bytes/token on held-out text"
+    )
     return Part(html_, text)
 
 
@@ -527,14 +619,26 @@ def _pack(run: Run, opts: ReportOptions) -> Part | None:
     stats = run.json("pack/stats.json")
     if not isinstance(stats, dict):
         return None
-    splits = [[split, _dict(stats.get(split)).get("documents"), _dict(stats.get(split)).get("tokens"),
-               _dict(stats.get(split)).get("bytes")] for split in ("train", "val") if split in stats]
+    splits = [
+        [
+            split,
+            _dict(stats.get(split)).get("documents"),
+            _dict(stats.get(split)).get("tokens"),
+            _dict(stats.get(split)).get("bytes"),
+        ]
+        for split in ("train", "val")
+        if split in stats
+    ]
     weights = _dict(stats.get("weights"))
-    sources = [[name, _dict(s.get("train")).get("tokens"), _dict(s.get("val")).get("tokens"), weights.get(name)]
-               for name, s in _dict(stats.get("sources")).items()]
-    html_ = (f"<p>dtype {html.escape(fmt_value(stats.get('dtype')))}, vocabulary "
-             f"{html.escape(fmt_value(stats.get('vocab_size')))}.</p>"
-             + table(["split", "documents", "tokens", "bytes"], splits))
+    sources = [
+        [name, _dict(s.get("train")).get("tokens"), _dict(s.get("val")).get("tokens"), weights.get(name)]
+        for name, s in _dict(stats.get("sources")).items()
+    ]
+    html_ = (
+        f"<p>dtype {html.escape(fmt_value(stats.get('dtype')))}, vocabulary "
+        f"{html.escape(fmt_value(stats.get('vocab_size')))}.</p>"
+        + table(["split", "documents", "tokens", "bytes"], splits)
+    )
     if sources:
         html_ += "<h3>Mixture</h3>" + table(["source", "train tokens", "val tokens", "weight"], sources)
     text = ", ".join(f"{r[0]} {fmt_value(r[2])} tokens" for r in splits)
@@ -550,8 +654,10 @@ def _samples(run: Run, opts: ReportOptions) -> Part | None:
     step = _dict(run.json("sample/stats.json")).get("checkpoint_step")
     note = f"from the checkpoint of step {step}, " if step is not None else ""
     cut = f" (first {SAMPLE_CHARS:,} of {len(text):,} characters)" if len(text) > SAMPLE_CHARS else ""
-    html_ = (f'<p class="note">Generated text {html.escape(note)}as written to {html.escape(str(path))}{cut}.</p>'
-             f"<pre>{html.escape(text[:SAMPLE_CHARS])}</pre>")
+    html_ = (
+        f'<p class="note">Generated text {html.escape(note)}as written to {html.escape(str(path))}{cut}.</p>'
+        f"<pre>{html.escape(text[:SAMPLE_CHARS])}</pre>"
+    )
     return Part(html_, text[:600] + (" ..." if len(text) > 600 else ""))
 
 
@@ -559,12 +665,17 @@ def _samples(run: Run, opts: ReportOptions) -> Part | None:
 def _config(run: Run, opts: ReportOptions) -> Part | None:
     if not run.recipe:
         return None
-    parts = [f"<h3>[{html.escape(name)}]</h3>" + kv_table(values) if isinstance(values, dict)
-             else f"<h3>{html.escape(name)}</h3>" + kv_table({name: values}) for name, values in run.recipe.items()]
+    parts = [
+        f"<h3>[{html.escape(name)}]</h3>" + kv_table(values)
+        if isinstance(values, dict)
+        else f"<h3>{html.escape(name)}</h3>" + kv_table({name: values})
+        for name, values in run.recipe.items()
+    ]
     return Part('<p class="note">The resolved recipe of the latest invocation (recipe.json).</p>' + "".join(parts))
 
 
 # ---------------------------------------------------------------- command line
+
 
 def add_report_parser(verbs) -> None:
     p = verbs.add_parser("report", help="HTML report of a run: loss curves, throughput, data funnel, samples")
@@ -572,13 +683,19 @@ def add_report_parser(verbs) -> None:
     p.add_argument("--out", help="HTML file to write (default: RUN/report.html)")
     p.add_argument("--text", action="store_true", help="print a plain-text summary instead of writing HTML")
     p.add_argument("--loss-scale", choices=("linear", "log"), default="linear", help="y axis of the loss plots")
-    p.add_argument("--strict", action="store_true",
-                   help="fail on a malformed metrics line or stats file instead of skipping it with a warning")
+    p.add_argument(
+        "--strict",
+        action="store_true",
+        help="fail on a malformed metrics line or stats file instead of skipping it with a warning",
+    )
     cost = p.add_argument_group("cost (docs/cost.md)")
-    cost.add_argument("--hardware", help="what the stages ran on: a GPU of `kiln plan --gpu` (h100, a100, ...) or "
-                                          "cpu (default: from summary.json)")
-    cost.add_argument("--price", type=float, help="USD per GPU-hour, or per core-hour on CPU "
-                                                  "(default: the hardware table's)")
+    cost.add_argument(
+        "--hardware",
+        help="what the stages ran on: a GPU of `kiln plan --gpu` (h100, a100, ...) or cpu (default: from summary.json)",
+    )
+    cost.add_argument(
+        "--price", type=float, help="USD per GPU-hour, or per core-hour on CPU (default: the hardware table's)"
+    )
     cost.add_argument("--pue", type=float, default=DEFAULT_PUE, help="facility power over IT power")
     cost.add_argument("--power", type=float, help="watts per GPU (default: its TDP), or per CPU process")
     cost.add_argument("--cores", type=int, help="CPU cores per process (default: summary.json's threads)")
@@ -586,9 +703,16 @@ def add_report_parser(verbs) -> None:
 
 
 def run_report(args) -> int:
-    opts = ReportOptions(loss_scale=args.loss_scale, strict=args.strict, hardware=args.hardware,
-                         price_per_hour=args.price, pue=args.pue, power_w=args.power, cores=args.cores,
-                         token_budget=args.tokens)
+    opts = ReportOptions(
+        loss_scale=args.loss_scale,
+        strict=args.strict,
+        hardware=args.hardware,
+        price_per_hour=args.price,
+        pue=args.pue,
+        power_w=args.power,
+        cores=args.cores,
+        token_budget=args.tokens,
+    )
     if args.text:
         print(build_report(args.run, opts).text())
         return 0

@@ -17,8 +17,7 @@ from dataclasses import dataclass, field
 COLORS = ("#4c78a8", "#f58518", "#54a24b", "#e45756", "#72b7b2", "#b279a2", "#ff9da6", "#9d755d")
 MAX_POINTS = 2000  # per series; longer series are thinned keeping each bucket's extremes
 # Event markers: the guard's and the watchdog's in strong colours, schedule changes in grey.
-EVENT_COLORS = {"nan": "#d62728", "spike": "#9467bd", "skip": "#8c564b", "rollback": "#e377c2",
-                "watchdog": "#17becf"}
+EVENT_COLORS = {"nan": "#d62728", "spike": "#9467bd", "skip": "#8c564b", "rollback": "#e377c2", "watchdog": "#17becf"}
 EVENT_DEFAULT_COLOR = "#7f7f7f"
 TAG_CHAR_PX = 5.6  # width of one character of an event tag (10 px sans-serif), to keep tags apart
 
@@ -35,7 +34,7 @@ class Series:
 
 @dataclass
 class Plot:
-    key: str                     # stable id, e.g. "pretrain-loss"; the svg's data-plot attribute
+    key: str  # stable id, e.g. "pretrain-loss"; the svg's data-plot attribute
     title: str
     xlabel: str
     ylabel: str
@@ -80,7 +79,7 @@ def log_ticks(lo: float, hi: float) -> list[float]:
     whichever first gives at least three; a range narrower than that gets linear ticks."""
     e0, e1 = math.floor(math.log10(lo)), math.ceil(math.log10(hi))
     for mults in ((1,), (1, 2, 5), tuple(range(1, 10))):
-        ticks = [m * 10.0 ** e for e in range(e0, e1 + 1) for m in mults]
+        ticks = [m * 10.0**e for e in range(e0, e1 + 1) for m in mults]
         ticks = [t for t in ticks if lo * (1 - 1e-9) <= t <= hi * (1 + 1e-9)]
         if len(ticks) >= 3:
             return ticks
@@ -116,7 +115,7 @@ def _domain(values: list[float], log: bool) -> tuple[float, float, list[float]]:
         if hi <= lo:
             lo, hi = lo / 1.5, hi * 1.5
         pad = (math.log10(hi) - math.log10(lo)) * 0.04
-        lo, hi = lo / 10 ** pad, hi * 10 ** pad
+        lo, hi = lo / 10**pad, hi * 10**pad
         return lo, hi, log_ticks(lo, hi)
     if hi <= lo:
         spread = abs(lo) * 0.1 or 1.0
@@ -169,14 +168,18 @@ def line_plot(plot: Plot, width: int = 560, height: int = 300, max_points: int =
     xs_all = [x for _, _, xs, ys in drawn for x, y in zip(xs, ys) if _placeable(x, y, plot.log_y)]
     ys_all = [y for _, _, xs, ys in drawn for x, y in zip(xs, ys) if _placeable(x, y, plot.log_y)]
     esc = html.escape
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" class="plot" data-plot="{esc(plot.key)}" '
-           f'width="{width}" height="{height}" viewBox="0 0 {width} {height}" role="img" '
-           f'aria-label="{esc(plot.title)}" font-family="sans-serif" font-size="11">',
-           f'<title>{esc(plot.title)}</title>',
-           f'<text x="{left}" y="16" font-size="13" font-weight="bold">{esc(plot.title)}</text>']
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" class="plot" data-plot="{esc(plot.key)}" '
+        f'width="{width}" height="{height}" viewBox="0 0 {width} {height}" role="img" '
+        f'aria-label="{esc(plot.title)}" font-family="sans-serif" font-size="11">',
+        f"<title>{esc(plot.title)}</title>",
+        f'<text x="{left}" y="16" font-size="13" font-weight="bold">{esc(plot.title)}</text>',
+    ]
     if not xs_all:
-        out.append(f'<text x="{left + pw / 2}" y="{top + ph / 2}" text-anchor="middle" fill="#888">'
-                   f'no finite values to draw</text></svg>')
+        out.append(
+            f'<text x="{left + pw / 2}" y="{top + ph / 2}" text-anchor="middle" fill="#888">'
+            f"no finite values to draw</text></svg>"
+        )
         return "".join(out)
     ys_all += [y for y, _ in plot.hlines if _placeable(0.0, y, plot.log_y)]
     x0, x1, xticks = _domain(xs_all, False)
@@ -193,23 +196,31 @@ def line_plot(plot: Plot, width: int = 560, height: int = 300, max_points: int =
     # Grid and ticks.
     for t in xticks:
         if x0 <= t <= x1:
-            out.append(f'<line x1="{px(t):.1f}" y1="{top}" x2="{px(t):.1f}" y2="{top + ph}" stroke="#eee"/>'
-                       f'<text x="{px(t):.1f}" y="{top + ph + 14}" text-anchor="middle">{fmt_num(t)}</text>')
+            out.append(
+                f'<line x1="{px(t):.1f}" y1="{top}" x2="{px(t):.1f}" y2="{top + ph}" stroke="#eee"/>'
+                f'<text x="{px(t):.1f}" y="{top + ph + 14}" text-anchor="middle">{fmt_num(t)}</text>'
+            )
     for t in yticks:
         if y0 <= t <= y1:
-            out.append(f'<line x1="{left}" y1="{py(t):.1f}" x2="{left + pw}" y2="{py(t):.1f}" stroke="#eee"/>'
-                       f'<text x="{left - 5}" y="{py(t) + 4:.1f}" text-anchor="end">{fmt_num(t)}</text>')
+            out.append(
+                f'<line x1="{left}" y1="{py(t):.1f}" x2="{left + pw}" y2="{py(t):.1f}" stroke="#eee"/>'
+                f'<text x="{left - 5}" y="{py(t) + 4:.1f}" text-anchor="end">{fmt_num(t)}</text>'
+            )
     out.append(f'<rect x="{left}" y="{top}" width="{pw}" height="{ph}" fill="none" stroke="#444"/>')
     scale = " (log scale)" if plot.log_y else ""
-    out.append(f'<text x="{left + pw / 2}" y="{height - 6}" text-anchor="middle">{esc(plot.xlabel)}</text>'
-               f'<text transform="translate(13 {top + ph / 2}) rotate(-90)" text-anchor="middle">'
-               f'{esc(plot.ylabel + scale)}</text>')
+    out.append(
+        f'<text x="{left + pw / 2}" y="{height - 6}" text-anchor="middle">{esc(plot.xlabel)}</text>'
+        f'<text transform="translate(13 {top + ph / 2}) rotate(-90)" text-anchor="middle">'
+        f"{esc(plot.ylabel + scale)}</text>"
+    )
     for y, label in plot.hlines:
         if _placeable(0.0, y, plot.log_y):
-            out.append(f'<line x1="{left}" y1="{py(y):.1f}" x2="{left + pw}" y2="{py(y):.1f}" stroke="#888" '
-                       f'stroke-dasharray="6 3"><title>{esc(label)}</title></line>'
-                       f'<text x="{left + pw - 4}" y="{py(y) - 4:.1f}" text-anchor="end" fill="#666">'
-                       f'{esc(label)}</text>')
+            out.append(
+                f'<line x1="{left}" y1="{py(y):.1f}" x2="{left + pw}" y2="{py(y):.1f}" stroke="#888" '
+                f'stroke-dasharray="6 3"><title>{esc(label)}</title></line>'
+                f'<text x="{left + pw - 4}" y="{py(y) - 4:.1f}" text-anchor="end" fill="#666">'
+                f"{esc(label)}</text>"
+            )
     # Tags go on two rows at the top, the guard's and the watchdog's first; one that would overprint
     # another in both rows keeps only its line and hover text.
     placed: list[list[tuple[float, float]]] = [[], []]
@@ -223,16 +234,20 @@ def line_plot(plot: Plot, width: int = 560, height: int = 300, max_points: int =
         for row, spans in enumerate(placed):
             if all(a + w + 3 <= b0 or a >= b1 + 3 for b0, b1 in spans):
                 spans.append((a, a + w))
-                tag_at[i] = (f'<text class="event-tag" x="{a:.1f}" y="{top + 11 + 11 * row}" '
-                             f'fill="{event_color(tag)}" font-size="10">{esc(tag)}</text>')
+                tag_at[i] = (
+                    f'<text class="event-tag" x="{a:.1f}" y="{top + 11 + 11 * row}" '
+                    f'fill="{event_color(tag)}" font-size="10">{esc(tag)}</text>'
+                )
                 break
     for i in sorted(range(len(vlines)), key=lambda i: vlines[i][0]):
         x, label, tag = vlines[i]
         if math.isfinite(x) and x0 <= x <= x1:
             color = event_color(tag) if tag else EVENT_COLORS["nan"]
-            out.append(f'<line class="event" data-event="{esc(tag)}" x1="{px(x):.1f}" y1="{top}" x2="{px(x):.1f}" '
-                       f'y2="{top + ph}" stroke="{color}" stroke-width="1.3" stroke-dasharray="3 3">'
-                       f'<title>{esc(label)}</title></line>' + tag_at.get(i, ""))
+            out.append(
+                f'<line class="event" data-event="{esc(tag)}" x1="{px(x):.1f}" y1="{top}" x2="{px(x):.1f}" '
+                f'y2="{top + ph}" stroke="{color}" stroke-width="1.3" stroke-dasharray="3 3">'
+                f"<title>{esc(label)}</title></line>" + tag_at.get(i, "")
+            )
     # Series: the domain covers every drawable point, so nothing needs clipping.
     for s, color, xs, ys in drawn:
         segments, current = [], []
@@ -248,8 +263,10 @@ def line_plot(plot: Plot, width: int = 560, height: int = 300, max_points: int =
         dash = ' stroke-dasharray="5 3"' if s.dashed else ""
         for seg in segments:
             points = " ".join(f"{a:.1f},{b:.1f}" for a, b in seg)
-            out.append(f'<polyline data-series="{esc(s.name)}" points="{points}" fill="none" '
-                       f'stroke="{color}" stroke-width="1.6"{dash}/>')
+            out.append(
+                f'<polyline data-series="{esc(s.name)}" points="{points}" fill="none" '
+                f'stroke="{color}" stroke-width="1.6"{dash}/>'
+            )
             if s.markers or len(seg) == 1:
                 out.extend(f'<circle cx="{a:.1f}" cy="{b:.1f}" r="2.5" fill="{color}"/>' for a, b in seg)
     # Legend rows between the title and the plot area: series as lines, event types as ticks.
@@ -257,10 +274,11 @@ def line_plot(plot: Plot, width: int = 560, height: int = 300, max_points: int =
         y = 32 + 16 * r
         for x, (name, color, dashed, event) in row:
             dash = ' stroke-dasharray="3 2"' if event else (' stroke-dasharray="5 3"' if dashed else "")
-            glyph = (f'<line x1="{x + 9}" y1="{y - 6}" x2="{x + 9}" y2="{y + 6}" stroke="{color}" '
-                     f'stroke-width="2"{dash}/>'
-                     if event else
-                     f'<line x1="{x}" y1="{y}" x2="{x + 18}" y2="{y}" stroke="{color}" stroke-width="2.5"{dash}/>')
+            glyph = (
+                f'<line x1="{x + 9}" y1="{y - 6}" x2="{x + 9}" y2="{y + 6}" stroke="{color}" stroke-width="2"{dash}/>'
+                if event
+                else f'<line x1="{x}" y1="{y}" x2="{x + 18}" y2="{y}" stroke="{color}" stroke-width="2.5"{dash}/>'
+            )
             out.append(f'{glyph}<text x="{x + 22}" y="{y + 4}">{esc(name)}</text>')
     out.append("</svg>")
     return "".join(out)
@@ -276,16 +294,16 @@ def _num(v) -> bool:
 
 
 def _series(records: list[dict], x: str, y: str, name: str, scale: float = 1.0, **style) -> Series | None:
-    points = sorted(((r[x], r[y] * scale) for r in records if _num(r.get(x)) and _num(r.get(y))),
-                    key=lambda p: p[0])
+    points = sorted(((r[x], r[y] * scale) for r in records if _num(r.get(x)) and _num(r.get(y))), key=lambda p: p[0])
     return Series(name, [p[0] for p in points], [p[1] for p in points], **style) if points else None
 
 
 def event_label(event: dict) -> tuple[str, str]:
     """(type, details) of an event record."""
     kind = str(event.get("type") or event.get("event") or event.get("name") or "event")
-    details = ", ".join(f"{k}={fmt_value(v, k)}" for k, v in event.items()
-                        if k not in ("kind", "step", "type", "event", "name"))
+    details = ", ".join(
+        f"{k}={fmt_value(v, k)}" for k, v in event.items() if k not in ("kind", "step", "type", "event", "name")
+    )
     return kind, details
 
 
@@ -310,18 +328,26 @@ def _system_plots(stage: str, t: list[dict]) -> list[Plot]:
     util = [k for k in keys if k.endswith(("_percent", "_util"))]
     mem = [k for k in keys if k.endswith("_mb")]
     rest = [k for k in keys if k not in util and k not in mem]
+
     def name(k: str) -> str:
-        return k[len("sys/"):]
+        return k[len("sys/") :]
+
     return [
         Plot(f"{stage}-sys-util", "System utilisation", "step", "%", [_series(t, "step", k, name(k)) for k in util]),
         Plot(f"{stage}-sys-memory", "System memory", "step", "MB", [_series(t, "step", k, name(k)) for k in mem]),
-        Plot(f"{stage}-sys-other", "Other system metrics", "step", "value",
-             [_series(t, "step", k, name(k)) for k in rest]),
+        Plot(
+            f"{stage}-sys-other",
+            "Other system metrics",
+            "step",
+            "value",
+            [_series(t, "step", k, name(k)) for k in rest],
+        ),
     ]
 
 
-def training_plots(stage: str, t: list[dict], v: list[dict], events: list[dict], log: bool = False,
-                   grad_clip=None) -> list[Plot]:
+def training_plots(
+    stage: str, t: list[dict], v: list[dict], events: list[dict], log: bool = False, grad_clip=None
+) -> list[Plot]:
     """The plots of one training stage's records (train, val, event; see docs/report.md); plots
     without data are left out, so a run that logs fewer keys simply gets fewer plots."""
     marks = []
@@ -333,27 +359,76 @@ def training_plots(stage: str, t: list[dict], v: list[dict], events: list[dict],
     batch = {r["batch_tokens"] for r in t if _num(r.get("batch_tokens"))}
     ramp = [mark for mark in marks if mark[2] == "batch_ramp"]
     plots = [
-        Plot(f"{stage}-loss", "Loss", "step", "loss (nats/token)",
-             [_series(t, "step", "loss", "train loss"), _series(v, "step", "val_loss", "val loss", markers=True)],
-             log_y=log, vlines=marks),
-        Plot(f"{stage}-loss-tokens", "Loss vs tokens", "tokens seen", "loss (nats/token)",
-             [_series(t, "tokens_seen", "loss", "train loss"),
-              _series(v, "tokens_seen", "val_loss", "val loss", markers=True)], log_y=log),
-        Plot(f"{stage}-val-bpb", "Validation bits per byte", "step", "bits/byte",
-             [_series(v, "step", "val_bpb", "val bpb", markers=True)]),
-        Plot(f"{stage}-lr", "Learning rate", "step", "lr", [_series(t, "step", "lr", "lr")],
-             vlines=[mark for mark in marks if mark[2] in ("lr_lowered", "rollback")]),
-        Plot(f"{stage}-grad-norm", "Gradient norm (before clipping)", "step", "global L2 norm",
-             [_series(t, "step", "grad_norm", "grad norm")], hlines=clip, vlines=marks),
-        Plot(f"{stage}-grad-norm-groups", "Gradient norm by parameter group", "step", "L2 norm",
-             [_series(t, "step", k, k.split("/", 1)[1]) for k in groups], log_y=True, vlines=marks),
+        Plot(
+            f"{stage}-loss",
+            "Loss",
+            "step",
+            "loss (nats/token)",
+            [_series(t, "step", "loss", "train loss"), _series(v, "step", "val_loss", "val loss", markers=True)],
+            log_y=log,
+            vlines=marks,
+        ),
+        Plot(
+            f"{stage}-loss-tokens",
+            "Loss vs tokens",
+            "tokens seen",
+            "loss (nats/token)",
+            [
+                _series(t, "tokens_seen", "loss", "train loss"),
+                _series(v, "tokens_seen", "val_loss", "val loss", markers=True),
+            ],
+            log_y=log,
+        ),
+        Plot(
+            f"{stage}-val-bpb",
+            "Validation bits per byte",
+            "step",
+            "bits/byte",
+            [_series(v, "step", "val_bpb", "val bpb", markers=True)],
+        ),
+        Plot(
+            f"{stage}-lr",
+            "Learning rate",
+            "step",
+            "lr",
+            [_series(t, "step", "lr", "lr")],
+            vlines=[mark for mark in marks if mark[2] in ("lr_lowered", "rollback")],
+        ),
+        Plot(
+            f"{stage}-grad-norm",
+            "Gradient norm (before clipping)",
+            "step",
+            "global L2 norm",
+            [_series(t, "step", "grad_norm", "grad norm")],
+            hlines=clip,
+            vlines=marks,
+        ),
+        Plot(
+            f"{stage}-grad-norm-groups",
+            "Gradient norm by parameter group",
+            "step",
+            "L2 norm",
+            [_series(t, "step", k, k.split("/", 1)[1]) for k in groups],
+            log_y=True,
+            vlines=marks,
+        ),
         Plot(f"{stage}-throughput", "Throughput", "step", "tokens/s", [_series(t, "step", "tokens_per_s", "tokens/s")]),
-        Plot(f"{stage}-mfu", "Model and hardware FLOPs utilization", "step", "% of peak",
-             [_series(t, "step", "mfu", "MFU", 100.0), _series(t, "step", "hfu", "HFU", 100.0, dashed=True)]),
+        Plot(
+            f"{stage}-mfu",
+            "Model and hardware FLOPs utilization",
+            "step",
+            "% of peak",
+            [_series(t, "step", "mfu", "MFU", 100.0), _series(t, "step", "hfu", "HFU", 100.0, dashed=True)],
+        ),
         # A constant batch says nothing a recipe does not; a ramp (or its events) is worth a plot.
-        Plot(f"{stage}-batch", "Batch size", "step", "tokens per step",
-             [_series(t, "step", "batch_tokens", "batch tokens") if len(batch) > 1 or ramp else None],
-             vlines=ramp),
+        Plot(
+            f"{stage}-batch",
+            "Batch size",
+            "step",
+            "tokens per step",
+            [_series(t, "step", "batch_tokens", "batch tokens") if len(batch) > 1 or ramp else None],
+            vlines=ramp,
+        ),
         Plot(f"{stage}-memory", "Peak memory", "step", "MB", [_series(t, "step", "peak_mem_mb", "peak memory")]),
         *_system_plots(stage, t),
     ]
@@ -381,7 +456,7 @@ def fmt_value(value, key: str = "") -> str:
 
 def _cell(value, key: str) -> str:
     numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
-    return f'<td{" class=n" if numeric else ""}>{html.escape(fmt_value(value, key))}</td>'
+    return f"<td{' class=n' if numeric else ''}>{html.escape(fmt_value(value, key))}</td>"
 
 
 def table(headers: list[str], rows: list[list], keys: list[str] | None = None) -> str:
@@ -401,8 +476,10 @@ def kv_table(mapping: dict) -> str:
 
 def cards(mapping: dict) -> str:
     """A flat dict as a wrapped row of small labelled values: compact for a run's headline numbers."""
-    items = "".join(f'<div><span class="k">{html.escape(str(k))}</span>{html.escape(fmt_value(v, str(k)))}</div>'
-                     for k, v in mapping.items())
+    items = "".join(
+        f'<div><span class="k">{html.escape(str(k))}</span>{html.escape(fmt_value(v, str(k)))}</div>'
+        for k, v in mapping.items()
+    )
     return f'<div class="cards">{items}</div>'
 
 
@@ -423,8 +500,6 @@ min-width:110px;font-variant-numeric:tabular-nums}.cards .k{display:block;color:
 """
 
 
-
-
 def page(title: str, subtitle: str, warnings: list[str], sections: list[tuple[str, str, str]]) -> str:
     """The whole document: styles inline, a table of contents, warnings first, then each
     (id, title, html) section. Anchors and CSS only: nothing to fetch, nothing to run."""
@@ -434,10 +509,13 @@ def page(title: str, subtitle: str, warnings: list[str], sections: list[tuple[st
     if warnings:
         items = "".join(f"<li>{esc(w)}</li>" for w in warnings)
         warn = f'<div class="warnings"><strong>Warnings</strong><ul>{items}</ul></div>'
-    body = "".join(f'<section id="{esc(key)}"><h2>{esc(name)}</h2>{content}</section>'
-                   for key, name, content in sections)
-    return (f'<!doctype html>\n<html lang="en"><head><meta charset="utf-8">'
-            f'<meta name="viewport" content="width=device-width, initial-scale=1">'
-            f"<title>{esc(title)}</title><style>{CSS}</style></head><body>"
-            f'<h1>{esc(title)}</h1><p class="meta">{esc(subtitle)}</p><nav>{nav}</nav>{warn}{body}'
-            f"</body></html>\n")
+    body = "".join(
+        f'<section id="{esc(key)}"><h2>{esc(name)}</h2>{content}</section>' for key, name, content in sections
+    )
+    return (
+        f'<!doctype html>\n<html lang="en"><head><meta charset="utf-8">'
+        f'<meta name="viewport" content="width=device-width, initial-scale=1">'
+        f"<title>{esc(title)}</title><style>{CSS}</style></head><body>"
+        f'<h1>{esc(title)}</h1><p class="meta">{esc(subtitle)}</p><nav>{nav}</nav>{warn}{body}'
+        f"</body></html>\n"
+    )

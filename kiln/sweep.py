@@ -17,6 +17,7 @@ import math
 import re
 import sys
 import time
+
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10: the same parser, published as tomli
@@ -27,16 +28,23 @@ from pathlib import Path
 from typing import Any
 
 from kiln.config import STAGES, Recipe, load_recipe, parse_value
-from kiln.model.config import PRESETS
 from kiln.errors import ConfigError
+from kiln.model.config import PRESETS
 
 STUDY_NAME = "kiln-sweep"
 # Sections a pretraining run depends on; sweeping anything else could not change the objective.
 SWEEPABLE = ("corpus", "data", "tokenizer", "pack", "model", "train", "parallel")
 METRIC_ALIASES = {"val_loss": "best_val_loss", "val_bpb": "best_val_bpb"}
-KINDS = {"float": ("float", False), "uniform": ("float", False), "logfloat": ("float", True),
-         "loguniform": ("float", True), "int": ("int", False), "logint": ("int", True),
-         "choice": ("categorical", False), "categorical": ("categorical", False)}
+KINDS = {
+    "float": ("float", False),
+    "uniform": ("float", False),
+    "logfloat": ("float", True),
+    "loguniform": ("float", True),
+    "int": ("int", False),
+    "logint": ("int", True),
+    "choice": ("categorical", False),
+    "categorical": ("categorical", False),
+}
 
 
 @dataclass(frozen=True)
@@ -64,8 +72,11 @@ class Param:
         return list(self.choices) if self.kind == "categorical" else [self.low, self.high]
 
     def describe(self) -> dict:
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()
-                if v is not None and v != ()}
+        return {
+            k: list(v) if isinstance(v, tuple) else v
+            for k, v in dataclasses.asdict(self).items()
+            if v is not None and v != ()
+        }
 
 
 def parse_param(key: str, spec: Any, source: str = "<command line>") -> Param:
@@ -75,8 +86,11 @@ def parse_param(key: str, spec: Any, source: str = "<command line>") -> Param:
     if key.count(".") < 1 or not all(key.split(".")):
         raise ConfigError(key or "<param>", "a searched key must look like section.key", source)
     if key.split(".")[0] not in SWEEPABLE:
-        raise ConfigError(key, f"cannot be swept: a trial runs the stages up to pretrain, which depend only on "
-                               f"[{'], ['.join(SWEEPABLE)}]", source)
+        raise ConfigError(
+            key,
+            f"cannot be swept: a trial runs the stages up to pretrain, which depend only on [{'], ['.join(SWEEPABLE)}]",
+            source,
+        )
     if isinstance(spec, list):
         spec = {"type": "categorical", "choices": spec}
     if isinstance(spec, str):
@@ -92,8 +106,12 @@ def parse_param(key: str, spec: Any, source: str = "<command line>") -> Param:
     allowed = {"choices"} if kind == "categorical" else {"low", "high", "step"}
     unknown = set(table) - allowed
     if unknown:
-        raise ConfigError(key, f"unknown spec field(s) {', '.join(sorted(unknown))} for {type_name}; "
-                               f"known: {', '.join(sorted(allowed | {'type', 'log'}))}", source)
+        raise ConfigError(
+            key,
+            f"unknown spec field(s) {', '.join(sorted(unknown))} for {type_name}; "
+            f"known: {', '.join(sorted(allowed | {'type', 'log'}))}",
+            source,
+        )
     if not isinstance(log, bool):
         raise ConfigError(key, f"log must be true or false, got {log!r}", source)
     if kind == "categorical":
@@ -120,8 +138,9 @@ def parse_param(key: str, spec: Any, source: str = "<command line>") -> Param:
     if log and low <= 0:
         raise ConfigError(key, f"a log scale needs low > 0, got {low}", source)
     if step is not None and (log or step <= 0 or step > high - low):
-        raise ConfigError(key, f"step must be positive, at most high-low, and not combined with log; got {step}",
-                          source)
+        raise ConfigError(
+            key, f"step must be positive, at most high-low, and not combined with log; got {step}", source
+        )
     if kind == "float":
         low, high = float(low), float(high)
         step = float(step) if step is not None else None
@@ -166,8 +185,11 @@ def parse_space(params: list[str] = (), space_file: str | Path | None = None) ->
     for item in params:
         key, sep, spec = item.partition("=")
         if not sep:
-            raise ConfigError(key or item, "a --param must look like section.key=SPEC, e.g. "
-                                           "train.lr=loguniform:1e-4:1e-2", "<command line>")
+            raise ConfigError(
+                key or item,
+                "a --param must look like section.key=SPEC, e.g. train.lr=loguniform:1e-4:1e-2",
+                "<command line>",
+            )
         add(parse_param(key, spec, "<command line>"), "<command line>")
     if not found:
         raise ConfigError("--param", "the search space is empty; give --space FILE or --param key=SPEC")
@@ -190,8 +212,9 @@ def toml_value(value: Any) -> str:
     if isinstance(value, int):
         return str(value)
     if isinstance(value, float):
-        return repr(value) if math.isfinite(value) else ("nan" if math.isnan(value) else
-                                                          ("inf" if value > 0 else "-inf"))
+        return (
+            repr(value) if math.isfinite(value) else ("nan" if math.isnan(value) else ("inf" if value > 0 else "-inf"))
+        )
     if isinstance(value, str):
         return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
     if isinstance(value, (list, tuple)):
@@ -216,8 +239,7 @@ def recipe_to_toml(recipe: Recipe, header: str = "", keep: tuple[str, ...] = ())
         base = getattr(Recipe(), f.name)
         if f.name == "model" and value.preset in PRESETS:
             base = dataclasses.replace(PRESETS[value.preset], preset=value.preset)
-        items = list(_changed(value, base, "", tuple(k[len(f.name) + 1:] for k in keep
-                                                     if k.startswith(f.name + "."))))
+        items = list(_changed(value, base, "", tuple(k[len(f.name) + 1 :] for k in keep if k.startswith(f.name + "."))))
         if items or f.name == "run":
             lines += ["", f"[{f.name}]", *(f"{key} = {toml_value(v)}" for key, v in items)]
     return "\n".join(lines).lstrip("\n") + "\n"
@@ -230,8 +252,9 @@ def _changed(value, base, prefix: str, keep: tuple[str, ...]):
         mine, theirs, key = getattr(value, f.name), getattr(base, f.name), prefix + _toml_key(f.name)
         if dataclasses.is_dataclass(mine):
             yield from _changed(mine, theirs, key + ".", keep)
-        elif mine is not None and (mine != theirs or prefix + f.name in keep or
-                                   (prefix == "" and f.name == "preset" and mine)):
+        elif mine is not None and (
+            mine != theirs or prefix + f.name in keep or (prefix == "" and f.name == "preset" and mine)
+        ):
             yield key, mine
 
 
@@ -255,14 +278,20 @@ def check_space(recipe_path: str | Path | None, overrides: list[str], space: lis
             try:
                 load_recipe(recipe_path, [*overrides, *_overrides({param.key: value})])
             except ConfigError as err:
-                where = (f"the searched value {value!r} is refused: {err.message}" if err.key == param.key
-                         else f"the searched value {value!r} breaks {err.key}: {err.message}")
+                where = (
+                    f"the searched value {value!r} is refused: {err.message}"
+                    if err.key == param.key
+                    else f"the searched value {value!r} breaks {err.key}: {err.message}"
+                )
                 raise ConfigError(param.key, where, "search space") from None
         default = _get_dotted(recipe, param.key)
         if param.kind == "categorical" and default not in param.choices:
-            raise ConfigError(param.key, f"the recipe's value {default!r} is not among the choices "
-                                         f"{list(param.choices)!r}; add it so trial 0 can measure the default",
-                              "search space")
+            raise ConfigError(
+                param.key,
+                f"the recipe's value {default!r} is not among the choices "
+                f"{list(param.choices)!r}; add it so trial 0 can measure the default",
+                "search space",
+            )
     return recipe
 
 
@@ -271,10 +300,10 @@ class SweepResult:
     out_dir: Path
     metric: str
     direction: str
-    rows: list[dict]                 # one per trial: trial, state, value, duration_s, default, params, ...
-    best: dict | None                # the best complete trial's row
-    default: dict | None             # trial 0's row (the recipe's own values)
-    best_recipe: Path | None         # best.toml
+    rows: list[dict]  # one per trial: trial, state, value, duration_s, default, params, ...
+    best: dict | None  # the best complete trial's row
+    default: dict | None  # trial 0's row (the recipe's own values)
+    best_recipe: Path | None  # best.toml
     settings: dict = field(default_factory=dict)
 
     @property
@@ -286,10 +315,19 @@ class SweepResult:
         return diff if self.direction == "minimize" else -diff
 
 
-def run_sweep(recipe_path: str | Path | None, space: list[Param] | dict[str, Any], trials: int, *,
-              overrides: list[str] | tuple[str, ...] = (), sampler: str = "tpe", seed: int = 0,
-              metric: str = "best_val_loss", direction: str = "minimize", out_dir: str | Path | None = None,
-              log=print) -> SweepResult:
+def run_sweep(
+    recipe_path: str | Path | None,
+    space: list[Param] | dict[str, Any],
+    trials: int,
+    *,
+    overrides: list[str] | tuple[str, ...] = (),
+    sampler: str = "tpe",
+    seed: int = 0,
+    metric: str = "best_val_loss",
+    direction: str = "minimize",
+    out_dir: str | Path | None = None,
+    log=print,
+) -> SweepResult:
     """Run (or resume) a sweep of ``trials`` trials in total, trial 0 being the recipe's own values."""
     try:
         import optuna
@@ -308,9 +346,13 @@ def run_sweep(recipe_path: str | Path | None, space: list[Param] | dict[str, Any
     recipe = check_space(recipe_path, overrides, space)
     out = Path(out_dir) if out_dir is not None else recipe.run_dir.with_name(recipe.run.name + "-sweep")
     out.mkdir(parents=True, exist_ok=True)
-    settings = {"recipe": str(Path(recipe_path).resolve()) if recipe_path is not None else None,
-                "overrides": overrides,
-                "space": [p.describe() for p in space], "metric": metric, "direction": direction}
+    settings = {
+        "recipe": str(Path(recipe_path).resolve()) if recipe_path is not None else None,
+        "overrides": overrides,
+        "space": [p.describe() for p in space],
+        "metric": metric,
+        "direction": direction,
+    }
     settings = json.loads(json.dumps(settings))  # compared with the saved copy when resuming
     _check_same_sweep(out, settings)
 
@@ -343,9 +385,11 @@ def run_sweep(recipe_path: str | Path | None, space: list[Param] | dict[str, Any
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message="Fixed parameter")  # said above, once
                 params = {p.key: p.suggest(trial) for p in space}
-            log(f"[sweep] trial {trial.number} ({done + 1}/{trials})"
+            log(
+                f"[sweep] trial {trial.number} ({done + 1}/{trials})"
                 f"{' default' if trial.user_attrs.get('default') else ''}: "
-                + " ".join(f"{k}={_fmt(v)}" for k, v in params.items()))
+                + " ".join(f"{k}={_fmt(v)}" for k, v in params.items())
+            )
             value = _run_trial(recipe_path, overrides, params, out, run_name, base, metric, trial)
         except KeyboardInterrupt:
             study.tell(trial, state=optuna.trial.TrialState.FAIL)
@@ -381,8 +425,11 @@ def _check_same_sweep(out: Path, settings: dict) -> None:
         before = json.loads(path.read_text())
         changed = [k for k in settings if before.get(k) != settings[k]]
         if changed:
-            raise ConfigError("--out", f"{out} holds a sweep with a different {', '.join(changed)}; "
-                                       "resume it with the same arguments or choose another --out")
+            raise ConfigError(
+                "--out",
+                f"{out} holds a sweep with a different {', '.join(changed)}; "
+                "resume it with the same arguments or choose another --out",
+            )
     else:
         path.write_text(json.dumps(settings, indent=1) + "\n")
 
@@ -391,14 +438,20 @@ def _finished(study) -> int:
     """Trials that count towards the total: complete ones and those that failed on their own (a
     diverged run); trials cut short by an interruption are run again instead."""
     from optuna.trial import TrialState
-    return sum(1 for t in study.trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED)
-               or (t.state == TrialState.FAIL and "error" in t.user_attrs))
+
+    return sum(
+        1
+        for t in study.trials
+        if t.state in (TrialState.COMPLETE, TrialState.PRUNED)
+        or (t.state == TrialState.FAIL and "error" in t.user_attrs)
+    )
 
 
 def _requeue_interrupted(study, storage, log) -> None:
     """A trial left RUNNING (the process was killed) or failed by an interruption is queued again with
     the same parameters and run folder, so its training resumes from its newest checkpoint."""
     from optuna.trial import TrialState
+
     retried = {t.user_attrs.get("retry_of") for t in study.trials}
     for t in study.trials:
         if t.state == TrialState.RUNNING:
@@ -419,22 +472,27 @@ def _data_stages(recipe: Recipe) -> list[str]:
 
 
 def _trial_recipe(recipe_path, overrides: list[str], params: dict, out: Path, name: str) -> Recipe:
-    return load_recipe(recipe_path, [*overrides, *_overrides(params), f"run.out_dir={toml_value(str(out))}",
-                                     f"run.name={toml_value(name)}"])
+    return load_recipe(
+        recipe_path,
+        [*overrides, *_overrides(params), f"run.out_dir={toml_value(str(out))}", f"run.name={toml_value(name)}"],
+    )
 
 
 def _build_base(recipe_path, overrides: list[str], out: Path) -> Recipe:
     """The recipe's data stages, built once under <out>/base for every trial to share."""
     from kiln.pipeline import run_recipe
+
     base = _trial_recipe(recipe_path, overrides, {}, out, "base")
     if _data_stages(base):
         run_recipe(base, _data_stages(base))
     return base
 
 
-def _run_trial(recipe_path, overrides, params: dict, out: Path, run_name: str, base: Recipe, metric: str,
-               trial) -> float:
+def _run_trial(
+    recipe_path, overrides, params: dict, out: Path, run_name: str, base: Recipe, metric: str, trial
+) -> float:
     from kiln.pipeline import fingerprint, run_recipe, stage_dir
+
     recipe = _trial_recipe(recipe_path, overrides, params, out, run_name)
     own = []
     for stage in _data_stages(recipe):
@@ -450,6 +508,7 @@ def _run_trial(recipe_path, overrides, params: dict, out: Path, run_name: str, b
             own.append(stage)
     if recipe.train.compile:
         import torch
+
         # Trials share one process: without a reset, each new model's compilation counts towards
         # dynamo's recompile limit and later trials would silently fall back to eager mode.
         torch._dynamo.reset()
@@ -482,17 +541,27 @@ def _val_records(path: Path) -> list[dict]:
     return [records[s] for s in sorted(records)]
 
 
-def _write_results(study, out: Path, metric: str, direction: str, settings: dict, recipe_path,
-                   overrides: list[str]) -> SweepResult:
+def _write_results(
+    study, out: Path, metric: str, direction: str, settings: dict, recipe_path, overrides: list[str]
+) -> SweepResult:
     from optuna.trial import TrialState
+
     rows = []
     for t in study.trials:
         if t.state == TrialState.WAITING:
             continue
-        rows.append({"trial": t.number, "state": t.state.name.lower(), "value": t.value,
-                     "duration_s": t.user_attrs.get("duration_s"), "default": bool(t.user_attrs.get("default")),
-                     "params": dict(t.params), "run_dir": str(out / t.user_attrs.get("run_name", "")),
-                     "error": t.user_attrs.get("error")})
+        rows.append(
+            {
+                "trial": t.number,
+                "state": t.state.name.lower(),
+                "value": t.value,
+                "duration_s": t.user_attrs.get("duration_s"),
+                "default": bool(t.user_attrs.get("default")),
+                "params": dict(t.params),
+                "run_dir": str(out / t.user_attrs.get("run_name", "")),
+                "error": t.user_attrs.get("error"),
+            }
+        )
     complete = [r for r in rows if r["state"] == "complete"]
     pick = min if direction == "minimize" else max
     best = pick(complete, key=lambda r: r["value"]) if complete else None
@@ -517,8 +586,18 @@ def _write_results(study, out: Path, metric: str, direction: str, settings: dict
         writer = csv.writer(f)
         writer.writerow(["trial", "state", metric, "duration_s", "default", *keys, "run_dir", "error"])
         for r in rows:
-            writer.writerow([r["trial"], r["state"], r["value"], r["duration_s"], r["default"],
-                             *(r["params"].get(k) for k in keys), r["run_dir"], r["error"] or ""])
+            writer.writerow(
+                [
+                    r["trial"],
+                    r["state"],
+                    r["value"],
+                    r["duration_s"],
+                    r["default"],
+                    *(r["params"].get(k) for k in keys),
+                    r["run_dir"],
+                    r["error"] or "",
+                ]
+            )
     return result
 
 
@@ -528,15 +607,27 @@ def format_table(result: SweepResult) -> str:
     body = []
     for r in result.rows:
         note = " ".join(n for n, on in (("default", r["default"]), ("best", r is result.best)) if on)
-        body.append([str(r["trial"]), r["state"], "" if r["value"] is None else f"{r['value']:.4f}",
-                     "" if r["duration_s"] is None else f"{r['duration_s']:.0f}",
-                     *(_fmt(r["params"][k]) if k in r["params"] else "" for k in keys), note])
+        body.append(
+            [
+                str(r["trial"]),
+                r["state"],
+                "" if r["value"] is None else f"{r['value']:.4f}",
+                "" if r["duration_s"] is None else f"{r['duration_s']:.0f}",
+                *(_fmt(r["params"][k]) if k in r["params"] else "" for k in keys),
+                note,
+            ]
+        )
     widths = [max(len(row[i]) for row in [head, *body]) for i in range(len(head))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in [head, *body]]
     if result.best is not None:
-        lines.append(f"best: trial {result.best['trial']}, {result.metric} = {result.best['value']:.4f}"
-                     + (f" (default {result.default['value']:.4f}, better by {result.improvement:.4f})"
-                        if result.improvement is not None else ""))
+        lines.append(
+            f"best: trial {result.best['trial']}, {result.metric} = {result.best['value']:.4f}"
+            + (
+                f" (default {result.default['value']:.4f}, better by {result.improvement:.4f})"
+                if result.improvement is not None
+                else ""
+            )
+        )
         lines.append(f"best recipe: {result.best_recipe}")
     return "\n".join(lines)
 
@@ -545,9 +636,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("sweep", help="hyperparameter search with Optuna, each trial a real training run")
     p.add_argument("recipe", nargs="?", default="recipes/tiny.toml", help="TOML recipe (default: recipes/tiny.toml)")
     p.add_argument("overrides", nargs="*", help="dotted overrides applied to every trial, e.g. train.max_steps=100")
-    p.add_argument("--space", help="TOML file of searched keys, e.g. [train] lr = \"loguniform:1e-4:1e-2\"")
-    p.add_argument("--param", action="append", default=[], metavar="KEY=SPEC",
-                   help="a searched key: float|loguniform|int|logint:LOW:HIGH[:STEP] or choice:A,B,C (repeatable)")
+    p.add_argument("--space", help='TOML file of searched keys, e.g. [train] lr = "loguniform:1e-4:1e-2"')
+    p.add_argument(
+        "--param",
+        action="append",
+        default=[],
+        metavar="KEY=SPEC",
+        help="a searched key: float|loguniform|int|logint:LOW:HIGH[:STEP] or choice:A,B,C (repeatable)",
+    )
     p.add_argument("--trials", type=int, default=8, help="trials in total, trial 0 being the recipe's values")
     p.add_argument("--sampler", choices=("tpe", "random"), default="tpe")
     p.add_argument("--seed", type=int, default=0, help="sampler seed (the training seed is the recipe's)")
@@ -559,8 +655,17 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def main(args: argparse.Namespace) -> int:
     space = parse_space(args.param, args.space)
-    result = run_sweep(args.recipe, space, args.trials, overrides=args.overrides, sampler=args.sampler,
-                       seed=args.seed, metric=args.metric, direction=args.direction, out_dir=args.out)
+    result = run_sweep(
+        args.recipe,
+        space,
+        args.trials,
+        overrides=args.overrides,
+        sampler=args.sampler,
+        seed=args.seed,
+        metric=args.metric,
+        direction=args.direction,
+        out_dir=args.out,
+    )
     return 0 if result.best is not None else 1
 
 

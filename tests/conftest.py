@@ -30,11 +30,19 @@ def make_tiny_pack(root: Path, vocab: int = 64, train_docs: int = 200, val_docs:
             tokens.append(0)  # end of document
         (root / split).mkdir(parents=True)
         np.asarray(tokens, dtype="<u2").tofile(root / split / "synthetic-00000.bin")
-        header = {"dtype": "uint16", "vocab_size": vocab, "tokenizer_sha256": "test", "documents": docs,
-                  "tokens": len(tokens), "bytes": 3 * len(tokens), "source": "synthetic"}
+        header = {
+            "dtype": "uint16",
+            "vocab_size": vocab,
+            "tokenizer_sha256": "test",
+            "documents": docs,
+            "tokens": len(tokens),
+            "bytes": 3 * len(tokens),
+            "source": "synthetic",
+        }
         (root / split / "synthetic-00000.json").write_text(json.dumps(header))
-    (root / "mixture.json").write_text(json.dumps({"vocab_size": vocab, "tokenizer_sha256": "test",
-                                                   "weights": {"synthetic": 1.0}}))
+    (root / "mixture.json").write_text(
+        json.dumps({"vocab_size": vocab, "tokenizer_sha256": "test", "weights": {"synthetic": 1.0}})
+    )
     return root
 
 
@@ -60,12 +68,19 @@ def byte_tokenizer(tmp_path_factory):
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
     from kiln.data.tokenizer import Tokenizer
+
     hf = HFTokenizer(models.BPE())
     hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     hf.decoder = decoders.ByteLevel()
-    hf.train_from_iterator(["hello world. hello there."] * 4, trainers.BpeTrainer(
-        vocab_size=270, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False))
+    hf.train_from_iterator(
+        ["hello world. hello there."] * 4,
+        trainers.BpeTrainer(
+            vocab_size=270,
+            special_tokens=["<|endoftext|>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        ),
+    )
     path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
     hf.save(str(path))
     return Tokenizer.load(path)

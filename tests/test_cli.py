@@ -10,12 +10,25 @@ from kiln.cli import main
 
 # Small enough for the default suite: ~0.3 MB of real text, a 512-token vocabulary, a 2-layer model.
 MINI = [
-    "corpus.max_bytes_per_source=120000", "tokenizer.vocab_size=512",
-    "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.max_seq_len=64",
-    "train.seq_len=64", "train.micro_batch_size=4", "train.global_batch_tokens=512",
-    "train.max_steps=12", "train.warmup_steps=2", "train.eval_every=6", "train.eval_batches=2",
-    "train.ckpt_every=6", "train.log_every=2", "train.precision=fp32",
-    "sample.max_new_tokens=8", "sample.num_samples=1",
+    "corpus.max_bytes_per_source=120000",
+    "tokenizer.vocab_size=512",
+    "model.dim=64",
+    "model.n_layers=2",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.max_seq_len=64",
+    "train.seq_len=64",
+    "train.micro_batch_size=4",
+    "train.global_batch_tokens=512",
+    "train.max_steps=12",
+    "train.warmup_steps=2",
+    "train.eval_every=6",
+    "train.eval_batches=2",
+    "train.ckpt_every=6",
+    "train.log_every=2",
+    "train.precision=fp32",
+    "sample.max_new_tokens=8",
+    "sample.num_samples=1",
     # recipes/tiny.toml also runs the post-training stages; this miniature run checks the spine only.
     'run.stages=["corpus","tokenizer","pack","pretrain","sample"]',
 ]
@@ -49,27 +62,56 @@ def test_run_generate_export_import(tmp_path, capsys):
     assert main(["run", "recipes/tiny.toml", *run]) == 0
     assert capsys.readouterr().out.count("skipping") == 5
 
-    assert main(["generate", str(run_dir / "pretrain"), "--prompt", "import", "--max-new-tokens", "5",
-                 "--temperature", "0"]) == 0
+    assert (
+        main(
+            ["generate", str(run_dir / "pretrain"), "--prompt", "import", "--max-new-tokens", "5", "--temperature", "0"]
+        )
+        == 0
+    )
     assert capsys.readouterr().out.startswith("import")
 
     hf_dir, back = tmp_path / "hf", tmp_path / "back"
     assert main(["export", "hf", str(run_dir / "pretrain"), str(hf_dir)]) == 0
     assert {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json"} <= {
-        p.name for p in hf_dir.iterdir()}
+        p.name for p in hf_dir.iterdir()
+    }
     assert main(["import", "hf", str(hf_dir), str(back)]) == 0
-    assert main(["generate", str(back), "--tokenizer", str(hf_dir / "tokenizer.json"),
-                 "--prompt", "import", "--max-new-tokens", "5", "--temperature", "0"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                str(back),
+                "--tokenizer",
+                str(hf_dir / "tokenizer.json"),
+                "--prompt",
+                "import",
+                "--max-new-tokens",
+                "5",
+                "--temperature",
+                "0",
+            ]
+        )
+        == 0
+    )
 
 
 def test_data_verb_curates_explicit_inputs(tmp_path, capsys):
     docs = tmp_path / "raw.jsonl"
     prose = "The quick brown fox jumps over the lazy dog and then it rests in the warm sun. " * 8
-    lines = [json.dumps({"id": f"d{i}", "text": prose + f"Contact me at user{i}@example.com.", "source": "web"})
-             for i in range(3)]
+    lines = [
+        json.dumps({"id": f"d{i}", "text": prose + f"Contact me at user{i}@example.com.", "source": "web"})
+        for i in range(3)
+    ]
     docs.write_text("\n".join(lines + ["{broken"]) + "\n")
-    args = ["data", "recipes/tiny.toml", f'run.out_dir="{tmp_path}"', "run.name=cur",
-            f'data.inputs=["{docs}"]', 'data.steps=["normalize", "exact_dedup", "pii"]', "data.tasks=1"]
+    args = [
+        "data",
+        "recipes/tiny.toml",
+        f'run.out_dir="{tmp_path}"',
+        "run.name=cur",
+        f'data.inputs=["{docs}"]',
+        'data.steps=["normalize", "exact_dedup", "pii"]',
+        "data.tasks=1",
+    ]
     assert main(args) == 0
     assert "exact_dedup" in capsys.readouterr().out  # the funnel
     out = tmp_path / "cur" / "data"
@@ -88,8 +130,21 @@ def test_classifier_train_verb(tmp_path, capsys):
         lines = [json.dumps({"id": f"{name}{i}", "text": (text * (2 + i % 3)) + f" item {i}"}) for i in range(40)]
         (tmp_path / f"{name}.jsonl").write_text("\n".join(lines) + "\n")
     model = tmp_path / "q.safetensors"
-    assert main(["classifier", "train", "--positive", str(tmp_path / "pos.jsonl"),
-                 "--negative", str(tmp_path / "neg.jsonl"), "--out", str(model)]) == 0
+    assert (
+        main(
+            [
+                "classifier",
+                "train",
+                "--positive",
+                str(tmp_path / "pos.jsonl"),
+                "--negative",
+                str(tmp_path / "neg.jsonl"),
+                "--out",
+                str(model),
+            ]
+        )
+        == 0
+    )
     assert json.loads(capsys.readouterr().out)["heldout_accuracy"] > 0.9
     assert model.exists() and model.with_suffix(".json").exists()
 
@@ -108,6 +163,10 @@ def test_launch_local_trains_sharded_and_generates(tmp_path, capsys):
     latest = (run_dir / "pretrain" / "checkpoints" / "latest").read_text().strip()
     assert (run_dir / "pretrain" / "checkpoints" / latest / "sharded" / ".metadata").is_file()
     capsys.readouterr()
-    assert main(["generate", str(run_dir / "pretrain"), "--prompt", "import", "--max-new-tokens", "5",
-                 "--temperature", "0"]) == 0
+    assert (
+        main(
+            ["generate", str(run_dir / "pretrain"), "--prompt", "import", "--max-new-tokens", "5", "--temperature", "0"]
+        )
+        == 0
+    )
     assert capsys.readouterr().out.startswith("import")

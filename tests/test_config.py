@@ -29,8 +29,10 @@ def test_preset_then_keys_override(tmp_path):
 
 
 def test_dotted_overrides_parse_toml_values(tmp_path):
-    r = load_recipe(write(tmp_path, "[train]\nlr = 1e-3\n"),
-                    ["train.lr=3e-4", "model.preset=tiny", "train.compile=true", 'corpus.sources=["python_docs"]'])
+    r = load_recipe(
+        write(tmp_path, "[train]\nlr = 1e-3\n"),
+        ["train.lr=3e-4", "model.preset=tiny", "train.compile=true", 'corpus.sources=["python_docs"]'],
+    )
     assert r.train.lr == 3e-4 and r.model.preset == "tiny" and r.train.compile is True
     assert r.corpus.sources == ["python_docs"]
 
@@ -46,21 +48,24 @@ def test_mixture_table(tmp_path):
     assert r.pack.mixture == {"python_stdlib": 2.0, "debian_docs": 1.0}
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("[model]\nn_heads = 5\n", r"r.toml: model.n_heads: must divide dim=256"),
-    ("[model]\nn_kv_heads = 3\n", r"r.toml: model.n_kv_heads: must divide n_heads=4"),
-    ("[model]\nwidth = 3\n", r"r.toml: model.width: unknown key"),
-    ("[modle]\ndim = 3\n", r"r.toml: modle: unknown section"),
-    ("[train]\nlr = \"fast\"\n", r"r.toml: train.lr: expected a number, got a string"),
-    ("[train]\ncompile = 1\n", r"r.toml: train.compile: expected true or false"),
-    ("[train]\nprecision = \"fp8\"\n", r"r.toml: train.precision: must be one of fp32, bf16, fp16"),
-    ("[train]\nglobal_batch_tokens = 1000\n", r"r.toml: train.global_batch_tokens: must be a multiple"),
-    ("[model]\npreset = \"huge\"\n", r"r.toml: model.preset: unknown preset 'huge'"),
-    ("[corpus]\nsources = [\"web\"]\n", r"r.toml: corpus.sources: unknown source 'web'"),
-    ("[pack.mixture]\npython_stdlib = -1\n", r"r.toml: pack.mixture.python_stdlib: must be >= 0"),
-    ("[run]\nstages = [\"fly\"]\n", r"r.toml: run.stages: unknown stage 'fly'"),
-    ("[train\n", r"r.toml: recipe: invalid TOML"),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("[model]\nn_heads = 5\n", r"r.toml: model.n_heads: must divide dim=256"),
+        ("[model]\nn_kv_heads = 3\n", r"r.toml: model.n_kv_heads: must divide n_heads=4"),
+        ("[model]\nwidth = 3\n", r"r.toml: model.width: unknown key"),
+        ("[modle]\ndim = 3\n", r"r.toml: modle: unknown section"),
+        ('[train]\nlr = "fast"\n', r"r.toml: train.lr: expected a number, got a string"),
+        ("[train]\ncompile = 1\n", r"r.toml: train.compile: expected true or false"),
+        ('[train]\nprecision = "fp8"\n', r"r.toml: train.precision: must be one of fp32, bf16, fp16"),
+        ("[train]\nglobal_batch_tokens = 1000\n", r"r.toml: train.global_batch_tokens: must be a multiple"),
+        ('[model]\npreset = "huge"\n', r"r.toml: model.preset: unknown preset 'huge'"),
+        ('[corpus]\nsources = ["web"]\n', r"r.toml: corpus.sources: unknown source 'web'"),
+        ("[pack.mixture]\npython_stdlib = -1\n", r"r.toml: pack.mixture.python_stdlib: must be >= 0"),
+        ('[run]\nstages = ["fly"]\n', r"r.toml: run.stages: unknown stage 'fly'"),
+        ("[train\n", r"r.toml: recipe: invalid TOML"),
+    ],
+)
 def test_bad_recipes_name_key_and_file(tmp_path, text, expected):
     with pytest.raises(ConfigError, match=expected) as info:
         load_recipe(write(tmp_path, text))
@@ -97,30 +102,45 @@ def test_nested_dataclass_tables_are_typed():
         _build(Outer, {"inner": {"limit": 1}}, "x")
 
 
-@pytest.mark.parametrize("text, expected", [
-    ('[data]\nsteps = ["gopher_quality"]\n[data.params.gopher_quality]\nmin_doc_words = "many"\n',
-     r"r.toml: data.params.gopher_quality.min_doc_words: expected an integer"),
-    ('[data]\nsteps = ["shiny_filter"]\n', r"r.toml: data.params.shiny_filter: unknown step 'shiny_filter'"),
-    ('[data]\nsteps = ["pii"]\n[data.params.langid]\nmin_score = 0.5\n',
-     r"r.toml: data.params.langid: configures a step that is not in steps"),
-    ('[data]\nsteps = ["minhash_dedup"]\n[data.params.minhash_dedup]\nbands = 10\n',
-     r"r.toml: data.params.minhash_dedup.bands: "),
-    ('[data]\nexecutor = "spark"\n', r"r.toml: data.executor: must be one of local, ray"),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        (
+            '[data]\nsteps = ["gopher_quality"]\n[data.params.gopher_quality]\nmin_doc_words = "many"\n',
+            r"r.toml: data.params.gopher_quality.min_doc_words: expected an integer",
+        ),
+        ('[data]\nsteps = ["shiny_filter"]\n', r"r.toml: data.params.shiny_filter: unknown step 'shiny_filter'"),
+        (
+            '[data]\nsteps = ["pii"]\n[data.params.langid]\nmin_score = 0.5\n',
+            r"r.toml: data.params.langid: configures a step that is not in steps",
+        ),
+        (
+            '[data]\nsteps = ["minhash_dedup"]\n[data.params.minhash_dedup]\nbands = 10\n',
+            r"r.toml: data.params.minhash_dedup.bands: ",
+        ),
+        ('[data]\nexecutor = "spark"\n', r"r.toml: data.executor: must be one of local, ray"),
+    ],
+)
 def test_bad_data_steps_name_the_key(tmp_path, text, expected):
     with pytest.raises(ConfigError, match=expected):
         load_recipe(write(tmp_path, text))
 
 
 def test_data_step_params_reach_the_step(tmp_path):
-    r = load_recipe(write(tmp_path, '[data]\nsteps = ["gopher_quality"]\n'
-                                    '[data.params.gopher_quality]\nmin_doc_words = 7\nonly_sources = ["web"]\n'))
+    r = load_recipe(
+        write(
+            tmp_path,
+            '[data]\nsteps = ["gopher_quality"]\n'
+            '[data.params.gopher_quality]\nmin_doc_words = 7\nonly_sources = ["web"]\n',
+        )
+    )
     (step,) = r.data.build_steps()
     assert (step.min_doc_words, step.only_sources) == (7, ["web"])
 
 
 def test_nested_table_keeps_the_enclosing_defaults():
     from kiln.config import load_recipe
+
     recipe = load_recipe(None, ["dpo.train.max_steps=40"])
     assert recipe.dpo.train.max_steps == 40
     # DPO's own fine-tuning defaults survive a partial [dpo.train] override.

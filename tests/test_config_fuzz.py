@@ -22,8 +22,13 @@ from kiln.errors import ConfigError  # noqa: E402
 # Modest by default so the suite stays fast; KILN_FUZZ_EXAMPLES raises it, and the `slow` tests
 # below run ten times as many.
 EXAMPLES = int(os.environ.get("KILN_FUZZ_EXAMPLES", "150"))
-FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+FUZZ = settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 HEAVY = settings(FUZZ, max_examples=EXAMPLES * 10)
 HANG_S = 30  # far above any single load; only an endless loop reaches it
 
@@ -35,6 +40,7 @@ class Hang(Exception):
 @contextmanager
 def no_hang(seconds: int = HANG_S):
     """Fail the example if it runs for `seconds` (a real hang, not a slow machine)."""
+
     def fire(signum, frame):
         raise Hang(f"still running after {seconds} s")
 
@@ -57,18 +63,29 @@ def _fields(cls) -> dict[str, typing.Any]:
 
 SECTIONS = _fields(Recipe)
 KEYS = {name: sorted(_fields(cls)) for name, cls in SECTIONS.items()}
-NESTED = {(name, key): sorted(_fields(hint)) for name, cls in SECTIONS.items()
-          for key, hint in _fields(cls).items() if dataclasses.is_dataclass(hint)}
+NESTED = {
+    (name, key): sorted(_fields(hint))
+    for name, cls in SECTIONS.items()
+    for key, hint in _fields(cls).items()
+    if dataclasses.is_dataclass(hint)
+}
 
 names = st.text(st.characters(codec="utf-8", exclude_categories=["Cs"]), max_size=12)
 # The 64-bit limit and float's; integers over 4300 digits (which Hypothesis cannot print) are
 # covered by the regression tests below.
 huge = st.sampled_from([2**63 - 1, -(2**63), 2**62, 2**63, -(2**63) - 1, 10**400])
-scalars = (st.integers() | st.integers(-(2**70), 2**70) | huge | st.floats() | st.booleans()
-           | st.text(st.characters(codec="utf-8", exclude_categories=["Cs"]), max_size=20)
-           | st.sampled_from(["tiny", "125m", "cpu", "auto", "", "..", "/", "adamw", "cosine", "train", "bf16"]))
-values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(names, inner, max_size=3),
-                      max_leaves=8)
+scalars = (
+    st.integers()
+    | st.integers(-(2**70), 2**70)
+    | huge
+    | st.floats()
+    | st.booleans()
+    | st.text(st.characters(codec="utf-8", exclude_categories=["Cs"]), max_size=20)
+    | st.sampled_from(["tiny", "125m", "cpu", "auto", "", "..", "/", "adamw", "cosine", "train", "bf16"])
+)
+values = st.recursive(
+    scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(names, inner, max_size=3), max_leaves=8
+)
 
 
 def toml_key(key: str) -> str:
@@ -227,10 +244,13 @@ def test_heavy_recipe_and_overrides(tmp_path, raw, items):
 # ---- regressions the fuzzer found ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("data, message", [
-    (b"[train]\nlr = 1e-3\n\xff", "not UTF-8"),
-    ("[train]\nlr = " + "[" * 5000, "nested too deeply"),
-])
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        (b"[train]\nlr = 1e-3\n\xff", "not UTF-8"),
+        ("[train]\nlr = " + "[" * 5000, "nested too deeply"),
+    ],
+)
 def test_unreadable_recipe_files_are_config_errors(tmp_path, data, message):
     path = tmp_path / "r.toml"
     path.write_bytes(data if isinstance(data, bytes) else data.encode())

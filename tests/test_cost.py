@@ -12,8 +12,16 @@ from kiln.parallel.plan import budget
 
 def gpu_summary(**extra) -> dict:
     # Two hours on 16 GPUs at 1.6M tokens/s (all ranks together), as Trainer.fit writes it.
-    return {"steps": 1000, "tokens_seen": 11_520_000_000, "tokens_per_s": 1.6e6, "wall_s": 7200.0,
-            "device": "cuda:0", "world_size": 16, "params": 1_000_000_000, **extra}
+    return {
+        "steps": 1000,
+        "tokens_seen": 11_520_000_000,
+        "tokens_per_s": 1.6e6,
+        "wall_s": 7200.0,
+        "device": "cuda:0",
+        "world_size": 16,
+        "params": 1_000_000_000,
+        **extra,
+    }
 
 
 def test_gpu_stage_on_worked_numbers():
@@ -79,8 +87,15 @@ def test_world_size_and_gpu_are_read_from_what_the_trainer_logs():
 
 
 def test_cpu_stage_is_billed_per_core_hour():
-    s = {"device": "cpu", "wall_s": 1800.0, "world_size": 2, "threads": 4, "tokens_seen": 3_000_000,
-         "tokens_per_s": 2000.0, "params": 5_000_000}
+    s = {
+        "device": "cpu",
+        "wall_s": 1800.0,
+        "world_size": 2,
+        "threads": 4,
+        "tokens_seen": 3_000_000,
+        "tokens_per_s": 2000.0,
+        "params": 5_000_000,
+    }
     c = run_cost(s)
     # 1800 s x 2 processes = 1 process-hour; x 4 threads = 4 core-hours.
     assert (c["kind"], c["gpu_hours"], c["device_hours"], c["core_hours"]) == ("cpu", 0.0, 1.0, 4.0)

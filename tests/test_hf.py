@@ -11,16 +11,23 @@ from kiln.errors import ConfigError, DataError  # noqa: E402
 from kiln.hf import export_checkpoint_to_hf, export_hf, import_hf, import_hf_to_checkpoint  # noqa: E402
 from kiln.model import ModelConfig, build_model  # noqa: E402
 
-TEXT = ["def add(a, b):\n    return a + b\n", "The quick brown fox jumps over the lazy dog.",
-        "Kiln turns raw text into a model; 12345 tokens, ümlauts and emoji 🙂 too."] * 5
+TEXT = [
+    "def add(a, b):\n    return a + b\n",
+    "The quick brown fox jumps over the lazy dog.",
+    "Kiln turns raw text into a model; 12345 tokens, ümlauts and emoji 🙂 too.",
+] * 5
 
 
 def make_tokenizer(path):
     tok = HFTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<|endoftext|>", "<|pad|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=320,
+        special_tokens=["<|endoftext|>", "<|pad|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(TEXT, trainer)
     tok.save(str(path))
     return tok
@@ -38,15 +45,18 @@ def randomise(model, std=0.1):
 
 
 def kiln_model(**overrides):
-    cfg = ModelConfig(**{**dict(vocab_size=320, dim=64, n_layers=2, n_heads=4, max_seq_len=64, rope_theta=500.0), **overrides})
+    cfg = ModelConfig(
+        **{**dict(vocab_size=320, dim=64, n_layers=2, n_heads=4, max_seq_len=64, rope_theta=500.0), **overrides}
+    )
     return randomise(build_model(cfg)).eval()
 
 
 TOKENS = torch.randint(0, 320, (2, 48), generator=torch.Generator().manual_seed(0))
 
 
-@pytest.mark.parametrize("overrides", [{}, {"n_kv_heads": 2}, {"n_kv_heads": 1, "tie_embeddings": True},
-                                       {"qkv_bias": True, "n_kv_heads": 2}])
+@pytest.mark.parametrize(
+    "overrides", [{}, {"n_kv_heads": 2}, {"n_kv_heads": 1, "tie_embeddings": True}, {"qkv_bias": True, "n_kv_heads": 2}]
+)
 def test_export_matches_transformers_logits(tmp_path, overrides):
     model = kiln_model(**overrides)
     export_hf(model.cfg, model.state_dict(), None, tmp_path)
@@ -61,9 +71,17 @@ def test_export_matches_transformers_logits(tmp_path, overrides):
 
 
 def hf_model(kind, **extra):
-    common = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                  rms_norm_eps=1e-6, rope_theta=1000.0)
+    common = dict(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-6,
+        rope_theta=1000.0,
+    )
     config_cls, model_cls = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
@@ -73,10 +91,15 @@ def hf_model(kind, **extra):
     return randomise(model_cls(config_cls(**{**common, **extra}))).eval()
 
 
-@pytest.mark.parametrize("kind,extra", [
-    ("llama", {}), ("llama", {"tie_word_embeddings": True, "num_key_value_heads": 4}),
-    ("mistral", {"sliding_window": None}), ("qwen2", {"tie_word_embeddings": True}),
-])
+@pytest.mark.parametrize(
+    "kind,extra",
+    [
+        ("llama", {}),
+        ("llama", {"tie_word_embeddings": True, "num_key_value_heads": 4}),
+        ("mistral", {"sliding_window": None}),
+        ("qwen2", {"tie_word_embeddings": True}),
+    ],
+)
 def test_import_matches_transformers_logits(tmp_path, kind, extra):
     hf = hf_model(kind, **extra)
     hf.save_pretrained(tmp_path)
@@ -105,8 +128,10 @@ def test_exported_tokenizer_loads_with_identical_ids(tmp_path):
     model = kiln_model()
     out = export_hf(model.cfg, model.state_dict(), tmp_path / "tokenizer.json", tmp_path / "hf")
     eot = tok.token_to_id("<|endoftext|>")
-    for loaded in (transformers.PreTrainedTokenizerFast.from_pretrained(out),
-                   transformers.AutoTokenizer.from_pretrained(out)):
+    for loaded in (
+        transformers.PreTrainedTokenizerFast.from_pretrained(out),
+        transformers.AutoTokenizer.from_pretrained(out),
+    ):
         assert loaded.eos_token == "<|endoftext|>" and loaded.eos_token_id == eot
         for text in TEXT[:3] + ["<|endoftext|>next doc"]:
             assert loaded(text)["input_ids"] == tok.encode(text).ids
@@ -146,7 +171,9 @@ def test_import_errors_name_the_problem(tmp_path):
     hf = hf_model("llama")
     hf.save_pretrained(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps({**config, "rope_parameters": {"rope_type": "llama3", "rope_theta": 1.0}}))
+    (tmp_path / "config.json").write_text(
+        json.dumps({**config, "rope_parameters": {"rope_type": "llama3", "rope_theta": 1.0}})
+    )
     with pytest.raises(DataError, match="rope_parameters"):
         import_hf(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(config))

@@ -16,6 +16,7 @@ def fake_stages(monkeypatch):
             calls.append(stage)
             (out / "output.txt").write_text(stage)
             return {"stage": stage}
+
         return run
 
     monkeypatch.setattr(pipeline, "STAGE_RUNNERS", {s: make(s) for s in pipeline.STAGE_RUNNERS})

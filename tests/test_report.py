@@ -15,8 +15,7 @@ from kiln.data.config import CurateConfig
 from kiln.data.curate import curate
 from kiln.data.funnel import funnel_text
 from kiln.errors import ConfigError, DataError
-from kiln.report import (ReportOptions, add_report_parser, build_report, read_metrics, run_report,
-                         write_report)
+from kiln.report import ReportOptions, add_report_parser, build_report, read_metrics, run_report, write_report
 from kiln.report_plots import Plot, Series, line_plot, log_ticks, nice_ticks, thin
 from kiln.train.config import TrainConfig
 from kiln.train.schedule import lr_at
@@ -44,9 +43,18 @@ class Page(HTMLParser):
             self.section = a["id"]
             self.sections.append(a["id"])
         elif tag == "svg":
-            self.svgs.append({"plot": a.get("data-plot"), "section": self.section, "lines": [], "rects": 0,
-                              "events": 0, "event_types": [], "text": [],
-                              "viewbox": [float(v) for v in a.get("viewbox", "0 0 1e9 1e9").split()]})
+            self.svgs.append(
+                {
+                    "plot": a.get("data-plot"),
+                    "section": self.section,
+                    "lines": [],
+                    "rects": 0,
+                    "events": 0,
+                    "event_types": [],
+                    "text": [],
+                    "viewbox": [float(v) for v in a.get("viewbox", "0 0 1e9 1e9").split()],
+                }
+            )
         elif tag == "polyline":
             points = [tuple(map(float, p.split(","))) for p in a["points"].split()]
             self.svgs[-1]["lines"].append((a["data-series"], points))
@@ -93,8 +101,9 @@ def curated(tmp_path_factory) -> Path:
     with open(root / "in" / "docs.jsonl", "w") as f:
         for i, text in enumerate(docs + [docs[0], "too short"]):  # one exact duplicate, one too short
             f.write(json.dumps({"id": str(i), "text": text, "source": "stdlib"}) + "\n")
-    cfg = CurateConfig(inputs=[str(root / "in")], steps=["normalize", "gopher_quality", "exact_dedup"],
-                       tasks=1, workers=1)
+    cfg = CurateConfig(
+        inputs=[str(root / "in")], steps=["normalize", "gopher_quality", "exact_dedup"], tasks=1, workers=1
+    )
     cfg.validate()
     curate(cfg, root / "data", log=lambda *a: None)
     return root / "data"
@@ -105,16 +114,33 @@ def train_records(n: int = 50, log_every: int = 10) -> list[dict]:
     out = []
     for i in range(1, n + 1):
         step = i * log_every
-        out.append({"kind": "train", "step": step, "loss": 9.0 * math.exp(-step / 200) + 3 + 0.1 * (i % 3),
-                    "lr": lr_at(step - 1, cfg), "grad_norm": 2.0 / math.sqrt(i) + 0.05 * (i % 4),
-                    "tokens_per_s": 3000.0 + 50 * (i % 7), "mfu": 0.2 + 0.01 * (i % 5),
-                    "peak_mem_mb": 800.0 + min(i, 10), "tokens_seen": step * 4096})
+        out.append(
+            {
+                "kind": "train",
+                "step": step,
+                "loss": 9.0 * math.exp(-step / 200) + 3 + 0.1 * (i % 3),
+                "lr": lr_at(step - 1, cfg),
+                "grad_norm": 2.0 / math.sqrt(i) + 0.05 * (i % 4),
+                "tokens_per_s": 3000.0 + 50 * (i % 7),
+                "mfu": 0.2 + 0.01 * (i % 5),
+                "peak_mem_mb": 800.0 + min(i, 10),
+                "tokens_seen": step * 4096,
+            }
+        )
     return out
 
 
 def val_records(steps=(100, 200, 300, 400, 500)) -> list[dict]:
-    return [{"kind": "val", "step": s, "val_loss": 4 + 2 * math.exp(-s / 200), "val_bpb": 2 + math.exp(-s / 200),
-             "tokens_seen": s * 4096} for s in steps]
+    return [
+        {
+            "kind": "val",
+            "step": s,
+            "val_loss": 4 + 2 * math.exp(-s / 200),
+            "val_bpb": 2 + math.exp(-s / 200),
+            "tokens_seen": s * 4096,
+        }
+        for s in steps
+    ]
 
 
 def write_lines(path: Path, records) -> Path:
@@ -132,29 +158,66 @@ def make_run(root: Path, curated: Path | None = None, full: bool = True) -> Path
     write_lines(root / "pretrain" / "metrics.jsonl", train_records() + val_records())
     if not full:
         return root
-    (root / "pretrain" / "summary.json").write_text(json.dumps(
-        {"steps": 500, "tokens_seen": 2048000, "final_val_loss": 4.16, "best_val_loss": 4.16, "best_step": 500,
-         "tokens_per_s": 3100.0, "mfu": 0.24, "peak_mem_mb": 810.0, "device": "cpu", "params": 7_000_000,
-         "wall_s": 900.0, "threads": 2}))
+    (root / "pretrain" / "summary.json").write_text(
+        json.dumps(
+            {
+                "steps": 500,
+                "tokens_seen": 2048000,
+                "final_val_loss": 4.16,
+                "best_val_loss": 4.16,
+                "best_step": 500,
+                "tokens_per_s": 3100.0,
+                "mfu": 0.24,
+                "peak_mem_mb": 810.0,
+                "device": "cpu",
+                "params": 7_000_000,
+                "wall_s": 900.0,
+                "threads": 2,
+            }
+        )
+    )
     for stage in ("corpus", "tokenizer", "pack", "pretrain", "sample"):
         (root / stage).mkdir(exist_ok=True)
         (root / stage / "DONE").write_text(json.dumps({"fingerprint": "x", "seconds": 1.5, "stats": {}}))
     ckpts = root / "pretrain" / "checkpoints"
     for step, val in ((400, 4.27), (500, 4.16)):
-        write_lines(ckpts / f"step-{step:08d}" / "manifest.json", [{
-            "format": 1, "step": step, "tokens_seen": step * 4096, "val_loss": val, "model_config": {},
-            "files": {"model.safetensors": {"bytes": 2 ** 20, "sha256": "0"}}}])
+        write_lines(
+            ckpts / f"step-{step:08d}" / "manifest.json",
+            [
+                {
+                    "format": 1,
+                    "step": step,
+                    "tokens_seen": step * 4096,
+                    "val_loss": val,
+                    "model_config": {},
+                    "files": {"model.safetensors": {"bytes": 2**20, "sha256": "0"}},
+                }
+            ],
+        )
     (ckpts / ".tmp-step-00000600").mkdir()  # a save in progress: not a checkpoint yet
     (ckpts / "latest").write_text("step-00000500\n")
     (ckpts / "best").write_text("step-00000500\n")
-    (root / "tokenizer" / "stats.json").write_text(json.dumps(
-        {"vocab_size": 8192, "bytes_per_token": 3.12,
-         "heldout_by_source": {"stdlib": {"documents": 3, "bytes": 900, "tokens": 300, "bytes_per_token": 3.0}}}))
-    (root / "pack" / "stats.json").write_text(json.dumps(
-        {"dtype": "uint16", "vocab_size": 8192, "train": {"documents": 10, "tokens": 5000, "bytes": 15000},
-         "val": {"documents": 2, "tokens": 500, "bytes": 1500},
-         "sources": {"<i>src</i>": {"train": {"tokens": 5000}, "val": {"tokens": 500}}},
-         "weights": {"<i>src</i>": 1.0}}))
+    (root / "tokenizer" / "stats.json").write_text(
+        json.dumps(
+            {
+                "vocab_size": 8192,
+                "bytes_per_token": 3.12,
+                "heldout_by_source": {"stdlib": {"documents": 3, "bytes": 900, "tokens": 300, "bytes_per_token": 3.0}},
+            }
+        )
+    )
+    (root / "pack" / "stats.json").write_text(
+        json.dumps(
+            {
+                "dtype": "uint16",
+                "vocab_size": 8192,
+                "train": {"documents": 10, "tokens": 5000, "bytes": 15000},
+                "val": {"documents": 2, "tokens": 500, "bytes": 1500},
+                "sources": {"<i>src</i>": {"train": {"tokens": 5000}, "val": {"tokens": 500}}},
+                "weights": {"<i>src</i>": 1.0},
+            }
+        )
+    )
     (root / "sample" / "samples.txt").write_text(f"--- sample 0 (step 500) ---\ndef {HOSTILE}\n")
     if curated is not None:
         (root / "data").mkdir()
@@ -168,11 +231,26 @@ def test_full_run_has_every_plot_with_one_point_per_record(tmp_path, curated):
     assert out == run / "report.html" and report.warnings == []
     page = Page(out.read_text())
 
-    lengths = {"train loss": 50, "val loss": 5, "val bpb": 5, "lr": 50, "grad norm": 50, "tokens/s": 50,
-               "MFU": 50, "peak memory": 50}
-    plots = {"pretrain-loss": ["train loss", "val loss"], "pretrain-loss-tokens": ["train loss", "val loss"],
-             "pretrain-val-bpb": ["val bpb"], "pretrain-lr": ["lr"], "pretrain-grad-norm": ["grad norm"],
-             "pretrain-throughput": ["tokens/s"], "pretrain-mfu": ["MFU"], "pretrain-memory": ["peak memory"]}
+    lengths = {
+        "train loss": 50,
+        "val loss": 5,
+        "val bpb": 5,
+        "lr": 50,
+        "grad norm": 50,
+        "tokens/s": 50,
+        "MFU": 50,
+        "peak memory": 50,
+    }
+    plots = {
+        "pretrain-loss": ["train loss", "val loss"],
+        "pretrain-loss-tokens": ["train loss", "val loss"],
+        "pretrain-val-bpb": ["val bpb"],
+        "pretrain-lr": ["lr"],
+        "pretrain-grad-norm": ["grad norm"],
+        "pretrain-throughput": ["tokens/s"],
+        "pretrain-mfu": ["MFU"],
+        "pretrain-memory": ["peak memory"],
+    }
     for key, names in plots.items():
         svg = page.plot(key)
         assert [name for name, _ in svg["lines"]] == names
@@ -191,8 +269,9 @@ def test_full_run_has_every_plot_with_one_point_per_record(tmp_path, curated):
     assert min(range(50), key=lambda i: points[i][1]) == lrs.index(max(lrs))
     assert max(range(50), key=lambda i: points[i][1]) == lrs.index(min(lrs))
     # Loss vs tokens is loss vs step stretched: same heights.
-    assert [y for _, y in page.series("pretrain-loss", "train loss")[0]] == \
-        [y for _, y in page.series("pretrain-loss-tokens", "train loss")[0]]
+    assert [y for _, y in page.series("pretrain-loss", "train loss")[0]] == [
+        y for _, y in page.series("pretrain-loss-tokens", "train loss")[0]
+    ]
 
     # The data funnel comes from kiln.data.funnel: two bars (docs, bytes) per curation step.
     stats = json.loads((run / "data" / "stats.json").read_text())
@@ -200,8 +279,17 @@ def test_full_run_has_every_plot_with_one_point_per_record(tmp_path, curated):
     assert funnel["rects"] == 2 * len(stats["steps"]) == 8
     assert {"read", "normalize", "gopher_quality", "exact_dedup"} <= set(funnel["text"])
 
-    assert page.sections == ["overview", "pretrain-training", "pretrain-checkpoints", "pretrain-cost", "data",
-                             "tokenizer", "pack", "samples", "config"]
+    assert page.sections == [
+        "overview",
+        "pretrain-training",
+        "pretrain-checkpoints",
+        "pretrain-cost",
+        "data",
+        "tokenizer",
+        "pack",
+        "samples",
+        "config",
+    ]
     text = "".join(page.data)
     assert "step-00000500" in text and "latest, best" in text and ".tmp-step" not in text
 
@@ -245,10 +333,10 @@ def test_malformed_metrics_lines_are_skipped_counted_and_shown(tmp_path):
     run = make_run(tmp_path / "run", full=False)
     records = train_records()
     lines = [json.dumps(r) for r in records]
-    lines.insert(6, "this is not json")                            # line 7
-    lines.insert(11, json.dumps({"kind": "train", "loss": 1.0}))   # line 12: no step
-    lines.insert(19, json.dumps({**records[0], "loss": "nan?"}))   # line 20: loss not a number
-    lines.append('{"kind": "train", "step": 510, "lo')             # line 54: cut short by a crash
+    lines.insert(6, "this is not json")  # line 7
+    lines.insert(11, json.dumps({"kind": "train", "loss": 1.0}))  # line 12: no step
+    lines.insert(19, json.dumps({**records[0], "loss": "nan?"}))  # line 20: loss not a number
+    lines.append('{"kind": "train", "step": 510, "lo')  # line 54: cut short by a crash
     path = write_lines(run / "pretrain" / "metrics.jsonl", lines)
 
     m = read_metrics(path)
@@ -258,7 +346,7 @@ def test_malformed_metrics_lines_are_skipped_counted_and_shown(tmp_path):
     out, report = write_report(run)
     [warning] = report.warnings
     assert warning.startswith(f"{path}: skipped 4 malformed line(s)")
-    assert all(f"line {n}:" in warning for n in (7, 12, 20))   # the first few by number, the rest counted
+    assert all(f"line {n}:" in warning for n in (7, 12, 20))  # the first few by number, the rest counted
     page = Page(out.read_text())
     assert warning in "".join(page.data)
     assert len(page.series("pretrain-loss", "train loss")[0]) == 50
@@ -276,8 +364,9 @@ def test_malformed_stats_files_lose_only_their_section(tmp_path, curated):
     assert "tokenizer" not in keys and "data" not in keys and "pretrain-training" in keys
     [bad_shape, bad_json] = report.warnings  # in page order: data curation comes before the tokenizer
     assert bad_json.startswith(f"{run / 'tokenizer' / 'stats.json'}: not valid JSON")
-    assert bad_shape.startswith(f"section 'Data curation' left out: {run / 'data' / 'stats.json'} "
-                                f"has unexpected content (KeyError")
+    assert bad_shape.startswith(
+        f"section 'Data curation' left out: {run / 'data' / 'stats.json'} has unexpected content (KeyError"
+    )
     Page(report.html())
     with pytest.raises(DataError, match="data/stats.json: unexpected content"):
         build_report(run, ReportOptions(strict=True))
@@ -287,8 +376,10 @@ def test_events_are_marked_and_non_finite_losses_break_the_line(tmp_path):
     run = make_run(tmp_path / "run", full=False)
     records = train_records()
     records[20]["loss"] = float("nan")  # json.dumps writes NaN, as the trainer's logger would
-    events = [{"kind": "event", "step": 210, "type": "nan_loss", "action": "skip_batch"},
-              {"kind": "event", "step": 350, "type": "spike", "loss": 9.5, "threshold": 6.1}]
+    events = [
+        {"kind": "event", "step": 210, "type": "nan_loss", "action": "skip_batch"},
+        {"kind": "event", "step": 350, "type": "spike", "loss": 9.5, "threshold": 6.1},
+    ]
     write_lines(run / "pretrain" / "metrics.jsonl", records + val_records() + events)
     report = build_report(run, ReportOptions(loss_scale="log"))
     page = Page(report.html())
@@ -337,7 +428,8 @@ def test_a_section_registered_elsewhere_is_shown_in_its_place(tmp_path, monkeypa
         "@section('extra', 'Extra', 15, ('extra.json',))\n"
         "def _extra(run, opts):\n"
         "    data = run.json('extra.json')\n"
-        "    return None if data is None else Part('<p>' + str(data['n']) + '</p>', 'n=' + str(data['n']))\n")
+        "    return None if data is None else Part('<p>' + str(data['n']) + '</p>', 'n=' + str(data['n']))\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     run = make_run(tmp_path / "run", full=False)
     assert "extra" not in [spec.key for spec, _ in build_report(run).parts]
@@ -398,9 +490,20 @@ def test_report_of_a_real_training_run(tmp_path, tiny_pack_factory):
     run = make_run(tmp_path / "run", full=False)
     shutil.rmtree(run / "pretrain")
     pack = tiny_pack_factory(tmp_path / "pack")
-    cfg = TrainConfig(seq_len=16, micro_batch_size=4, global_batch_tokens=64, max_steps=12, lr=1e-2,
-                      warmup_steps=2, precision="fp32", log_every=1, eval_every=4, eval_batches=2, ckpt_every=6,
-                      peak_flops=1e12)
+    cfg = TrainConfig(
+        seq_len=16,
+        micro_batch_size=4,
+        global_batch_tokens=64,
+        max_steps=12,
+        lr=1e-2,
+        warmup_steps=2,
+        precision="fp32",
+        log_every=1,
+        eval_every=4,
+        eval_batches=2,
+        ckpt_every=6,
+        peak_flops=1e12,
+    )
     Trainer(ModelConfig(dim=32, n_layers=1, n_heads=4, max_seq_len=32), cfg, pack, run / "pretrain").fit()
 
     records = [json.loads(line) for line in (run / "pretrain" / "metrics.jsonl").read_text().splitlines()]
@@ -410,10 +513,16 @@ def test_report_of_a_real_training_run(tmp_path, tiny_pack_factory):
     report = build_report(run)
     assert report.warnings == []
     page = Page(report.html())
-    for key, name, n in (("pretrain-loss", "train loss", n_train), ("pretrain-loss", "val loss", n_val),
-                         ("pretrain-lr", "lr", n_train), ("pretrain-grad-norm", "grad norm", n_train),
-                         ("pretrain-throughput", "tokens/s", n_train), ("pretrain-mfu", "MFU", n_train),
-                         ("pretrain-memory", "peak memory", n_train), ("pretrain-val-bpb", "val bpb", n_val)):
+    for key, name, n in (
+        ("pretrain-loss", "train loss", n_train),
+        ("pretrain-loss", "val loss", n_val),
+        ("pretrain-lr", "lr", n_train),
+        ("pretrain-grad-norm", "grad norm", n_train),
+        ("pretrain-throughput", "tokens/s", n_train),
+        ("pretrain-mfu", "MFU", n_train),
+        ("pretrain-memory", "peak memory", n_train),
+        ("pretrain-val-bpb", "val bpb", n_val),
+    ):
         [points] = page.series(key, name)
         assert len(points) == n, (key, name)
     # Keys of the metrics contract that this Trainer logs each get their plot, one point per record.
@@ -421,8 +530,13 @@ def test_report_of_a_real_training_run(tmp_path, tiny_pack_factory):
     for key in [k for k in first if k.startswith(("grad_norm/", "sys/"))] + ["hfu"] * ("hfu" in first):
         plot = {"grad_norm": "pretrain-grad-norm-groups", "hfu": "pretrain-mfu"}.get(key.split("/")[0])
         name = key.split("/", 1)[-1] if "/" in key else "HFU"
-        found = [pts for s in page.svgs if s["plot"] == plot or (plot is None and s["plot"].startswith("pretrain-sys"))
-                 for series, pts in s["lines"] if series == name]
+        found = [
+            pts
+            for s in page.svgs
+            if s["plot"] == plot or (plot is None and s["plot"].startswith("pretrain-sys"))
+            for series, pts in s["lines"]
+            if series == name
+        ]
         numbers = sum(isinstance(r.get(key), (int, float)) for r in records if r["kind"] == "train")
         assert [len(pts) for pts in found] == ([numbers] if numbers else []), key
     summary = json.loads((run / "pretrain" / "summary.json").read_text())
@@ -430,6 +544,7 @@ def test_report_of_a_real_training_run(tmp_path, tiny_pack_factory):
     assert f"final_val_loss {summary['final_val_loss']:.6g}, " in text
     assert "measured: 1 CPU process(es)" in text and f"{summary['wall_s']:,.0f} s wall" in text
     from kiln.train.checkpoint import complete_checkpoints, read_manifest
+
     folders = complete_checkpoints(run / "pretrain" / "checkpoints")
     listed = "; ".join(f"{p.name} val {read_manifest(p)['val_loss']:.6g}" for p in folders)
     assert len(folders) == 2 and f"{listed} (latest, best)" in text
@@ -443,10 +558,24 @@ def ops_records() -> list[dict]:
         # Logged in an order of its own; the plot lists the groups in the trainer's order.
         for j, group in enumerate(("head", "other", "embed", "norm", "mlp", "attn")):
             r[f"grad_norm/{group}"] = 0.1 * (j + 1) / math.sqrt(i + 1)
-        r.update({"sys/cpu_percent": 90.0 + i % 5, "sys/ram_mb": 4000.0 + i, "sys/rss_mb": 900.0 + i,
-                  "sys/gpu_util": None, "batch_tokens": 1024 if r["step"] <= 100 else 4096})
-    steps = {"batch_ramp": 100, "nan": 120, "spike": 250, "skip": 251, "rollback": 300, "lr_lowered": 301,
-             "watchdog": 400}
+        r.update(
+            {
+                "sys/cpu_percent": 90.0 + i % 5,
+                "sys/ram_mb": 4000.0 + i,
+                "sys/rss_mb": 900.0 + i,
+                "sys/gpu_util": None,
+                "batch_tokens": 1024 if r["step"] <= 100 else 4096,
+            }
+        )
+    steps = {
+        "batch_ramp": 100,
+        "nan": 120,
+        "spike": 250,
+        "skip": 251,
+        "rollback": 300,
+        "lr_lowered": 301,
+        "watchdog": 400,
+    }
     events = [{"kind": "event", "step": step, "type": kind, "detail": f"<{kind}>"} for kind, step in steps.items()]
     return records + val_records() + events
 
@@ -502,8 +631,16 @@ def test_older_runs_and_bad_values_of_the_new_keys(tmp_path):
 
     write_lines(run / "pretrain" / "metrics.jsonl", train_records() + val_records())  # before these keys
     keys = [s["plot"] for s in Page(build_report(run).html()).svgs]
-    assert keys == ["pretrain-loss", "pretrain-loss-tokens", "pretrain-val-bpb", "pretrain-lr", "pretrain-grad-norm",
-                    "pretrain-throughput", "pretrain-mfu", "pretrain-memory"]
+    assert keys == [
+        "pretrain-loss",
+        "pretrain-loss-tokens",
+        "pretrain-val-bpb",
+        "pretrain-lr",
+        "pretrain-grad-norm",
+        "pretrain-throughput",
+        "pretrain-mfu",
+        "pretrain-memory",
+    ]
 
 
 def test_cost_section_per_training_stage(tmp_path, capsys):
@@ -524,8 +661,14 @@ def test_cost_section_per_training_stage(tmp_path, capsys):
 
     parser = argparse.ArgumentParser()
     add_report_parser(parser.add_subparsers(dest="verb"))
-    assert run_report(parser.parse_args(["report", str(run), "--text", "--price", "0.05", "--tokens", "1e9",
-                                         "--pue", "1.5", "--cores", "4"])) == 0
+    assert (
+        run_report(
+            parser.parse_args(
+                ["report", str(run), "--text", "--price", "0.05", "--tokens", "1e9", "--pue", "1.5", "--cores", "4"]
+            )
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     # 900 s x 4 cores = 1 core-hour: $0.05, and 0.25 h x 20 W x 1.5 = 7.5 Wh.
     assert "x 4 cores, 900 s wall, 1 CPU core-hours, 0.0075 kWh at PUE 1.5, $0.05" in printed
@@ -533,13 +676,20 @@ def test_cost_section_per_training_stage(tmp_path, capsys):
 
     # One --hardware for a run whose stage trained elsewhere: a warning, and the stage keeps its own.
     report = build_report(run, ReportOptions(hardware="h100"))
-    assert report.warnings == ["pretrain cost: --hardware h100 ignored (the stage trained on cpu: H100 SXM 80GB "
-                               "figures would price time it did not spend on a GPU; leave the hardware out or "
-                               "pass cpu)"]
+    assert report.warnings == [
+        "pretrain cost: --hardware h100 ignored (the stage trained on cpu: H100 SXM 80GB "
+        "figures would price time it did not spend on a GPU; leave the hardware out or "
+        "pass cpu)"
+    ]
     with pytest.raises(ConfigError, match="hardware: unknown accelerator"):
         build_report(run, ReportOptions(hardware="h1000"))
-    for bad, key in ((dict(pue=0.5), "pue"), (dict(cores=0), "cores"), (dict(token_budget=-1.0), "tokens"),
-                     (dict(price_per_hour=-2.0), "price_per_hour"), (dict(power_w=0.0), "power_w")):
+    for bad, key in (
+        (dict(pue=0.5), "pue"),
+        (dict(cores=0), "cores"),
+        (dict(token_budget=-1.0), "tokens"),
+        (dict(price_per_hour=-2.0), "price_per_hour"),
+        (dict(power_w=0.0), "power_w"),
+    ):
         with pytest.raises(ConfigError, match=f"^{key}: "):
             build_report(run, ReportOptions(**bad))
 
@@ -572,9 +722,20 @@ def test_post_training_stages_get_plots_and_cost_without_token_projections(tmp_p
     recipe["sft"] = {"train": {"max_steps": 500, "lr": 1e-4}}
     (run / "recipe.json").write_text(json.dumps(recipe))
     write_lines(run / "sft" / "metrics.jsonl", train_records() + val_records())
-    (run / "sft" / "summary.json").write_text(json.dumps(
-        {"steps": 500, "tokens_seen": 500 * 1024, "tokens_per_s": 2000.0, "wall_s": 1800.0, "device": "cpu",
-         "world_size": 2, "threads": 3, "params": 7_000_000}))
+    (run / "sft" / "summary.json").write_text(
+        json.dumps(
+            {
+                "steps": 500,
+                "tokens_seen": 500 * 1024,
+                "tokens_per_s": 2000.0,
+                "wall_s": 1800.0,
+                "device": "cpu",
+                "world_size": 2,
+                "threads": 3,
+                "params": 7_000_000,
+            }
+        )
+    )
     report = build_report(run)
     keys = [spec.key for spec, _ in report.parts]
     assert keys == ["overview", "pretrain-training", "sft-training", "sft-cost", "config"]

@@ -20,8 +20,15 @@ import torch
 from kiln.errors import DataError
 from kiln.hf import import_hf
 from kiln.model import ModelConfig, build_model
-from kiln.train.checkpoint import (TRAIN_STATE_FILE, CheckpointError, CheckpointManager, load_weights,
-                                   read_manifest, resolve_checkpoint, sha256_file)
+from kiln.train.checkpoint import (
+    TRAIN_STATE_FILE,
+    CheckpointError,
+    CheckpointManager,
+    load_weights,
+    read_manifest,
+    resolve_checkpoint,
+    sha256_file,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 CFG = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=16)
@@ -54,6 +61,7 @@ def _evil_torch_file(path: Path, marker: Path) -> None:
 def _rewrite_manifest_checksums(folder: Path, added: tuple[str, ...] = ()) -> None:
     """What an attacker who ships a whole checkpoint does: checksums that match the planted files."""
     from kiln.train.checkpoint import _manifest_digest
+
     manifest = read_manifest(folder)
     for name in [*manifest["files"], *added]:
         manifest["files"][name] = {"sha256": sha256_file(folder / name), "bytes": (folder / name).stat().st_size}
@@ -64,6 +72,7 @@ def _rewrite_manifest_checksums(folder: Path, added: tuple[str, ...] = ()) -> No
 def _train_state(model):
     from kiln.train.config import TrainConfig
     from kiln.train.optim import build_optimizer
+
     opt = build_optimizer(model, TrainConfig())
     model(torch.randint(0, 64, (2, 8))).float().mean().backward()
     opt.step()
@@ -72,11 +81,21 @@ def _train_state(model):
 
 # ---- Hugging Face import ------------------------------------------------------------------------
 
+
 def _hf_folder(folder: Path) -> Path:
     folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({
-        "model_type": "llama", "hidden_size": 32, "num_attention_heads": 4, "num_hidden_layers": 1,
-        "intermediate_size": 64, "vocab_size": 64}))
+    (folder / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "hidden_size": 32,
+                "num_attention_heads": 4,
+                "num_hidden_layers": 1,
+                "intermediate_size": 64,
+                "vocab_size": 64,
+            }
+        )
+    )
     return folder
 
 
@@ -106,8 +125,12 @@ def test_import_hf_refuses_a_pickle_named_in_the_safetensors_index(tmp_path, mar
 def test_kiln_import_hf_cli_refuses_pickles(tmp_path, marker):
     folder = _hf_folder(tmp_path / "hf")
     _evil_torch_file(folder / "pytorch_model.bin", marker)
-    done = subprocess.run([sys.executable, "-m", "kiln.cli", "import", "hf", str(folder), str(tmp_path / "out")],
-                          cwd=REPO, capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "kiln.cli", "import", "hf", str(folder), str(tmp_path / "out")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 2, done.stderr
     assert "pytorch_model.bin" in done.stderr and "safetensors" in done.stderr
     assert "Traceback" not in done.stderr
@@ -124,6 +147,7 @@ def test_a_pickled_file_is_not_taken_for_a_checkpoint(tmp_path, marker):
 
 
 # ---- Kiln checkpoints ---------------------------------------------------------------------------
+
 
 def test_crafted_train_state_is_refused(tmp_path, marker):
     torch.manual_seed(0)
@@ -142,6 +166,7 @@ def _sharded_checkpoint(root: Path) -> Path:
     import warnings
 
     from kiln.parallel.checkpoint import ShardedSaver
+
     torch.manual_seed(0)
     model = build_model(CFG)
     opt, state = _train_state(model)
@@ -171,6 +196,7 @@ def _craft_sharded_entry(folder: Path, marker: Path, key: str | None = None) -> 
 
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
     meta_path = folder / "sharded" / ".metadata"
     metadata = pickle.loads(meta_path.read_bytes())  # Kiln's own file, just written
     if key is None:
@@ -198,20 +224,23 @@ def test_sharded_load_unpickles_entries_weights_only(tmp_path, marker):
     import warnings
 
     from kiln.parallel.checkpoint import load_sharded
+
     folder = _sharded_checkpoint(tmp_path / "ckpt")
     _craft_sharded_entry(folder, marker)
     model = build_model(CFG)
     opt, _ = _train_state(model)
     from torch.distributed.checkpoint.api import CheckpointException
+
     with warnings.catch_warnings(), pytest.raises(CheckpointException) as failed:
         warnings.simplefilter("ignore", UserWarning)
         load_sharded(folder, model, opt)
-    (error, _), = failed.value.failures.values()  # rank 0's exception and its traceback
+    ((error, _),) = failed.value.failures.values()  # rank 0's exception and its traceback
     assert isinstance(error, pickle.UnpicklingError) and "Unsupported global" in str(error)
     assert not marker.exists()
 
 
 # ---- the code itself ----------------------------------------------------------------------------
+
 
 def _unsafe_loads(path: Path) -> list[str]:
     """Calls in `path` that could unpickle untrusted data."""
@@ -226,11 +255,22 @@ def _unsafe_loads(path: Path) -> list[str]:
             value = keywords.get(key)
             return value.value if isinstance(value, ast.Constant) else None
 
-        bad = (name in ("pickle.load", "pickle.loads", "pickle.Unpickler", "joblib.load", "dill.load",
-                        "cloudpickle.load", "marshal.loads", "yaml.unsafe_load")
-               or (name == "torch.load" and constant("weights_only") is not True)
-               or (name in ("np.load", "numpy.load") and constant("allow_pickle") is True)
-               or (name == "yaml.load" and "Loader" not in keywords))
+        bad = (
+            name
+            in (
+                "pickle.load",
+                "pickle.loads",
+                "pickle.Unpickler",
+                "joblib.load",
+                "dill.load",
+                "cloudpickle.load",
+                "marshal.loads",
+                "yaml.unsafe_load",
+            )
+            or (name == "torch.load" and constant("weights_only") is not True)
+            or (name in ("np.load", "numpy.load") and constant("allow_pickle") is True)
+            or (name == "yaml.load" and "Loader" not in keywords)
+        )
         if bad:
             found.append(f"{path.relative_to(REPO)}:{node.lineno}: {name}")
     return found
@@ -244,6 +284,7 @@ def test_no_unrestricted_unpickling_in_kiln():
 
 
 # ---- server API keys ----------------------------------------------------------------------------
+
 
 def test_server_compares_api_keys_in_constant_time(tmp_path, monkeypatch):
     from starlette.testclient import TestClient
@@ -267,6 +308,7 @@ def test_server_compares_api_keys_in_constant_time(tmp_path, monkeypatch):
     monkeypatch.setattr(hmac, "compare_digest", spy)
     app = create_app(model, tok, model_name="m", api_keys=keys)
     with TestClient(app) as client:
+
         def status(key):
             calls.clear()
             return client.get("/v1/models", headers={"Authorization": f"Bearer {key}"}).status_code

@@ -61,6 +61,7 @@ def quiet(*_):
 
 # ---- search space ------------------------------------------------------------------------------------
 
+
 def test_spec_strings():
     assert parse_param("train.lr", "loguniform:1e-4:1e-2") == Param("train.lr", "float", 1e-4, 1e-2, log=True)
     assert parse_param("train.lr", "float:0.1:0.5:0.1") == Param("train.lr", "float", 0.1, 0.5, step=0.1)
@@ -73,11 +74,12 @@ def test_spec_strings():
 
 def test_space_file_forms_and_merge_with_cli(tmp_path):
     space = tmp_path / "space.toml"
-    space.write_text('[train]\nlr = "loguniform:1e-4:1e-2"\nwarmup_steps = {type = "int", low = 0, high = 50}\n'
-                     'schedule = ["cosine", "wsd"]\n"guard.spike_sigma" = {type = "float", low = 2, high = 8}\n')
+    space.write_text(
+        '[train]\nlr = "loguniform:1e-4:1e-2"\nwarmup_steps = {type = "int", low = 0, high = 50}\n'
+        'schedule = ["cosine", "wsd"]\n"guard.spike_sigma" = {type = "float", low = 2, high = 8}\n'
+    )
     params = {p.key: p for p in parse_space(["model.dim=choice:32,64"], space)}
-    assert set(params) == {"train.lr", "train.warmup_steps", "train.schedule", "train.guard.spike_sigma",
-                           "model.dim"}
+    assert set(params) == {"train.lr", "train.warmup_steps", "train.schedule", "train.guard.spike_sigma", "model.dim"}
     assert params["train.warmup_steps"] == Param("train.warmup_steps", "int", 0, 50)
     assert params["train.guard.spike_sigma"].low == 2.0 and params["train.schedule"].choices == ("cosine", "wsd")
     with pytest.raises(ConfigError) as err:
@@ -85,22 +87,25 @@ def test_space_file_forms_and_merge_with_cli(tmp_path):
     assert err.value.key == "train.lr" and "twice" in err.value.message
 
 
-@pytest.mark.parametrize("item, key, words", [
-    ("train.lr=gaussian:0:1", "train.lr", "unknown distribution"),
-    ("train.lr=float:0.1:0.1", "train.lr", "low must be below high"),
-    ("train.lr=loguniform:0:0.1", "train.lr", "log scale needs low > 0"),
-    ("train.warmup_steps=int:0.5:10", "train.warmup_steps", "low must be an integer"),
-    ("train.lr=float:0.1", "train.lr", "expected float:LOW:HIGH"),
-    ("train.lr=float:0.1:0.2:0.5", "train.lr", "step must be positive"),
-    ("train.lr=loguniform:1e-4:1e-2:1e-4", "train.lr", "not combined with log"),
-    ("train.lr=float:low:high", "train.lr", "low must be a finite number"),
-    ("model.ffn=choice:", "model.ffn", "needs comma-separated choices"),
-    ("model.ffn=choice:gelu,gelu", "model.ffn", "repeat"),
-    ("run.name=choice:a,b", "run.name", "cannot be swept"),
-    ("sample.temperature=float:0.1:1", "sample.temperature", "cannot be swept"),
-    ("lr=float:0.1:1", "lr", "section.key"),
-    ("train.lr", "train.lr", "section.key=SPEC"),
-])
+@pytest.mark.parametrize(
+    "item, key, words",
+    [
+        ("train.lr=gaussian:0:1", "train.lr", "unknown distribution"),
+        ("train.lr=float:0.1:0.1", "train.lr", "low must be below high"),
+        ("train.lr=loguniform:0:0.1", "train.lr", "log scale needs low > 0"),
+        ("train.warmup_steps=int:0.5:10", "train.warmup_steps", "low must be an integer"),
+        ("train.lr=float:0.1", "train.lr", "expected float:LOW:HIGH"),
+        ("train.lr=float:0.1:0.2:0.5", "train.lr", "step must be positive"),
+        ("train.lr=loguniform:1e-4:1e-2:1e-4", "train.lr", "not combined with log"),
+        ("train.lr=float:low:high", "train.lr", "low must be a finite number"),
+        ("model.ffn=choice:", "model.ffn", "needs comma-separated choices"),
+        ("model.ffn=choice:gelu,gelu", "model.ffn", "repeat"),
+        ("run.name=choice:a,b", "run.name", "cannot be swept"),
+        ("sample.temperature=float:0.1:1", "sample.temperature", "cannot be swept"),
+        ("lr=float:0.1:1", "lr", "section.key"),
+        ("train.lr", "train.lr", "section.key=SPEC"),
+    ],
+)
 def test_space_errors_name_the_param(item, key, words):
     with pytest.raises(ConfigError) as err:
         parse_space([item])
@@ -136,6 +141,7 @@ def test_space_is_checked_against_the_recipe(tmp_path):
 
 # ---- sweeps ------------------------------------------------------------------------------------------
 
+
 def count_trainings(monkeypatch) -> list[str]:
     """Record every trial's training (run folder names) while still running it."""
     runs = []
@@ -152,8 +158,21 @@ def count_trainings(monkeypatch) -> list[str]:
 def test_sweep_from_the_command_line(tmp_path, capsys):
     recipe = write_recipe(tmp_path)
     out = tmp_path / "sweep"
-    code = sweep._cli([str(recipe), "train.max_steps=20", *sum((["--param", p] for p in SPACE), []),
-                       "--trials", "3", "--sampler", "random", "--seed", "1", "--out", str(out)])
+    code = sweep._cli(
+        [
+            str(recipe),
+            "train.max_steps=20",
+            *sum((["--param", p] for p in SPACE), []),
+            "--trials",
+            "3",
+            "--sampler",
+            "random",
+            "--seed",
+            "1",
+            "--out",
+            str(out),
+        ]
+    )
     assert code == 0
     printed = capsys.readouterr().out
     results = json.loads((out / "results.json").read_text())
@@ -186,8 +205,9 @@ def test_sweep_from_the_command_line(tmp_path, capsys):
     assert best_recipe.train.warmup_steps == best["params"]["train.warmup_steps"]
     assert best_recipe.run.name == "micro-best" and best_recipe.run.out_dir == str(tmp_path / "runs")
     for section in ("corpus", "tokenizer", "pack", "model", "train"):
-        assert json.loads(json.dumps(dataclasses.asdict(getattr(best_recipe, section)))) == \
-            trial_recipe[section], section
+        assert json.loads(json.dumps(dataclasses.asdict(getattr(best_recipe, section)))) == trial_recipe[section], (
+            section
+        )
 
     # The data stages ran once, in base/; every trial links to them.
     for r in rows:
@@ -280,8 +300,9 @@ def test_failed_trials_are_results_but_a_failing_default_stops(tmp_path, monkeyp
         return real(recipe_path, overrides, params, *rest)
 
     monkeypatch.setattr(sweep, "_run_trial", fail_high_lr)
-    result = run_sweep(recipe, parse_space(["train.lr=loguniform:1e-2:1e-1"]), 3, sampler="random",
-                       out_dir=tmp_path / "a", log=quiet)
+    result = run_sweep(
+        recipe, parse_space(["train.lr=loguniform:1e-2:1e-1"]), 3, sampler="random", out_dir=tmp_path / "a", log=quiet
+    )
     assert [r["state"] for r in result.rows] == ["complete", "fail", "fail"]
     assert "loss is nan" in result.rows[1]["error"] and result.best is result.default
 
@@ -296,8 +317,15 @@ def test_eight_trial_sweep_beats_a_poor_default(tmp_path):
     # searched range starts 100x above it, so a better trial exists by construction; the test checks that
     # the sweep measures the default, finds such a trial and reports it as the best.
     recipe = write_recipe(tmp_path, lr=1e-5, max_steps=40)
-    result = run_sweep(recipe, parse_space(["train.lr=loguniform:1e-3:3e-2", "train.warmup_steps=int:0:20"]),
-                       8, sampler="tpe", seed=0, out_dir=tmp_path / "sweep", log=quiet)
+    result = run_sweep(
+        recipe,
+        parse_space(["train.lr=loguniform:1e-3:3e-2", "train.warmup_steps=int:0:20"]),
+        8,
+        sampler="tpe",
+        seed=0,
+        out_dir=tmp_path / "sweep",
+        log=quiet,
+    )
     complete = [r for r in result.rows if r["state"] == "complete"]
     assert len(complete) == 8 and result.default["trial"] == 0
     assert result.best["value"] <= result.default["value"]

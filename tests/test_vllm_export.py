@@ -29,14 +29,21 @@ from kiln.model import ModelConfig, build_model
 from kiln.train.checkpoint import save_weights
 
 # (vLLM parameter, checkpoint shard name, shard) as in LlamaForCausalLM.load_weights.
-STACKED = [(".qkv_proj", ".q_proj", "q"), (".qkv_proj", ".k_proj", "k"), (".qkv_proj", ".v_proj", "v"),
-           (".gate_up_proj", ".gate_proj", 0), (".gate_up_proj", ".up_proj", 1)]
+STACKED = [
+    (".qkv_proj", ".q_proj", "q"),
+    (".qkv_proj", ".k_proj", "k"),
+    (".qkv_proj", ".v_proj", "v"),
+    (".gate_up_proj", ".gate_proj", 0),
+    (".gate_up_proj", ".up_proj", 1),
+]
 
 
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory):
-    texts = [p.read_text(encoding="utf-8", errors="replace")[:4000]
-             for p in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:20]]
+    texts = [
+        p.read_text(encoding="utf-8", errors="replace")[:4000]
+        for p in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:20]
+    ]
     out = tmp_path_factory.mktemp("vllm_tok")
     train_tokenizer(texts, TokenizerConfig(vocab_size=600), out, heldout=[])
     return Tokenizer.load(out)
@@ -54,14 +61,16 @@ def vllm_parameters(config: dict) -> dict[str, tuple[int, ...]]:
         params["lm_head.weight"] = (vocab, hidden)
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        params.update({
-            p + "self_attn.qkv_proj.weight": ((heads + 2 * kv_heads) * head_dim, hidden),
-            p + "self_attn.o_proj.weight": (hidden, heads * head_dim),
-            p + "mlp.gate_up_proj.weight": (2 * inter, hidden),
-            p + "mlp.down_proj.weight": (hidden, inter),
-            p + "input_layernorm.weight": (hidden,),
-            p + "post_attention_layernorm.weight": (hidden,),
-        })
+        params.update(
+            {
+                p + "self_attn.qkv_proj.weight": ((heads + 2 * kv_heads) * head_dim, hidden),
+                p + "self_attn.o_proj.weight": (hidden, heads * head_dim),
+                p + "mlp.gate_up_proj.weight": (2 * inter, hidden),
+                p + "mlp.down_proj.weight": (hidden, inter),
+                p + "input_layernorm.weight": (hidden,),
+                p + "post_attention_layernorm.weight": (hidden,),
+            }
+        )
     return params
 
 
@@ -92,7 +101,7 @@ def load_like_vllm(config: dict, tensors: dict[str, torch.Tensor]) -> dict[str, 
     for name, tensor in tensors.items():
         if "rotary_emb.inv_freq" in name or (tied and name.startswith("lm_head.")):
             continue
-        for param, shard_name, shard in STACKED:
+        for param, shard_name, shard in STACKED:  # noqa: B007 - shard is read after the break
             if shard_name in name:
                 target = name.replace(shard_name, param)
                 break
@@ -105,26 +114,41 @@ def load_like_vllm(config: dict, tensors: dict[str, torch.Tensor]) -> dict[str, 
     return loaded
 
 
-@pytest.mark.parametrize("overrides, dtype, chat", [
-    ({}, torch.float32, False),
-    ({"tie_embeddings": True, "n_kv_heads": 1}, torch.bfloat16, True),
-    ({"n_kv_heads": 4, "rope_theta": 500000.0, "norm_eps": 1e-6}, torch.float32, False),
-])
+@pytest.mark.parametrize(
+    "overrides, dtype, chat",
+    [
+        ({}, torch.float32, False),
+        ({"tie_embeddings": True, "n_kv_heads": 1}, torch.bfloat16, True),
+        ({"n_kv_heads": 4, "rope_theta": 500000.0, "norm_eps": 1e-6}, torch.float32, False),
+    ],
+)
 def test_export_has_what_vllms_llama_loader_reads(tmp_path, tok, overrides, dtype, chat):
-    cfg = ModelConfig(**{**dict(vocab_size=tok.vocab_size, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
-                                max_seq_len=256), **overrides})
+    cfg = ModelConfig(
+        **{**dict(vocab_size=tok.vocab_size, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=256), **overrides}
+    )
     state = {k: v.to(dtype) for k, v in build_model(cfg).state_dict().items()}
     ckpt = save_weights(tmp_path / "ckpt", cfg, state, {"step": 0})
     out = export_checkpoint_to_hf(ckpt, tok.path, tmp_path / "hf", chat=chat)
 
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and config["model_type"] == "llama"
-    expected = {"hidden_size": cfg.dim, "intermediate_size": cfg.ffn_hidden_size, "num_attention_heads": cfg.n_heads,
-                "num_key_value_heads": cfg.kv_heads, "num_hidden_layers": cfg.n_layers, "head_dim": cfg.head_dim,
-                "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta, "vocab_size": cfg.vocab_size,
-                "max_position_embeddings": cfg.max_seq_len, "tie_word_embeddings": cfg.tie_embeddings,
-                "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
-                "torch_dtype": {torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype]}
+    expected = {
+        "hidden_size": cfg.dim,
+        "intermediate_size": cfg.ffn_hidden_size,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.kv_heads,
+        "num_hidden_layers": cfg.n_layers,
+        "head_dim": cfg.head_dim,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "vocab_size": cfg.vocab_size,
+        "max_position_embeddings": cfg.max_seq_len,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "torch_dtype": {torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype],
+    }
     assert {k: config.get(k) for k in expected} == expected
     # vLLM (through transformers 5) builds RoPE from rope_parameters; older ones from rope_theta and
     # rope_scaling, which must be absent or null for plain RoPE.
@@ -165,6 +189,7 @@ def test_export_has_what_vllms_llama_loader_reads(tmp_path, tok, overrides, dtyp
     rendered = hf_tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
     ids = rendered["input_ids"] if isinstance(rendered, dict) or hasattr(rendered, "keys") else rendered
     from kiln.post.chat import render_prompt
+
     assert list(ids) == render_prompt(tok, messages)
     hf_config = transformers.AutoConfig.from_pretrained(out)
     assert type(hf_config).__name__ == "LlamaConfig"

@@ -46,8 +46,8 @@ from kiln.parallel.grad import clip_grad_norm  # noqa: E402
 from kiln.parallel.parallelize import apply_compile, apply_fsdp  # noqa: E402
 from kiln.train.config import TrainConfig  # noqa: E402
 from kiln.train.metrics import detect_peak_flops  # noqa: E402
-from kiln.train.optim import build_optimizer  # noqa: E402
 from kiln.train.objective import next_token_loss  # noqa: E402
+from kiln.train.optim import build_optimizer  # noqa: E402
 
 LLAMA3_VOCAB = 128256
 GiB = 2**30
@@ -102,10 +102,16 @@ def convert_fp8(model: torch.nn.Module) -> int:
     from torchao.float8 import convert_to_float8_training
 
     def wanted(module, fqn: str) -> bool:
-        return (isinstance(module, torch.nn.Linear) and fqn.startswith("layers.")
-                and module.in_features % 16 == 0 and module.out_features % 16 == 0)
+        return (
+            isinstance(module, torch.nn.Linear)
+            and fqn.startswith("layers.")
+            and module.in_features % 16 == 0
+            and module.out_features % 16 == 0
+        )
+
     convert_to_float8_training(model, module_filter_fn=wanted)
     from torchao.float8.float8_linear import Float8Linear
+
     return sum(isinstance(m, Float8Linear) for m in model.modules())
 
 
@@ -157,11 +163,21 @@ def run(name: str, cfg, args, device, rank: int, world: int, fp8: bool, peak: fl
     tokens_step = args.batch * args.seq  # per rank
     per_gpu = tokens_step / statistics.median(times)
     result = {
-        "name": name, "fp8_linears": converted, "compile": args.compile, "world": world, "batch": args.batch,
-        "seq": args.seq, "tokens_per_step_per_gpu": tokens_step, "warmup_s": warmup_s,
-        "step_s_median": statistics.median(times), "step_s_min": min(times), "step_s_max": max(times),
-        "tokens_per_s_per_gpu": per_gpu, "mfu": flops_per_token(cfg, args.seq) * per_gpu / peak,
-        "loss_first": float(first), "loss_last": losses[-1],
+        "name": name,
+        "fp8_linears": converted,
+        "compile": args.compile,
+        "world": world,
+        "batch": args.batch,
+        "seq": args.seq,
+        "tokens_per_step_per_gpu": tokens_step,
+        "warmup_s": warmup_s,
+        "step_s_median": statistics.median(times),
+        "step_s_min": min(times),
+        "step_s_max": max(times),
+        "tokens_per_s_per_gpu": per_gpu,
+        "mfu": flops_per_token(cfg, args.seq) * per_gpu / peak,
+        "loss_first": float(first),
+        "loss_last": losses[-1],
         "max_allocated_gib": torch.cuda.max_memory_allocated(device) / GiB if device.type == "cuda" else None,
         "max_reserved_gib": torch.cuda.max_memory_reserved(device) / GiB if device.type == "cuda" else None,
     }
@@ -180,24 +196,30 @@ def release(device: torch.device) -> None:
 def report(results: list[dict], cfg, peak: float, device_name: str) -> str:
     ref = preset("8b", vocab_size=LLAMA3_VOCAB)
     ref_flops = flops_per_token(ref, TORCHTITAN_SEQ)
-    lines = [f"device: {device_name}; peak {peak / 1e12:.1f} TFLOP/s (bf16 dense); model {count_params(cfg) / 1e9:.3f}B "
-             f"parameters, {flops_per_token(cfg, results[0]['seq']) / 1e9:.2f} GFLOP/token at seq {results[0]['seq']}",
-             "", "| run | tokens/s/GPU | MFU | step s (median, min-max) | peak mem GiB (alloc/reserved) | warm-up s |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        f"device: {device_name}; peak {peak / 1e12:.1f} TFLOP/s (bf16 dense); model {count_params(cfg) / 1e9:.3f}B "
+        f"parameters, {flops_per_token(cfg, results[0]['seq']) / 1e9:.2f} GFLOP/token at seq {results[0]['seq']}",
+        "",
+        "| run | tokens/s/GPU | MFU | step s (median, min-max) | peak mem GiB (alloc/reserved) | warm-up s |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in results:
         mem = "-" if r["max_allocated_gib"] is None else f"{r['max_allocated_gib']:.1f} / {r['max_reserved_gib']:.1f}"
         mfu = f"{100 * r['mfu']:.1f}%" + (" (bf16-equivalent)" if r["fp8_linears"] else "")
-        lines.append(f"| Kiln {cfg.preset} preset, {r['name']} | {r['tokens_per_s_per_gpu']:,.0f} | {mfu} "
-                     f"| {r['step_s_median']:.3f} ({r['step_s_min']:.3f}-{r['step_s_max']:.3f}) | {mem} "
-                     f"| {r['warmup_s']:.0f} |")
+        lines.append(
+            f"| Kiln {cfg.preset} preset, {r['name']} | {r['tokens_per_s_per_gpu']:,.0f} | {mfu} "
+            f"| {r['step_s_median']:.3f} ({r['step_s_min']:.3f}-{r['step_s_max']:.3f}) | {mem} "
+            f"| {r['warmup_s']:.0f} |"
+        )
     # The published rows in MFU terms, with Kiln's FLOP count for Llama 3.1 8B at sequence 8192
     # against the H100/H200 SXM dense bf16 peak (989 TFLOP/s). torchtitan's H100s ran at 500 W with
     # HBM2e, below the SXM peak, so these MFUs understate theirs; fp8 rows count fp8 matmuls as if
     # bf16 (torchtitan itself reports no MFU for them).
     for label, tps, fp8 in TORCHTITAN:
         mfu = ref_flops * tps / 989e12
-        lines.append(f"| torchtitan {label} | {tps:,} | {100 * mfu:.1f}%{' (bf16-equivalent)' if fp8 else ''} "
-                     f"| - | - | - |")
+        lines.append(
+            f"| torchtitan {label} | {tps:,} | {100 * mfu:.1f}%{' (bf16-equivalent)' if fp8 else ''} | - | - | - |"
+        )
     return "\n".join(lines)
 
 
@@ -209,10 +231,18 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="timed steps")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (compilation happens here)")
     parser.add_argument("--no-compile", dest="compile", action="store_false")
-    parser.add_argument("--fp8", choices=("auto", "on", "off"), default="auto",
-                        help="auto: also run fp8 where torchao and the GPU allow it")
-    parser.add_argument("--budget-s", type=float, default=270.0,
-                        help="skip the fp8 run if the bf16 run left less than its own time of this budget")
+    parser.add_argument(
+        "--fp8",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="auto: also run fp8 where torchao and the GPU allow it",
+    )
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=270.0,
+        help="skip the fp8 run if the bf16 run left less than its own time of this budget",
+    )
     parser.add_argument("--json", help="write the results here (rank 0)")
     args = parser.parse_args()
     if args.smoke:
@@ -225,14 +255,18 @@ def main() -> None:
     peak = detect_peak_flops(device, torch.bfloat16)
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (measured matmul peak)"
     log = print if rank == 0 else (lambda *a, **k: None)
-    log(f"torch {torch.__version__}; {device_name}; world {world}; seq {args.seq} x batch {args.batch}; "
-        f"compile {args.compile}", flush=True)
+    log(
+        f"torch {torch.__version__}; {device_name}; world {world}; seq {args.seq} x batch {args.batch}; "
+        f"compile {args.compile}",
+        flush=True,
+    )
 
     why_not = fp8_status(device)
     if args.fp8 == "on" and why_not:
         parser.error(f"--fp8 on: {why_not}")
-    results = [run("FSDP2 + compile + bf16" if args.compile else "FSDP2 + bf16", cfg, args, device, rank, world,
-                   False, peak)]
+    results = [
+        run("FSDP2 + compile + bf16" if args.compile else "FSDP2 + bf16", cfg, args, device, rank, world, False, peak)
+    ]
     log(json.dumps(results[-1]), flush=True)
     release(device)
     if args.fp8 != "off" and why_not is None:
@@ -247,8 +281,11 @@ def main() -> None:
     log("\n" + report(results, cfg, peak, device_name), flush=True)
     log(f"\ntotal {time.perf_counter() - start:.0f} s", flush=True)
     if args.json and rank == 0:
-        Path(args.json).write_text(json.dumps({"device": device_name, "peak_flops": peak, "torch": torch.__version__,
-                                               "results": results}, indent=1))
+        Path(args.json).write_text(
+            json.dumps(
+                {"device": device_name, "peak_flops": peak, "torch": torch.__version__, "results": results}, indent=1
+            )
+        )
     dist.destroy_process_group()
 
 

@@ -38,15 +38,17 @@ SCORE_BATCH = 1024  # texts featurised at once when scoring; bounds memory on la
 
 @dataclass
 class FeatureConfig:
-    buckets: int = 2 ** 18       # 262k slots: collisions stay rare for a few hundred thousand distinct n-grams
-    word_ngrams: int = 2         # unigrams and bigrams
-    cjk_char_ngram: int = 3      # extra character n-grams for CJK text; 0 disables
+    buckets: int = 2**18  # 262k slots: collisions stay rare for a few hundred thousand distinct n-grams
+    word_ngrams: int = 2  # unigrams and bigrams
+    cjk_char_ngram: int = 3  # extra character n-grams for CJK text; 0 disables
 
     def validate(self) -> None:
         if self.buckets < 2 or self.buckets & (self.buckets - 1):
             raise ConfigError("buckets", f"must be a power of two >= 2, got {self.buckets}")
-        if self.buckets > 2 ** 31:
-            raise ConfigError("buckets", f"must be <= 2**31 (the hash has 32 bits, one of them the sign), got {self.buckets}")
+        if self.buckets > 2**31:
+            raise ConfigError(
+                "buckets", f"must be <= 2**31 (the hash has 32 bits, one of them the sign), got {self.buckets}"
+            )
         if self.word_ngrams < 1:
             raise ConfigError("word_ngrams", f"must be >= 1, got {self.word_ngrams}")
         if self.cjk_char_ngram < 0:
@@ -60,10 +62,10 @@ def feature_strings(text: str, cfg: FeatureConfig, lang: str | None = None) -> l
     toks = [w.lower() for w in split_words(text, cjk)]
     feats = []
     for n in range(1, cfg.word_ngrams + 1):
-        feats.extend(f"{n}\x1f" + "\x1f".join(toks[i:i + n]) for i in range(len(toks) - n + 1))
+        feats.extend(f"{n}\x1f" + "\x1f".join(toks[i : i + n]) for i in range(len(toks) - n + 1))
     if cjk and cfg.cjk_char_ngram > cfg.word_ngrams:
         n = cfg.cjk_char_ngram
-        feats.extend("c\x1f" + "".join(toks[i:i + n]) for i in range(len(toks) - n + 1))
+        feats.extend("c\x1f" + "".join(toks[i : i + n]) for i in range(len(toks) - n + 1))
     return feats
 
 
@@ -93,6 +95,7 @@ def featurize(text: str, cfg: FeatureConfig, lang: str | None = None) -> tuple[n
 @dataclass
 class SparseBatch:
     """Rows of sparse vectors in CSR form: row r is indices/values[indptr[r]:indptr[r+1]]."""
+
     indptr: np.ndarray
     indices: np.ndarray
     values: np.ndarray
@@ -145,7 +148,7 @@ class QualityClassifier:
         for start in range(0, len(texts), SCORE_BATCH):
             end = start + SCORE_BATCH
             batch = self.vectors(texts[start:end], langs[start:end])
-            out[start:start + batch.rows] = _sigmoid(batch.dot(self.weight) + self.bias)
+            out[start : start + batch.rows] = _sigmoid(batch.dot(self.weight) + self.bias)
         return out
 
     def save(self, path: str | Path) -> Path:
@@ -156,8 +159,11 @@ class QualityClassifier:
         sidecar = sidecar_path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         save_file({"weight": self.weight, "bias": np.array([self.bias], dtype=np.float32)}, str(path))
-        sidecar.write_text(json.dumps({"format": FORMAT, "version": VERSION, "features": asdict(self.features),
-                                       "stats": self.stats}, indent=1))
+        sidecar.write_text(
+            json.dumps(
+                {"format": FORMAT, "version": VERSION, "features": asdict(self.features), "stats": self.stats}, indent=1
+            )
+        )
         return sidecar
 
     @classmethod
@@ -169,8 +175,10 @@ class QualityClassifier:
         sidecar = sidecar_path(path)
         for p in (path, sidecar):
             if not p.is_file():
-                raise DataError(f"{p}: no such file (a quality classifier is a .safetensors file with a .json "
-                                "sidecar, written by `kiln classifier train`)")
+                raise DataError(
+                    f"{p}: no such file (a quality classifier is a .safetensors file with a .json "
+                    "sidecar, written by `kiln classifier train`)"
+                )
         try:
             meta = json.loads(sidecar.read_text(encoding="utf-8"))
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
@@ -215,10 +223,19 @@ def roc_auc(labels: np.ndarray, scores: np.ndarray) -> float:
     return float((ranks[labels].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
 
 
-def train_quality_classifier(positive: Iterable[str], negative: Iterable[str], buckets: int = 2 ** 18,
-                             epochs: int = 5, lr: float = 0.5, l2: float = 1e-6, batch_size: int = 32,
-                             heldout_fraction: float = 0.1, seed: int = 0, word_ngrams: int = 2,
-                             cjk_char_ngram: int = 3) -> QualityClassifier:
+def train_quality_classifier(
+    positive: Iterable[str],
+    negative: Iterable[str],
+    buckets: int = 2**18,
+    epochs: int = 5,
+    lr: float = 0.5,
+    l2: float = 1e-6,
+    batch_size: int = 32,
+    heldout_fraction: float = 0.1,
+    seed: int = 0,
+    word_ngrams: int = 2,
+    cjk_char_ngram: int = 3,
+) -> QualityClassifier:
     """Fit P(positive | text) on reference texts (positive) vs raw texts (negative).
 
     Optimiser: mini-batch Adagrad on the logistic loss. Hashed n-gram features are extremely sparse
@@ -246,8 +263,9 @@ def train_quality_classifier(positive: Iterable[str], negative: Iterable[str], b
     vecs += [featurize(t, features) for t in negative]
     n_neg = len(vecs) - n_pos
     if n_pos == 0 or n_neg == 0:
-        raise DataError(f"a quality classifier needs positive and negative documents; got {n_pos} positive, "
-                        f"{n_neg} negative")
+        raise DataError(
+            f"a quality classifier needs positive and negative documents; got {n_pos} positive, {n_neg} negative"
+        )
     labels = np.concatenate([np.ones(n_pos), np.zeros(n_neg)])
     rng = np.random.default_rng(seed)
     order = rng.permutation(len(vecs))
@@ -264,13 +282,13 @@ def train_quality_classifier(positive: Iterable[str], negative: Iterable[str], b
     for _ in range(epochs):
         epoch_loss = 0.0
         for start in range(0, train.size, batch_size):
-            rows = train[start:start + batch_size]
+            rows = train[start : start + batch_size]
             batch = SparseBatch.stack([vecs[i] for i in rows])
             y = labels[rows]
             w_row = class_weight[y.astype(np.int64)]
             p = _sigmoid(batch.dot(weight) + bias)
             epoch_loss += float(-(w_row * (y * np.log(p + 1e-12) + (1 - y) * np.log(1 - p + 1e-12))).sum())
-            err = w_row * (p - y) / rows.size                  # dLoss/dlogit per row, batch mean
+            err = w_row * (p - y) / rows.size  # dLoss/dlogit per row, batch mean
             touched, inverse = np.unique(batch.indices, return_inverse=True)
             g = np.bincount(inverse, weights=batch.values * err[batch.row_ids()], minlength=touched.size)
             g += l2 * weight[touched]
@@ -283,9 +301,18 @@ def train_quality_classifier(positive: Iterable[str], negative: Iterable[str], b
         train = rng.permutation(train)  # a fresh order each epoch, from the one seeded generator
 
     model = QualityClassifier(weight.astype(np.float32), bias, features)
-    stats = {"positive": n_pos, "negative": n_neg, "train": int(train.size), "heldout": int(n_held),
-             "epochs": epochs, "lr": lr, "l2": l2, "batch_size": batch_size, "seed": seed,
-             "train_loss": [round(x, 5) for x in losses]}
+    stats = {
+        "positive": n_pos,
+        "negative": n_neg,
+        "train": int(train.size),
+        "heldout": int(n_held),
+        "epochs": epochs,
+        "lr": lr,
+        "l2": l2,
+        "batch_size": batch_size,
+        "seed": seed,
+        "train_loss": [round(x, 5) for x in losses],
+    }
     if n_held:
         held_batch = SparseBatch.stack([vecs[i] for i in held])
         scores = _sigmoid(held_batch.dot(model.weight) + model.bias)
@@ -309,8 +336,12 @@ def _read_texts(paths: str | Path | Iterable[str | Path], counts: dict, key: str
     return texts
 
 
-def train_from_files(positive_paths: str | Path | Iterable[str | Path],
-                     negative_paths: str | Path | Iterable[str | Path], out_path: str | Path, **kwargs) -> dict:
+def train_from_files(
+    positive_paths: str | Path | Iterable[str | Path],
+    negative_paths: str | Path | Iterable[str | Path],
+    out_path: str | Path,
+    **kwargs,
+) -> dict:
     """Train on documents read from files/folders/globs (bad records skipped and counted), save the
     model to `out_path` (.safetensors + .json sidecar) and return its training stats."""
     sidecar_path(out_path)  # fail on a bad output name before reading any data

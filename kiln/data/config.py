@@ -14,8 +14,8 @@ BUILTIN_SOURCES = ("python_stdlib", "python_docs", "debian_docs")
 class CorpusConfig:
     sources: list[str] = field(default_factory=lambda: list(BUILTIN_SOURCES))
     max_bytes_per_source: int = 6_000_000  # keeps the CPU demo within its time budget
-    min_chars: int = 64                    # shorter documents carry almost no signal
-    max_chars: int = 32_000                # longer files are split at line boundaries
+    min_chars: int = 64  # shorter documents carry almost no signal
+    max_chars: int = 32_000  # longer files are split at line boundaries
     seed: int = 0
 
     def validate(self) -> None:
@@ -34,8 +34,8 @@ class CorpusConfig:
 class TokenizerConfig:
     vocab_size: int = 8192
     min_frequency: int = 2
-    heldout_fraction: float = 0.02   # documents kept out of training to measure bytes per token
-    max_train_bytes: int = 0         # 0: train on the whole corpus
+    heldout_fraction: float = 0.02  # documents kept out of training to measure bytes per token
+    max_train_bytes: int = 0  # 0: train on the whole corpus
 
     def validate(self) -> None:
         # 256 byte symbols plus the reserved special tokens must fit before any merge.
@@ -49,9 +49,9 @@ class TokenizerConfig:
 
 @dataclass
 class PackConfig:
-    val_fraction: float = 0.01       # documents (by stable hash of id) held out for validation
+    val_fraction: float = 0.01  # documents (by stable hash of id) held out for validation
     mixture: dict[str, float] = field(default_factory=dict)  # source -> weight; empty: by token count
-    shard_tokens: int = 16_777_216   # tokens per shard file
+    shard_tokens: int = 16_777_216  # tokens per shard file
 
     def validate(self) -> None:
         if not 0 < self.val_fraction < 0.5:
@@ -68,8 +68,16 @@ class PackConfig:
 # The default chain: cheap normalisation and language ID first, then the heuristic filters, then
 # deduplication (exact before fuzzy, so MinHash sees fewer documents), PII scrubbing last so that
 # dedup compares the original text.
-DEFAULT_STEPS = ["normalize", "langid", "gopher_quality", "gopher_repetition", "fineweb",
-                 "exact_dedup", "minhash_dedup", "pii"]
+DEFAULT_STEPS = [
+    "normalize",
+    "langid",
+    "gopher_quality",
+    "gopher_repetition",
+    "fineweb",
+    "exact_dedup",
+    "minhash_dedup",
+    "pii",
+]
 
 
 EXECUTORS = ("local", "ray")
@@ -77,13 +85,13 @@ EXECUTORS = ("local", "ray")
 
 @dataclass
 class CurateConfig:
-    inputs: list[str] = field(default_factory=list)   # files, folders or globs; empty: the run's corpus
+    inputs: list[str] = field(default_factory=list)  # files, folders or globs; empty: the run's corpus
     steps: list[str] = field(default_factory=lambda: list(DEFAULT_STEPS))
-    params: dict = field(default_factory=dict)         # [data.params.<step>] tables: each step's fields
-    tasks: int = 4                                     # shards of work; the unit of resumption
-    workers: int = 2                                   # processes running tasks in parallel (local executor)
-    executor: str = "local"                            # "local" (worker processes) or "ray" (pip install 'kiln[ray]')
-    ray_address: str = ""                              # "": start Ray here; "auto", "host:6379", "ray://host:10001": join
+    params: dict = field(default_factory=dict)  # [data.params.<step>] tables: each step's fields
+    tasks: int = 4  # shards of work; the unit of resumption
+    workers: int = 2  # processes running tasks in parallel (local executor)
+    executor: str = "local"  # "local" (worker processes) or "ray" (pip install 'kiln[ray]')
+    ray_address: str = ""  # "": start Ray here; "auto", "host:6379", "ray://host:10001": join
 
     def validate(self) -> None:
         if self.tasks <= 0:
@@ -102,4 +110,5 @@ class CurateConfig:
 
     def build_steps(self) -> list:
         from kiln.data.steps.base import build_step
+
         return [build_step(name, self.params.get(name, {}), f"params.{name}") for name in self.steps]

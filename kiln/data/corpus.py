@@ -92,9 +92,9 @@ class Rejected(Exception):
 
 @dataclass
 class Candidate:
-    key: str                    # stable, source-relative name; becomes the document id prefix
-    path: str                   # where the text came from, for meta and rejected records
-    load: Callable[[], str]     # reads and decodes the text; raises Rejected
+    key: str  # stable, source-relative name; becomes the document id prefix
+    path: str  # where the text came from, for meta and rejected records
+    load: Callable[[], str]  # reads and decodes the text; raises Rejected
     meta: dict
 
 
@@ -131,9 +131,16 @@ def walk_sorted(root: Path, skip_dirs: frozenset[str] = frozenset()) -> Iterator
 
 def python_stdlib_candidates() -> list[Candidate]:
     root = stdlib_root()
-    return [Candidate(f"python_stdlib/{p.relative_to(root).as_posix()}", str(p), lambda p=p: read_text_file(p),
-                      {"license": PSF_LICENSE})
-            for p in walk_sorted(root, STDLIB_SKIP_DIRS) if p.suffix == ".py"]
+    return [
+        Candidate(
+            f"python_stdlib/{p.relative_to(root).as_posix()}",
+            str(p),
+            lambda p=p: read_text_file(p),
+            {"license": PSF_LICENSE},
+        )
+        for p in walk_sorted(root, STDLIB_SKIP_DIRS)
+        if p.suffix == ".py"
+    ]
 
 
 def module_docstrings(path: Path, module: str) -> str:
@@ -166,21 +173,38 @@ def module_docstrings(path: Path, module: str) -> str:
 def python_docs_candidates() -> list[Candidate]:
     from pydoc_data.topics import topics  # the reference-manual text pydoc shows for help("topic")
 
-    out = [Candidate(f"python_docs/topics/{name}", f"pydoc_data.topics:{name}", lambda t=text: t,
-                     {"license": PSF_LICENSE, "kind": "reference_topic"})
-           for name, text in sorted(topics.items())]
+    out = [
+        Candidate(
+            f"python_docs/topics/{name}",
+            f"pydoc_data.topics:{name}",
+            lambda t=text: t,
+            {"license": PSF_LICENSE, "kind": "reference_topic"},
+        )
+        for name, text in sorted(topics.items())
+    ]
     root = stdlib_root()
     for p in walk_sorted(root, STDLIB_SKIP_DIRS):
         rel = p.relative_to(root)
         if p.suffix == ".py":
             module = ".".join(rel.with_suffix("").parts)
             module = module.removesuffix(".__init__")
-            out.append(Candidate(f"python_docs/docstrings/{module}", str(p),
-                                 lambda p=p, m=module: module_docstrings(p, m),
-                                 {"license": PSF_LICENSE, "kind": "docstrings"}))
+            out.append(
+                Candidate(
+                    f"python_docs/docstrings/{module}",
+                    str(p),
+                    lambda p=p, m=module: module_docstrings(p, m),
+                    {"license": PSF_LICENSE, "kind": "docstrings"},
+                )
+            )
         elif p.suffix in (".txt", ".rst"):
-            out.append(Candidate(f"python_docs/prose/{rel.as_posix()}", str(p), lambda p=p: read_text_file(p),
-                                 {"license": PSF_LICENSE, "kind": "prose"}))
+            out.append(
+                Candidate(
+                    f"python_docs/prose/{rel.as_posix()}",
+                    str(p),
+                    lambda p=p: read_text_file(p),
+                    {"license": PSF_LICENSE, "kind": "prose"},
+                )
+            )
     return out
 
 
@@ -203,8 +227,14 @@ def debian_docs_candidates() -> list[Candidate]:
         seen.add(real)
         rel = p.relative_to(root)
         package = rel.parts[0]
-        out.append(Candidate(f"debian_docs/{rel.as_posix()}", str(p), lambda p=p: read_text_file(p),
-                             {"license": f"see {root / package / 'copyright'}", "package": package}))
+        out.append(
+            Candidate(
+                f"debian_docs/{rel.as_posix()}",
+                str(p),
+                lambda p=p: read_text_file(p),
+                {"license": f"see {root / package / 'copyright'}", "package": package},
+            )
+        )
     return out
 
 
@@ -253,16 +283,16 @@ class CorpusWriter:
             self.file = None
 
 
-def collect_source(name: str, cfg: CorpusConfig, write: Callable[[dict], None],
-                   reject: Callable[[dict], None]) -> dict:
+def collect_source(name: str, cfg: CorpusConfig, write: Callable[[dict], None], reject: Callable[[dict], None]) -> dict:
     """Read one source's candidates in a seeded order until its byte cap is reached."""
     candidates = SOURCES[name]()
     # Sorted then shuffled with a seed derived from (seed, source): the same machine files give the
     # same corpus, and a different seed samples a different subset when the cap bites.
     candidates.sort(key=lambda c: c.key)
     random.Random(f"{cfg.seed}/{name}").shuffle(candidates)
-    stats = Counter({key: 0 for key in ("candidates", "files_read", "files_not_read_cap", "documents", "bytes",
-                                        "truncated_at_cap")})
+    stats = Counter(
+        {key: 0 for key in ("candidates", "files_read", "files_not_read_cap", "documents", "bytes", "truncated_at_cap")}
+    )
     reasons: Counter = Counter()
     seen_text: dict[str, str] = {}
     budget = cfg.max_bytes_per_source
@@ -282,23 +312,38 @@ def collect_source(name: str, cfg: CorpusConfig, write: Callable[[dict], None],
             doc_id = f"{cand.key}#{k}"
             if len(piece) < cfg.min_chars:
                 reasons["shorter than min_chars"] += 1
-                reject({"step": "corpus", "source": name, "path": cand.path, "id": doc_id,
-                        "reason": f"shorter than min_chars={cfg.min_chars}", "text": piece})
+                reject(
+                    {
+                        "step": "corpus",
+                        "source": name,
+                        "path": cand.path,
+                        "id": doc_id,
+                        "reason": f"shorter than min_chars={cfg.min_chars}",
+                        "text": piece,
+                    }
+                )
                 continue
             # Identical texts (packages built from one source ship the same copyright file and
             # changelog) would be memorised and leak across the validation split; keep one copy.
             digest = hashlib.sha1(piece.encode("utf-8")).hexdigest()
             if digest in seen_text:
                 reasons["exact duplicate"] += 1
-                reject({"step": "corpus", "source": name, "path": cand.path, "id": doc_id,
-                        "reason": f"exact duplicate of {seen_text[digest]}"})
+                reject(
+                    {
+                        "step": "corpus",
+                        "source": name,
+                        "path": cand.path,
+                        "id": doc_id,
+                        "reason": f"exact duplicate of {seen_text[digest]}",
+                    }
+                )
                 continue
             size = len(piece.encode("utf-8"))
             if size > budget:
                 # Trim the last document at a line boundary so the cap is met exactly, not overshot.
                 piece = piece.encode("utf-8")[:budget].decode("utf-8", errors="ignore")
                 cut = piece.rfind("\n")
-                piece = piece[:cut + 1] if cut > 0 else piece
+                piece = piece[: cut + 1] if cut > 0 else piece
                 size = len(piece.encode("utf-8"))
                 if len(piece) < cfg.min_chars:
                     budget = 0
@@ -330,6 +375,7 @@ def build_corpus(cfg: CorpusConfig, out_dir: Path) -> dict:
     writer = CorpusWriter(out_dir)
     per_source = {}
     with open(out_dir / "rejected" / "rejected.jsonl", "w", encoding="utf-8") as rejected:
+
         def reject(record: dict) -> None:
             rejected.write(json.dumps(record, ensure_ascii=False) + "\n")
 
@@ -348,8 +394,10 @@ def build_corpus(cfg: CorpusConfig, out_dir: Path) -> dict:
         "seconds": round(time.perf_counter() - started, 3),
     }
     if stats["documents"] == 0:
-        raise DataError(f"{out_dir}: no documents were collected from sources {cfg.sources}; "
-                        f"see {out_dir / 'rejected' / 'rejected.jsonl'}")
+        raise DataError(
+            f"{out_dir}: no documents were collected from sources {cfg.sources}; "
+            f"see {out_dir / 'rejected' / 'rejected.jsonl'}"
+        )
     (out_dir / "stats.json").write_text(json.dumps(stats, indent=2) + "\n")
     return stats
 

@@ -25,8 +25,10 @@ def curate(cfg: CurateConfig, out_dir: Path, default_inputs: list[Path] = (), lo
         raise ConfigError("data.inputs", "is empty and there is no corpus stage output to curate")
     if cfg.executor == "ray":
         from kiln.data.ray_executor import run_pipeline_ray  # imports ray lazily; only this path needs it
-        stats = run_pipeline_ray(files, cfg.build_steps(), Path(out_dir), tasks=cfg.tasks,
-                                 address=cfg.ray_address or None, log=log)
+
+        stats = run_pipeline_ray(
+            files, cfg.build_steps(), Path(out_dir), tasks=cfg.tasks, address=cfg.ray_address or None, log=log
+        )
     else:
         stats = run_pipeline(files, cfg.build_steps(), Path(out_dir), tasks=cfg.tasks, workers=cfg.workers, log=log)
     (Path(out_dir) / "funnel.html").write_text(funnel_html(stats, f"Data funnel: {out_dir}"), encoding="utf-8")

@@ -31,8 +31,8 @@ from kiln.train.system import progress
 @dataclass
 class Phase:
     index: int
-    steps: list[Step]             # mappers and filters, in order
-    dedup: Deduplicator | None    # ends the phase; applied as a filter at the start of the next one
+    steps: list[Step]  # mappers and filters, in order
+    dedup: Deduplicator | None  # ends the phase; applied as a filter at the start of the next one
     dedup_before: Deduplicator | None  # the previous phase's deduplicator
 
 
@@ -110,10 +110,12 @@ def _run_steps(docs: Iterable[dict], steps: list[Step], rejected: list[dict]) ->
             yield doc
 
 
-def _task_inputs(phase: Phase, task: int, shards: list[tuple[Path, str]], out: Path, read_stats: StepStats,
-                 rejected: list[dict]) -> Iterator[dict]:
+def _task_inputs(
+    phase: Phase, task: int, shards: list[tuple[Path, str]], out: Path, read_stats: StepStats, rejected: list[dict]
+) -> Iterator[dict]:
     if phase.index == 0:
         from kiln.data.readers import read_documents
+
         for path, name in shards:
             for doc, rejection in read_documents(path, name=name):
                 if rejection is not None:
@@ -127,8 +129,9 @@ def _task_inputs(phase: Phase, task: int, shards: list[tuple[Path, str]], out: P
         yield from _read_jsonl(out / "work" / f"phase-{phase.index - 1}" / f"part-{task:05d}.jsonl")
 
 
-def run_task(phase: Phase, task: int, shards: list[tuple[Path, str]], out: Path, final: bool,
-             show_progress: bool = False) -> None:
+def run_task(
+    phase: Phase, task: int, shards: list[tuple[Path, str]], out: Path, final: bool, show_progress: bool = False
+) -> None:
     """One task of one phase; writes its part, rejected records, stats and finally its marker.
     show_progress draws a documents bar (for a task run in the driver process, where it has the
     terminal to itself)."""
@@ -165,6 +168,7 @@ TaskRunner = Callable[[Phase, list[int], list, Path, bool], None]
 
 def local_task_runner(workers: int) -> TaskRunner:
     """Runs a phase's pending tasks on up to `workers` local processes (in this one when 1)."""
+
     def run_tasks(phase: Phase, pending: list[int], shards: list, out: Path, final: bool) -> None:
         with progress(total=len(pending), desc=f"[data] phase {phase.index}", unit="task") as bar:
             if workers > 1 and len(pending) > 1:
@@ -180,11 +184,19 @@ def local_task_runner(workers: int) -> TaskRunner:
                 for t in pending:
                     run_task(phase, t, shards[t], out, final, show_progress=not bar.disable)
                     bar.update(1)
+
     return run_tasks
 
 
-def run_pipeline(inputs: list[Path] | list[tuple[Path, str]], steps: list[Step], out: Path, tasks: int = 1,
-                 workers: int = 1, log=print, run_tasks: TaskRunner | None = None) -> dict:
+def run_pipeline(
+    inputs: list[Path] | list[tuple[Path, str]],
+    steps: list[Step],
+    out: Path,
+    tasks: int = 1,
+    workers: int = 1,
+    log=print,
+    run_tasks: TaskRunner | None = None,
+) -> dict:
     """Run `steps` over `inputs` into `out`; finished tasks of an earlier attempt are kept.
 
     `inputs` are files, or (file, stable name) pairs as kiln.data.readers.list_named_inputs gives;
@@ -197,8 +209,9 @@ def run_pipeline(inputs: list[Path] | list[tuple[Path, str]], steps: list[Step],
     out = Path(out).absolute()
     for folder in ("docs", "rejected", "work"):
         (out / folder).mkdir(parents=True, exist_ok=True)
-    named = [(Path(p[0]).absolute(), p[1]) if isinstance(p, tuple) else (Path(p).absolute(), Path(p).name)
-             for p in inputs]
+    named = [
+        (Path(p[0]).absolute(), p[1]) if isinstance(p, tuple) else (Path(p).absolute(), Path(p).name) for p in inputs
+    ]
     shards = assign_inputs(named, tasks)
     phases = split_phases(steps)
     started = time.perf_counter()
@@ -242,8 +255,13 @@ def merge_stats(out: Path, phases: list[Phase], tasks: int) -> dict:
     steps = [merged[key].to_dict() for key in sorted(merged)]
     first = steps[0] if steps else None
     docs_in = sum(first["reasons"].values()) + first["docs_out"] if first and first["name"] == "read" else None
-    return {"docs_in": docs_in, "docs_out": steps[-1]["docs_out"] if steps else 0,
-            "bytes_out": steps[-1]["bytes_out"] if steps else 0, "tasks": tasks, "steps": steps}
+    return {
+        "docs_in": docs_in,
+        "docs_out": steps[-1]["docs_out"] if steps else 0,
+        "bytes_out": steps[-1]["bytes_out"] if steps else 0,
+        "tasks": tasks,
+        "steps": steps,
+    }
 
 
 __all__ = ["run_pipeline", "run_task", "local_task_runner", "split_phases", "merge_stats"]

@@ -72,7 +72,7 @@ class SourceWindows:
         shard = int(np.searchsorted(self.starts, index, side="right")) - 1
         local = index - int(self.starts[shard])
         start = local * self.seq_len
-        return self.shards[shard][start:start + self.seq_len + 1]
+        return self.shards[shard][start : start + self.seq_len + 1]
 
 
 def read_headers(split_dir: Path) -> list[tuple[Path, dict]]:
@@ -92,8 +92,17 @@ def read_headers(split_dir: Path) -> list[tuple[Path, dict]]:
 
 
 class TokenLoader:
-    def __init__(self, pack_dir: str | Path, split: str = "train", seq_len: int = 256, batch_size: int = 8,
-                 rank: int = 0, world_size: int = 1, seed: int = 0, mixture: dict[str, float] | None = None):
+    def __init__(
+        self,
+        pack_dir: str | Path,
+        split: str = "train",
+        seq_len: int = 256,
+        batch_size: int = 8,
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int = 0,
+        mixture: dict[str, float] | None = None,
+    ):
         for key, value in (("seq_len", seq_len), ("batch_size", batch_size), ("world_size", world_size)):
             if value <= 0:
                 raise ConfigError(key, f"must be positive, got {value}")
@@ -129,22 +138,28 @@ class TokenLoader:
             except json.JSONDecodeError as err:
                 raise DataError(f"{mixture_path}: invalid JSON ({err.msg})") from None
             if self.mixture_file.get("tokenizer_sha256") != first["tokenizer_sha256"]:
-                raise DataError(f"{mixture_path}: tokenizer_sha256 differs from {first_path}'s; "
-                                f"the pack folder mixes outputs of different tokenizers")
+                raise DataError(
+                    f"{mixture_path}: tokenizer_sha256 differs from {first_path}'s; "
+                    f"the pack folder mixes outputs of different tokenizers"
+                )
         by_source: dict[str, list[np.ndarray]] = {}
         tokens = bytes_ = 0
         for path, header in headers:
             for key in ("tokenizer_sha256", "dtype", "vocab_size"):
                 if header[key] != first[key]:
-                    raise DataError(f"{path}: {key} {header[key]!r} differs from {first_path.name}'s "
-                                    f"{first[key]!r}; shards of different tokenizers cannot be mixed")
+                    raise DataError(
+                        f"{path}: {key} {header[key]!r} differs from {first_path.name}'s "
+                        f"{first[key]!r}; shards of different tokenizers cannot be mixed"
+                    )
             bin_path = path.with_suffix(".bin")
             dtype = DTYPES[header["dtype"]]
             expected = header["tokens"] * dtype.itemsize
             size = bin_path.stat().st_size if bin_path.is_file() else -1
             if size != expected:
-                raise DataError(f"{bin_path}: {'missing' if size < 0 else f'{size} bytes'}, header says "
-                                f"{header['tokens']} {header['dtype']} tokens = {expected} bytes")
+                raise DataError(
+                    f"{bin_path}: {'missing' if size < 0 else f'{size} bytes'}, header says "
+                    f"{header['tokens']} {header['dtype']} tokens = {expected} bytes"
+                )
             data = np.memmap(bin_path, dtype=dtype, mode="r") if expected else np.zeros(0, dtype)
             by_source.setdefault(header["source"], []).append(data)
             tokens += header["tokens"]
@@ -164,14 +179,18 @@ class TokenLoader:
             weights = {name: float(s.count) for name, s in self.sources.items()}
         for name, weight in weights.items():
             if name not in self.sources:
-                raise ConfigError(f"mixture.{name}", f"no such source in {self.pack_dir / self.split}; "
-                                  f"sources: {', '.join(self.sources)}")
+                raise ConfigError(
+                    f"mixture.{name}",
+                    f"no such source in {self.pack_dir / self.split}; sources: {', '.join(self.sources)}",
+                )
             if weight < 0:
                 raise ConfigError(f"mixture.{name}", f"must be >= 0, got {weight}")
             if weight > 0 and self.sources[name].count == 0:
-                raise DataError(f"{self.pack_dir / self.split}: source {name!r} has weight {weight} but fewer "
-                                f"than seq_len+1={self.seq_len + 1} tokens per shard; give it weight 0 "
-                                f"(pack.mixture.{name}) or use a shorter seq_len")
+                raise DataError(
+                    f"{self.pack_dir / self.split}: source {name!r} has weight {weight} but fewer "
+                    f"than seq_len+1={self.seq_len + 1} tokens per shard; give it weight 0 "
+                    f"(pack.mixture.{name}) or use a shorter seq_len"
+                )
         total = sum(weights.values())
         if total <= 0:
             raise ConfigError("mixture", "weights must not all be zero")
@@ -179,7 +198,7 @@ class TokenLoader:
         self._names = list(self.weights)
         self._cumulative = np.cumsum([self.weights[n] for n in self._names])
         self._cumulative[-1] = 1.0  # guard against rounding leaving u in (sum, 1)
-        self.sequences = 0                         # global sequences drawn so far, all ranks
+        self.sequences = 0  # global sequences drawn so far, all ranks
         self.cursors = {name: 0 for name in self._names}  # windows drawn so far per source
         self._perms: dict[str, tuple[int, np.ndarray]] = {}
 
@@ -210,7 +229,7 @@ class TokenLoader:
 
     def _init_val(self) -> None:
         names, indices, keys = [], [], []
-        for k, (name, source) in enumerate(self.sources.items()):
+        for k, source in enumerate(self.sources.values()):
             names.append(np.full(source.count, k))
             indices.append(np.arange(source.count))
             # Window j of a source with n windows sits at (j + 0.5) / n on a shared line, which
@@ -222,14 +241,18 @@ class TokenLoader:
         self._source_list = list(self.sources.values())
         self.num_batches = len(order) // self.global_batch
         if self.num_batches == 0:
-            raise DataError(f"{self.pack_dir / self.split}: {len(order)} windows of seq_len+1={self.seq_len + 1} "
-                            f"tokens, fewer than one global batch of {self.global_batch}")
+            raise DataError(
+                f"{self.pack_dir / self.split}: {len(order)} windows of seq_len+1={self.seq_len + 1} "
+                f"tokens, fewer than one global batch of {self.global_batch}"
+            )
         self.next_batch = 0
 
     def _val_batch(self, b: int) -> list[np.ndarray]:
         start = b * self.global_batch + self.rank * self.batch_size
-        return [self._source_list[int(self._val_source[i])].window(int(self._val_index[i]))
-                for i in range(start, start + self.batch_size)]
+        return [
+            self._source_list[int(self._val_source[i])].window(int(self._val_index[i]))
+            for i in range(start, start + self.batch_size)
+        ]
 
     def reset(self) -> None:
         if self.split != "val":
@@ -267,8 +290,13 @@ class TokenLoader:
     # ---- resume ----------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        state = {"version": STATE_VERSION, "split": self.split, "seq_len": self.seq_len, "seed": self.seed,
-                 "tokenizer_sha256": self.tokenizer_sha256}
+        state = {
+            "version": STATE_VERSION,
+            "split": self.split,
+            "seq_len": self.seq_len,
+            "seed": self.seed,
+            "tokenizer_sha256": self.tokenizer_sha256,
+        }
         if self.split == "train":
             state.update(sequences=self.sequences, cursors=dict(self.cursors), weights=dict(self.weights))
         else:
@@ -279,16 +307,22 @@ class TokenLoader:
         mine = self.state_dict()
         for key in ("version", "split", "seq_len", "seed", "tokenizer_sha256"):
             if state.get(key) != mine[key]:
-                raise DataError(f"loader state has {key}={state.get(key)!r} but this loader has {mine[key]!r}; "
-                                f"it belongs to a different run or data")
+                raise DataError(
+                    f"loader state has {key}={state.get(key)!r} but this loader has {mine[key]!r}; "
+                    f"it belongs to a different run or data"
+                )
         if self.split == "train":
             if state["weights"] != mine["weights"]:
-                raise DataError(f"loader state has mixture weights {state['weights']} but this loader has "
-                                f"{mine['weights']}; resuming would not continue the same stream")
+                raise DataError(
+                    f"loader state has mixture weights {state['weights']} but this loader has "
+                    f"{mine['weights']}; resuming would not continue the same stream"
+                )
             self.sequences = int(state["sequences"])
             self.cursors = {name: int(state["cursors"][name]) for name in self._names}
         else:
             if state["global_batch"] != self.global_batch:
-                raise DataError(f"val loader state was for global batch {state['global_batch']}, "
-                                f"this loader has {self.global_batch}")
+                raise DataError(
+                    f"val loader state was for global batch {state['global_batch']}, "
+                    f"this loader has {self.global_batch}"
+                )
             self.next_batch = int(state["next_batch"])

@@ -36,10 +36,21 @@ MAX_HASH32 = np.uint32(0xFFFFFFFF)
 # position-dependent shingle mix; any odd 64-bit constants work, these are just fixed forever.
 _TOKEN_BASE = np.uint64(0x9E3779B97F4A7C15)
 _TOKEN_BASE_INV = np.uint64(pow(0x9E3779B97F4A7C15, -1, 1 << 64))
-_POSITION_KEYS = np.array([0x243F6A8885A308D3, 0x13198A2E03707345, 0xA4093822299F31D1,
-                           0x082EFA98EC4E6C89, 0x452821E638D01377, 0xBE5466CF34E90C6D,
-                           0xC0AC29B7C97C50DD, 0x3F84D5B5B5470917, 0x9216D5D98979FB1B,
-                           0xD1310BA698DFB5AD], dtype=np.uint64) | np.uint64(1)
+_POSITION_KEYS = np.array(
+    [
+        0x243F6A8885A308D3,
+        0x13198A2E03707345,
+        0xA4093822299F31D1,
+        0x082EFA98EC4E6C89,
+        0x452821E638D01377,
+        0xBE5466CF34E90C6D,
+        0xC0AC29B7C97C50DD,
+        0x3F84D5B5B5470917,
+        0x9216D5D98979FB1B,
+        0xD1310BA698DFB5AD,
+    ],
+    dtype=np.uint64,
+) | np.uint64(1)
 
 _WORD, _CJK = 1, 2
 _char_classes: np.ndarray | None = None
@@ -47,8 +58,13 @@ _char_classes: np.ndarray | None = None
 
 def _is_cjk_single(c: int) -> bool:
     """Ideographs and kana, which carry no spaces between words: one token per character."""
-    return (0x3040 <= c <= 0x30FF or 0x3400 <= c <= 0x4DBF or 0x4E00 <= c <= 0x9FFF
-            or 0xF900 <= c <= 0xFAFF or 0x31F0 <= c <= 0x31FF)
+    return (
+        0x3040 <= c <= 0x30FF
+        or 0x3400 <= c <= 0x4DBF
+        or 0x4E00 <= c <= 0x9FFF
+        or 0xF900 <= c <= 0xFAFF
+        or 0x31F0 <= c <= 0x31FF
+    )
 
 
 def char_classes() -> np.ndarray:
@@ -185,8 +201,7 @@ def permutations(num_perm: int = NUM_PERM, seed: int = SEED) -> tuple[np.ndarray
     return a, b
 
 
-def signatures(hashes32: np.ndarray, offsets: np.ndarray, num_perm: int = NUM_PERM,
-               seed: int = SEED) -> np.ndarray:
+def signatures(hashes32: np.ndarray, offsets: np.ndarray, num_perm: int = NUM_PERM, seed: int = SEED) -> np.ndarray:
     """MinHash signatures [n_texts, num_perm] (uint32) of the hash segments given by offsets.
 
     One 1-D pass per permutation over all shingles of the batch with ``np.minimum.reduceat``: on
@@ -205,8 +220,7 @@ def signatures(hashes32: np.ndarray, offsets: np.ndarray, num_perm: int = NUM_PE
     return np.ascontiguousarray(out.T)
 
 
-def minhash_signatures(texts: list[str], ngram: int = NGRAM, num_perm: int = NUM_PERM,
-                       seed: int = SEED) -> np.ndarray:
+def minhash_signatures(texts: list[str], ngram: int = NGRAM, num_perm: int = NUM_PERM, seed: int = SEED) -> np.ndarray:
     """Text -> signatures in one call: shingle, hash, permute, take minima."""
     shingles, offsets = shingle_hashes(texts, ngram)
     return signatures(shingle_hashes32(shingles), offsets, num_perm, seed)
@@ -224,7 +238,7 @@ def shingle_set(text: str, ngram: int = NGRAM) -> set[tuple[str, ...]]:
         return set()
     if len(toks) < ngram:
         return {tuple(toks)}
-    return {tuple(toks[i:i + ngram]) for i in range(len(toks) - ngram + 1)}
+    return {tuple(toks[i : i + ngram]) for i in range(len(toks) - ngram + 1)}
 
 
 def exact_jaccard(a: set, b: set) -> float:
@@ -328,8 +342,9 @@ def hamming(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.bitwise_count(np.bitwise_xor(a, b))
 
 
-def simhash_edges(fingerprints: np.ndarray, ids: np.ndarray, max_distance: int = 3,
-                  blocks: int = 4) -> tuple[np.ndarray, np.ndarray]:
+def simhash_edges(
+    fingerprints: np.ndarray, ids: np.ndarray, max_distance: int = 3, blocks: int = 4
+) -> tuple[np.ndarray, np.ndarray]:
     """Pairs of ids whose fingerprints differ in <= max_distance bits, without comparing all pairs.
 
     Manku et al. (2007): cut the 64 bits into `blocks` > max_distance blocks; two fingerprints within

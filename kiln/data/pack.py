@@ -95,8 +95,9 @@ def mixture_weights(cfg: PackConfig, train_tokens: dict[str, int]) -> dict[str, 
     if cfg.mixture:
         for name, weight in cfg.mixture.items():
             if name not in train_tokens:
-                raise ConfigError(f"mixture.{name}",
-                                  f"no such source in the corpus; sources: {', '.join(sorted(train_tokens))}")
+                raise ConfigError(
+                    f"mixture.{name}", f"no such source in the corpus; sources: {', '.join(sorted(train_tokens))}"
+                )
             if weight > 0 and train_tokens[name] == 0:
                 raise ConfigError(f"mixture.{name}", "source has no training tokens to draw from")
         raw = {name: float(cfg.mixture.get(name, 0.0)) for name in sorted(train_tokens)}
@@ -146,8 +147,9 @@ def pack(corpus_dir: Path, tokenizer_path: Path, cfg: PackConfig, out_dir: Path)
     chunk, chunk_bytes = [], 0
     for doc in iter_documents(corpus_dir):
         if "/" in doc["source"] or doc["source"] in ("", ".", ".."):
-            raise DataError(f"{corpus_dir}: document {doc['id']!r} has source {doc['source']!r}, "
-                            f"which cannot name a shard file")
+            raise DataError(
+                f"{corpus_dir}: document {doc['id']!r} has source {doc['source']!r}, which cannot name a shard file"
+            )
         sources.add(doc["source"])
         chunk.append(doc)
         chunk_bytes += len(doc["text"])
@@ -161,15 +163,21 @@ def pack(corpus_dir: Path, tokenizer_path: Path, cfg: PackConfig, out_dir: Path)
 
     per_source = {}
     for source in sorted(sources):
-        per_source[source] = {split: writers[split, source].totals if (split, source) in writers
-                              else {"documents": 0, "tokens": 0, "bytes": 0, "shards": 0} for split in SPLITS}
+        per_source[source] = {
+            split: writers[split, source].totals
+            if (split, source) in writers
+            else {"documents": 0, "tokens": 0, "bytes": 0, "shards": 0}
+            for split in SPLITS
+        }
     weights = mixture_weights(cfg, {s: per_source[s]["train"]["tokens"] for s in per_source})
     mixture = {**{k: base_header[k] for k in ("vocab_size", "tokenizer_sha256")}, "weights": weights}
     (out_dir / "mixture.json").write_text(json.dumps(mixture, indent=2) + "\n")
 
     seconds = time.perf_counter() - started
-    totals = {split: {key: sum(per_source[s][split][key] for s in per_source)
-                      for key in ("documents", "tokens", "bytes")} for split in SPLITS}
+    totals = {
+        split: {key: sum(per_source[s][split][key] for s in per_source) for key in ("documents", "tokens", "bytes")}
+        for split in SPLITS
+    }
     stats = {
         **base_header,
         "train": totals["train"],

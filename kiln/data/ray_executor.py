@@ -40,9 +40,11 @@ def _checked_run_task(phase: Phase, task: int, shards: list, out: Path, final: b
     probe = out / "work" / PROBE
     seen = probe.read_text() if probe.exists() else None
     if seen != token:
-        raise DataError(f"{out}: the output folder on node {socket.gethostname()} is not the driver's "
-                        f"(probe {'missing' if seen is None else 'differs'}); put it on a filesystem every "
-                        f"Ray node mounts at the same path (NFS, a mounted bucket)")
+        raise DataError(
+            f"{out}: the output folder on node {socket.gethostname()} is not the driver's "
+            f"(probe {'missing' if seen is None else 'differs'}); put it on a filesystem every "
+            f"Ray node mounts at the same path (NFS, a mounted bucket)"
+        )
     run_task(phase, task, shards, out, final)
     return task
 
@@ -66,8 +68,14 @@ def _start_ray(address: str | None):
     return ray, True
 
 
-def run_pipeline_ray(inputs: list[Path] | list[tuple[Path, str]], steps: list[Step], out: Path, tasks: int = 1,
-                     address: str | None = None, log=print) -> dict:
+def run_pipeline_ray(
+    inputs: list[Path] | list[tuple[Path, str]],
+    steps: list[Step],
+    out: Path,
+    tasks: int = 1,
+    address: str | None = None,
+    log=print,
+) -> dict:
     """kiln.data.executor.run_pipeline on Ray: one Ray task per (phase, task), one CPU each.
 
     `address`: None or "" starts Ray on this machine with all its cores; "auto", "host:port" or

@@ -82,17 +82,20 @@ def _expand(entry: str | Path) -> list[tuple[Path, str]]:
     path = Path(entry)
     if path.is_dir():
         # Hidden files and folders are editor and VCS litter (.git, .DS_Store), never data.
-        files = sorted(p for p in path.rglob("*")
-                       if p.is_file() and input_format(p)
-                       and not any(part.startswith(".") for part in p.relative_to(path).parts))
+        files = sorted(
+            p
+            for p in path.rglob("*")
+            if p.is_file() and input_format(p) and not any(part.startswith(".") for part in p.relative_to(path).parts)
+        )
         if not files:
             raise DataError(f"{path}: the folder holds no JSONL, Parquet or text files")
         return [(p, f"{path.name}/{p.relative_to(path).as_posix()}") for p in files]
     if not path.exists():
         raise DataError(f"{path}: no such file or folder")
     if input_format(path) is None:
-        raise DataError(f"{path}: unknown input format; expected .jsonl/.ndjson (optionally .gz/.zst), "
-                        ".parquet, .txt or .md")
+        raise DataError(
+            f"{path}: unknown input format; expected .jsonl/.ndjson (optionally .gz/.zst), .parquet, .txt or .md"
+        )
     return [(path, path.name)]
 
 
@@ -203,6 +206,7 @@ def _open_binary(path: Path) -> IO[bytes]:
         except ImportError:
             if sys.version_info >= (3, 14):
                 from compression import zstd  # the standard library has zstd from 3.14 on
+
                 return zstd.open(path, "rb")
             raise DataError(f"{path}: reading .zst needs the `zstandard` package (pip install zstandard)") from None
         fh = open(path, "rb")
@@ -217,6 +221,7 @@ def _decompress_errors() -> tuple[type[BaseException], ...]:
     errors: list[type[BaseException]] = [OSError, EOFError, zlib.error]
     try:
         import zstandard
+
         errors.append(zstandard.ZstdError)
     except ImportError:
         pass

@@ -11,8 +11,8 @@ import hashlib
 import json
 import os
 import time
-from contextlib import contextmanager
 from collections import defaultdict
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -27,12 +27,12 @@ from kiln.train.system import progress_visible
 # Reserved first so their ids (0..n-1) never move when the vocabulary size changes, and later
 # stages (chat SFT, tools) can rely on them without resizing the embedding.
 SPECIAL_TOKENS: list[str] = [
-    "<|endoftext|>",   # end of a document in pretraining data
-    "<|pad|>",         # padding in batched post-training / inference
-    "<|system|>",      # chat roles: each turn starts with its role token ...
+    "<|endoftext|>",  # end of a document in pretraining data
+    "<|pad|>",  # padding in batched post-training / inference
+    "<|system|>",  # chat roles: each turn starts with its role token ...
     "<|user|>",
     "<|assistant|>",
-    "<|end|>",         # ... and ends with this one
+    "<|end|>",  # ... and ends with this one
     *[f"<|reserved_{k}|>" for k in range(10)],  # for later stages (tools, images, FIM) without a new vocab
 ]
 EOT = "<|endoftext|>"
@@ -119,12 +119,14 @@ class Tokenizer:
 
 def build_untrained() -> HFTokenizer:
     tok = HFTokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated"),
-        # use_regex=False: the split above already did the GPT-2 style splitting; this only maps
-        # bytes to the 256 printable stand-in characters.
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated"),
+            # use_regex=False: the split above already did the GPT-2 style splitting; this only maps
+            # bytes to the 256 printable stand-in characters.
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     return tok
 
@@ -150,8 +152,9 @@ def measure_bytes_per_token(tok: Tokenizer, texts: list[str]) -> tuple[int, int]
     return sum(len(t.encode("utf-8")) for t in texts), sum(len(ids) for ids in encoded)
 
 
-def train_tokenizer(texts: Iterable[str], cfg: TokenizerConfig, out_dir: Path,
-                    heldout: Iterable[str], length: int | None = None) -> dict:
+def train_tokenizer(
+    texts: Iterable[str], cfg: TokenizerConfig, out_dir: Path, heldout: Iterable[str], length: int | None = None
+) -> dict:
     """Train on texts (up to cfg.max_train_bytes), save out_dir/tokenizer.json, measure on heldout.
 
     heldout is only read after training finishes, so a generator that fills it while texts is
@@ -185,8 +188,10 @@ def train_tokenizer(texts: Iterable[str], cfg: TokenizerConfig, out_dir: Path,
     with rust_threads():
         hf.train_from_iterator(limited(), trainer=trainer, length=length)
     if counted["documents"] == 0:
-        raise DataError(f"{out_dir}: no training text for the tokenizer "
-                        f"(empty corpus, or max_train_bytes={cfg.max_train_bytes} below the first document)")
+        raise DataError(
+            f"{out_dir}: no training text for the tokenizer "
+            f"(empty corpus, or max_train_bytes={cfg.max_train_bytes} below the first document)"
+        )
     train_seconds = time.perf_counter() - started
     path = out_dir / "tokenizer.json"
     hf.save(str(path))
@@ -240,8 +245,12 @@ def train_tokenizer_from_corpus(corpus_dir: Path, cfg: TokenizerConfig, out_dir:
     per_source = {}
     for source in sorted(heldout):
         n_bytes, n_tokens = measure_bytes_per_token(tok, heldout[source])
-        per_source[source] = {"documents": len(heldout[source]), "bytes": n_bytes, "tokens": n_tokens,
-                              "bytes_per_token": round(n_bytes / n_tokens, 4) if n_tokens else None}
+        per_source[source] = {
+            "documents": len(heldout[source]),
+            "bytes": n_bytes,
+            "tokens": n_tokens,
+            "bytes_per_token": round(n_bytes / n_tokens, 4) if n_tokens else None,
+        }
     stats["heldout_documents"] = sum(len(v) for v in heldout.values())
     stats["heldout_by_source"] = per_source
     (Path(out_dir) / "stats.json").write_text(json.dumps(stats, indent=2) + "\n")

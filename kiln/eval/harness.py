@@ -43,8 +43,10 @@ HUMANEVAL_STOP = ("\nclass", "\ndef", "\n#", "\nif", "\nprint")
 
 # ---- prompts and metrics ------------------------------------------------------------------------------
 
-def fewshot_prompt(shots: Sequence[tuple[str, str]], text: str, target_delimiter: str = " ",
-                   fewshot_delimiter: str = "\n\n") -> str:
+
+def fewshot_prompt(
+    shots: Sequence[tuple[str, str]], text: str, target_delimiter: str = " ", fewshot_delimiter: str = "\n\n"
+) -> str:
     """lm-eval's plain-text prompt after the description: each shot as text + delimiter + target +
     fewshot delimiter, then the question."""
     return "".join(q + target_delimiter + a + fewshot_delimiter for q, a in shots) + text
@@ -90,10 +92,16 @@ def regex_extract(text: str, pattern: str, group_select: int = 0, fallback: str 
     return match.strip()
 
 
-def exact_match(prediction: str, reference: str, regexes_to_ignore: Sequence[str] = (), ignore_case: bool = False,
-                ignore_punctuation: bool = False) -> float:
+def exact_match(
+    prediction: str,
+    reference: str,
+    regexes_to_ignore: Sequence[str] = (),
+    ignore_case: bool = False,
+    ignore_punctuation: bool = False,
+) -> float:
     """lm-eval's exact_match (from HF evaluate): each regex is deleted from both strings, in order."""
     import string
+
     for pattern in regexes_to_ignore:
         prediction, reference = re.sub(pattern, "", prediction), re.sub(pattern, "", reference)
     if ignore_case:
@@ -122,6 +130,7 @@ def rolling_windows(n_tokens: int, max_length: int) -> list[tuple[int, int]]:
 
 # ---- the model --------------------------------------------------------------------------------------
 
+
 class KilnLM:
     """A Kiln Transformer and its tokenizer behind lm-eval's three request types. chat=True renders
     each prompt with the chat template (description as the system message, the rest as one user
@@ -146,6 +155,7 @@ class KilnLM:
         """The prompt's ids; chat (default: the model's) renders it with the chat template."""
         if self.chat if chat is None else chat:
             from kiln.post.chat import render_prompt
+
             system = [{"role": "system", "content": description}] if description else []
             return render_prompt(self.tokenizer, system + [{"role": "user", "content": context}])
         return self.tokenizer.encode(description + context) or [self.prefix_id]
@@ -161,7 +171,7 @@ class KilnLM:
             context, continuation = context[:-spaces], context[-spaces:] + continuation
         whole = self.tokenizer.encode(context + continuation)
         head = self.tokenizer.encode(context)
-        return head, whole[len(head):]
+        return head, whole[len(head) :]
 
     @torch.inference_mode()
     def loglikelihood(self, pairs: Sequence[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
@@ -174,19 +184,19 @@ class KilnLM:
         bar = progress(total=len(pairs), desc=f"{self.label} loglikelihood", unit="req", leave=False)
         for start in range(0, len(order), self.batch_size):
             rows = []
-            for i in order[start:start + self.batch_size]:
+            for i in order[start : start + self.batch_size]:
                 context, continuation = pairs[i]
                 if not continuation:
                     raise ConfigError("continuation", "a loglikelihood request needs at least one continuation token")
-                inputs = (list(context) + list(continuation))[-(length + 1):][:-1]
-                targets = list(continuation)[-min(len(continuation), len(inputs)):]
+                inputs = (list(context) + list(continuation))[-(length + 1) :][:-1]
+                targets = list(continuation)[-min(len(continuation), len(inputs)) :]
                 rows.append((i, inputs, targets))
             tokens = torch.zeros(len(rows), max(len(r[1]) for r in rows), dtype=torch.long, device=self.device)
             for j, (_, inputs, _) in enumerate(rows):
-                tokens[j, :len(inputs)] = torch.tensor(inputs, device=self.device)
+                tokens[j, : len(inputs)] = torch.tensor(inputs, device=self.device)
             logits = self.model(tokens)
             for j, (i, inputs, targets) in enumerate(rows):
-                logprobs = logits[j, len(inputs) - len(targets):len(inputs)].float().log_softmax(-1)
+                logprobs = logits[j, len(inputs) - len(targets) : len(inputs)].float().log_softmax(-1)
                 target = torch.tensor(targets, device=self.device)
                 ll = logprobs.gather(1, target[:, None]).sum().item()
                 out[i] = (ll, bool((logprobs.argmax(-1) == target).all()))
@@ -202,20 +212,28 @@ class KilnLM:
             counts.append(len(tokens))
             seq = [self.prefix_id] + tokens  # seq[j + 1] is tokens[j]
             for a, b in rolling_windows(len(tokens), self.max_length):
-                pairs.append((seq[max(0, b - self.max_length):a + 1], tokens[a:b]))
+                pairs.append((seq[max(0, b - self.max_length) : a + 1], tokens[a:b]))
                 owners.append(d)
         totals = [0.0] * len(texts)
         for d, (ll, _) in zip(owners, self.loglikelihood(pairs)):
             totals[d] += ll
         return list(zip(totals, counts))
 
-    def generate_until(self, contexts: Sequence[list[int]], until: Sequence[str], max_gen_toks: int,
-                       temperature: float = 0.0, top_p: float = 1.0, seeds: Sequence[int] | None = None,
-                       stop_tokens: Sequence[str] = ()) -> list[str]:
+    def generate_until(
+        self,
+        contexts: Sequence[list[int]],
+        until: Sequence[str],
+        max_gen_toks: int,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seeds: Sequence[int] | None = None,
+        stop_tokens: Sequence[str] = (),
+    ) -> list[str]:
         """Text generated after each context, ending before the first stop string or stop token.
         A context too long for the model keeps its last tokens, leaving room for at least
         min(max_gen_toks, max_length // 2) new ones."""
         from kiln.infer.engine import Engine, WithoutSpecialTokens
+
         engine = Engine(self.model, WithoutSpecialTokens(self.tokenizer))
         stop_ids = sorted({*self.stop_ids, *(self.tokenizer.token_id(t) for t in stop_tokens)})
         keep = self.max_length - min(max_gen_toks, self.max_length // 2)
@@ -224,10 +242,16 @@ class KilnLM:
         out: list[str] = [""] * len(prompts)
         bar = progress(total=len(prompts), desc=f"{self.label} generate", unit="req", leave=False)
         for start in range(0, len(order), self.batch_size):
-            rows = order[start:start + self.batch_size]
-            done = engine.generate([prompts[i] for i in rows], max_gen_toks, temperature=temperature, top_p=top_p,
-                                   stop_token_ids=stop_ids, stop_strings=list(until),
-                                   seed=None if seeds is None else [seeds[i] for i in rows])
+            rows = order[start : start + self.batch_size]
+            done = engine.generate(
+                [prompts[i] for i in rows],
+                max_gen_toks,
+                temperature=temperature,
+                top_p=top_p,
+                stop_token_ids=stop_ids,
+                stop_strings=list(until),
+                seed=None if seeds is None else [seeds[i] for i in rows],
+            )
             for i, completion in zip(rows, done):
                 out[i] = completion.text or ""
             bar.update(len(rows))
@@ -237,9 +261,11 @@ class KilnLM:
 
 # ---- task types -------------------------------------------------------------------------------------
 
+
 @dataclass
 class MultipleChoiceTask:
     """docs: {"description", "context", "choices": [str], "gold": int or [int], optional "group"}."""
+
     name: str
     docs: list[dict]
     metrics: tuple[str, ...] = ("acc", "acc_norm")
@@ -261,6 +287,7 @@ class GenerationTask:
     """docs: {"description", "context", ...}; score(doc, generated text) -> {metric: value}.
     chat: render prompts with the chat template whatever the model (None: as the model is);
     stop_tokens: special tokens that also end a generation."""
+
     name: str
     docs: list[dict]
     score: Callable[[dict, str], dict[str, float]]
@@ -277,6 +304,7 @@ class GenerationTask:
 class CodeTask:
     """docs: HumanEval records {"task_id", "prompt", "test", "entry_point"}; `samples` completions
     per problem (greedy when temperature is 0, so use samples=1 then)."""
+
     name: str
     docs: list[dict]
     k: tuple[int, ...] = (1,)
@@ -306,13 +334,25 @@ class TaskResult:
     wall_s: float = 0.0
 
 
-def _summarise(task, per_doc: list[dict[str, float]], higher: dict[str, bool], groups: list[str | None] | None = None,
-               samples: list[dict] | None = None, config: dict | None = None) -> TaskResult:
+def _summarise(
+    task,
+    per_doc: list[dict[str, float]],
+    higher: dict[str, bool],
+    groups: list[str | None] | None = None,
+    samples: list[dict] | None = None,
+    config: dict | None = None,
+) -> TaskResult:
     names = list(per_doc[0]) if per_doc else []
-    result = TaskResult(task.name, task.kind, {m: mean([d[m] for d in per_doc]) for m in names},
-                        {m: mean_stderr([d[m] for d in per_doc]) for m in names}, len(per_doc),
-                        {**task.config, **(config or {})}, {m: higher.get(m, True) for m in names},
-                        samples=samples or [])
+    result = TaskResult(
+        task.name,
+        task.kind,
+        {m: mean([d[m] for d in per_doc]) for m in names},
+        {m: mean_stderr([d[m] for d in per_doc]) for m in names},
+        len(per_doc),
+        {**task.config, **(config or {})},
+        {m: higher.get(m, True) for m in names},
+        samples=samples or [],
+    )
     if groups and any(g is not None for g in groups):
         for g in sorted({g for g in groups if g is not None}):
             rows = [d for d, gg in zip(per_doc, groups) if gg == g]
@@ -323,8 +363,9 @@ def _summarise(task, per_doc: list[dict[str, float]], higher: dict[str, bool], g
 def run_multiple_choice(lm: KilnLM, task: MultipleChoiceTask, docs: list[dict]) -> TaskResult:
     unknown = set(task.metrics) - {"acc", "acc_norm", "acc_bytes", "exact_match"}
     if unknown or not task.metrics:
-        raise ConfigError(f"{task.name}.metrics",
-                          f"must name some of acc, acc_norm, acc_bytes, exact_match, got {list(task.metrics)}")
+        raise ConfigError(
+            f"{task.name}.metrics", f"must name some of acc, acc_norm, acc_bytes, exact_match, got {list(task.metrics)}"
+        )
     delimiter = "" if lm.chat else task.target_delimiter
     pairs, spans = [], []
     for doc in docs:
@@ -342,16 +383,33 @@ def run_multiple_choice(lm: KilnLM, task: MultipleChoiceTask, docs: list[dict]) 
         def best(values):  # first index of the maximum, as numpy's argmax
             return max(range(len(values)), key=lambda i: (values[i], -i))
 
-        preds = {"acc": best(lls), "acc_norm": best([ll / len(c) for ll, c in zip(lls, choices)]),
-                 "acc_bytes": best([ll / len(c.encode("utf-8")) for ll, c in zip(lls, choices)])}
+        preds = {
+            "acc": best(lls),
+            "acc_norm": best([ll / len(c) for ll, c in zip(lls, choices)]),
+            "acc_bytes": best([ll / len(c.encode("utf-8")) for ll, c in zip(lls, choices)]),
+        }
         row = {m: float(preds[m] in gold) for m in task.metrics if m in preds}
         if "exact_match" in task.metrics:
             row["exact_match"] = float(any(greedy[g] for g in gold if 0 <= g < len(choices)))
         per_doc.append(row)
-        samples.append({"lls": lls, "greedy": greedy, "gold": doc["gold"], "pred": preds["acc"],
-                        "pred_norm": preds["acc_norm"], **({"group": doc["group"]} if "group" in doc else {})})
-    return _summarise(task, per_doc, {}, [d.get("group") for d in docs], samples,
-                      {"target_delimiter": delimiter, "metrics": list(task.metrics)})
+        samples.append(
+            {
+                "lls": lls,
+                "greedy": greedy,
+                "gold": doc["gold"],
+                "pred": preds["acc"],
+                "pred_norm": preds["acc_norm"],
+                **({"group": doc["group"]} if "group" in doc else {}),
+            }
+        )
+    return _summarise(
+        task,
+        per_doc,
+        {},
+        [d.get("group") for d in docs],
+        samples,
+        {"target_delimiter": delimiter, "metrics": list(task.metrics)},
+    )
 
 
 def run_perplexity(lm: KilnLM, task: PerplexityTask, docs: list[str]) -> TaskResult:
@@ -362,13 +420,26 @@ def run_perplexity(lm: KilnLM, task: PerplexityTask, docs: list[str]) -> TaskRes
     nbytes = sum(len(d.encode("utf-8")) for d in docs)
     if not tokens:
         raise ConfigError(f"{task.name}.docs", "the documents contain no tokens")
-    metrics = {"word_perplexity": math.exp(-ll / words), "byte_perplexity": math.exp(-ll / nbytes),
-               "bits_per_byte": -ll / nbytes / math.log(2), "token_perplexity": math.exp(-ll / tokens)}
-    samples = [{"ll": s[0], "tokens": s[1], "words": count_words(d), "bytes": len(d.encode("utf-8"))}
-               for s, d in zip(scored, docs)]
-    return TaskResult(task.name, task.kind, metrics, {m: None for m in metrics}, len(docs),
-                      {**task.config, "tokens": tokens, "words": words, "bytes": nbytes, "max_length": lm.max_length},
-                      {m: False for m in metrics}, samples=samples)
+    metrics = {
+        "word_perplexity": math.exp(-ll / words),
+        "byte_perplexity": math.exp(-ll / nbytes),
+        "bits_per_byte": -ll / nbytes / math.log(2),
+        "token_perplexity": math.exp(-ll / tokens),
+    }
+    samples = [
+        {"ll": s[0], "tokens": s[1], "words": count_words(d), "bytes": len(d.encode("utf-8"))}
+        for s, d in zip(scored, docs)
+    ]
+    return TaskResult(
+        task.name,
+        task.kind,
+        metrics,
+        {m: None for m in metrics},
+        len(docs),
+        {**task.config, "tokens": tokens, "words": words, "bytes": nbytes, "max_length": lm.max_length},
+        {m: False for m in metrics},
+        samples=samples,
+    )
 
 
 def run_generation(lm: KilnLM, task: GenerationTask, docs: list[dict]) -> TaskResult:
@@ -376,8 +447,14 @@ def run_generation(lm: KilnLM, task: GenerationTask, docs: list[dict]) -> TaskRe
     outputs = lm.generate_until(contexts, task.until, task.max_gen_toks, stop_tokens=task.stop_tokens)
     per_doc = [task.score(doc, text) for doc, text in zip(docs, outputs)]
     samples = [{"output": text, "scores": row} for text, row in zip(outputs, per_doc)]
-    return _summarise(task, per_doc, task.higher_is_better, [d.get("group") for d in docs], samples,
-                      {"until": list(task.until), "max_gen_toks": task.max_gen_toks})
+    return _summarise(
+        task,
+        per_doc,
+        task.higher_is_better,
+        [d.get("group") for d in docs],
+        samples,
+        {"until": list(task.until), "max_gen_toks": task.max_gen_toks},
+    )
 
 
 def humaneval_program(doc: dict, completion: str) -> str:
@@ -404,9 +481,22 @@ def score_completions(task: CodeTask, docs: list[dict], completions: list[list[s
         for c, r in zip(cs, results):
             outcomes[r.status] = outcomes.get(r.status, 0) + 1
             samples.append({"task_id": doc.get("task_id"), "completion": c, "status": r.status, "detail": r.detail})
-    return _summarise(task, per_doc, {}, None, samples,
-                      {"samples": samples_per, "k": ks, "temperature": task.temperature, "top_p": task.top_p,
-                       "timeout_s": task.limits.timeout_s, "memory_mb": task.limits.memory_mb, "outcomes": outcomes})
+    return _summarise(
+        task,
+        per_doc,
+        {},
+        None,
+        samples,
+        {
+            "samples": samples_per,
+            "k": ks,
+            "temperature": task.temperature,
+            "top_p": task.top_p,
+            "timeout_s": task.limits.timeout_s,
+            "memory_mb": task.limits.memory_mb,
+            "outcomes": outcomes,
+        },
+    )
 
 
 def run_code(lm: KilnLM, task: CodeTask, docs: list[dict]) -> TaskResult:
@@ -417,16 +507,21 @@ def run_code(lm: KilnLM, task: CodeTask, docs: list[dict]) -> TaskResult:
     texts = lm.generate_until(contexts, task.until, task.max_gen_toks, task.temperature, task.top_p, seeds)
     if lm.chat:  # a chat reply may wrap the body in a fence: keep what comes before it (lm-eval's instruct variant)
         texts = [t.split("```", 1)[0] for t in texts]
-    grouped = [texts[i * task.samples:(i + 1) * task.samples] for i in range(len(docs))]
+    grouped = [texts[i * task.samples : (i + 1) * task.samples] for i in range(len(docs))]
     return score_completions(task, docs, grouped)
 
 
-RUNNERS = {"multiple_choice": run_multiple_choice, "loglikelihood_rolling": run_perplexity,
-           "generate_until": run_generation, "code": run_code}
+RUNNERS = {
+    "multiple_choice": run_multiple_choice,
+    "loglikelihood_rolling": run_perplexity,
+    "generate_until": run_generation,
+    "code": run_code,
+}
 
 
-def evaluate(lm: KilnLM, tasks: Sequence, limit: int | None = None,
-             log: Callable[[str], None] | None = None) -> list[TaskResult]:
+def evaluate(
+    lm: KilnLM, tasks: Sequence, limit: int | None = None, log: Callable[[str], None] | None = None
+) -> list[TaskResult]:
     """Run each task on its first `limit` documents (all when None)."""
     results = []
     for task in tasks:
@@ -441,30 +536,54 @@ def evaluate(lm: KilnLM, tasks: Sequence, limit: int | None = None,
             result.config["limit"] = limit
         results.append(result)
         if log:
-            log(f"{task.name}: " + ", ".join(f"{m} {v:.4f}" for m, v in result.metrics.items())
-                + f" (n={result.n}, {result.wall_s:.1f} s)")
+            log(
+                f"{task.name}: "
+                + ", ".join(f"{m} {v:.4f}" for m, v in result.metrics.items())
+                + f" (n={result.n}, {result.wall_s:.1f} s)"
+            )
     return results
 
 
 # ---- results ----------------------------------------------------------------------------------------
 
-def results_document(results: Sequence[TaskResult], name: str, checkpoint: str | None = None, step: int | None = None,
-                     tokens_seen: int | None = None, config: dict | None = None) -> dict:
+
+def results_document(
+    results: Sequence[TaskResult],
+    name: str,
+    checkpoint: str | None = None,
+    step: int | None = None,
+    tokens_seen: int | None = None,
+    config: dict | None = None,
+) -> dict:
     """The results JSON: `scores` flat ("task/metric": value) first, so `kiln report` plots them
     across checkpoints by `step`; then each task's metrics, stderr, n and config."""
     return {
-        "name": name, "step": step, "tokens_seen": tokens_seen, "checkpoint": checkpoint,
+        "name": name,
+        "step": step,
+        "tokens_seen": tokens_seen,
+        "checkpoint": checkpoint,
         "scores": {f"{r.name}/{m}": v for r in results for m, v in r.metrics.items()},
-        "tasks": {r.name: {"kind": r.kind, "metrics": r.metrics, "stderr": r.stderr, "n": r.n,
-                           "higher_is_better": r.higher_is_better, "groups": r.groups, "config": r.config,
-                           "wall_s": round(r.wall_s, 3)} for r in results},
+        "tasks": {
+            r.name: {
+                "kind": r.kind,
+                "metrics": r.metrics,
+                "stderr": r.stderr,
+                "n": r.n,
+                "higher_is_better": r.higher_is_better,
+                "groups": r.groups,
+                "config": r.config,
+                "wall_s": round(r.wall_s, 3),
+            }
+            for r in results
+        },
         "config": config or {},
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
 
 
-def write_results(out_dir, name: str, document: dict, results: Sequence[TaskResult] = (),
-                  log_samples: bool = False) -> Path:
+def write_results(
+    out_dir, name: str, document: dict, results: Sequence[TaskResult] = (), log_samples: bool = False
+) -> Path:
     """<out_dir>/eval/<name>.json (and <name>.samples.jsonl with every sample when log_samples)."""
     if not re.fullmatch(r"[\w.\-]+", name):
         raise ConfigError("name", f"must be letters, digits, '.', '-' or '_' (it names a file), got {name!r}")

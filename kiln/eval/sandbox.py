@@ -49,8 +49,10 @@ FORBIDDEN_EXIT, MEMORY_EXIT, FILE_SIZE_EXIT = 117, 118, 119
 MARK = "kiln-sandbox: "
 KILN_ROOT = str(Path(__file__).resolve().parents[2])
 # The child imports this module by path (-I ignores PYTHONPATH and the user's site folder).
-_BOOT = ("import sys; sys.path.insert(0, sys.argv[1]); from kiln.eval.sandbox import _child_main; "
-         "_child_main(sys.argv[2], int(sys.argv[3]))")
+_BOOT = (
+    "import sys; sys.path.insert(0, sys.argv[1]); from kiln.eval.sandbox import _child_main; "
+    "_child_main(sys.argv[2], int(sys.argv[3]))"
+)
 CLONE_NEWNET, CLONE_NEWUSER = 0x40000000, 0x10000000
 PR_SET_KEEPCAPS, PR_SET_NO_NEW_PRIVS = 8, 38
 CAP_DAC_READ_SEARCH = 2
@@ -58,15 +60,15 @@ CAP_DAC_READ_SEARCH = 2
 
 @dataclass(frozen=True)
 class Limits:
-    timeout_s: float = 10.0        # wall clock
-    cpu_s: int | None = None       # CPU seconds; None: ceil(timeout_s) + 1, so the wall clock usually fires first
-    memory_mb: int = 1024          # address space, which counts more than resident memory
-    file_mb: int = 16              # largest file written, stdout and stderr included
-    max_processes: int = 0         # extra processes or threads the snippet may start
+    timeout_s: float = 10.0  # wall clock
+    cpu_s: int | None = None  # CPU seconds; None: ceil(timeout_s) + 1, so the wall clock usually fires first
+    memory_mb: int = 1024  # address space, which counts more than resident memory
+    file_mb: int = 16  # largest file written, stdout and stderr included
+    max_processes: int = 0  # extra processes or threads the snippet may start
     max_open_files: int = 256
-    network: bool = False          # True leaves the network namespace alone and allows sockets
-    python_guard: bool = True      # the audit hook; False only to test the kernel layers on their own
-    max_output: int = 64_000       # characters of stdout and of stderr kept in the result
+    network: bool = False  # True leaves the network namespace alone and allows sockets
+    python_guard: bool = True  # the audit hook; False only to test the kernel layers on their own
+    max_output: int = 64_000  # characters of stdout and of stderr kept in the result
 
     def validate(self) -> None:
         if not self.timeout_s > 0:
@@ -84,14 +86,14 @@ class Limits:
 
 @dataclass
 class SandboxResult:
-    status: str                 # one of STATUSES
-    returncode: int | None      # negative: killed by that signal
+    status: str  # one of STATUSES
+    returncode: int | None  # negative: killed by that signal
     stdout: str
     stderr: str
-    detail: str = ""            # why, for every status but "ok"
+    detail: str = ""  # why, for every status but "ok"
     wall_s: float = 0.0
     cpu_s: float = 0.0
-    pid: int = 0                # the child's pid, which was also its process group id
+    pid: int = 0  # the child's pid, which was also its process group id
     isolation: dict = field(default_factory=dict)
 
     @property
@@ -99,8 +101,9 @@ class SandboxResult:
         return self.status == "ok"
 
 
-def run_python(code: str, limits: Limits | None = None, files: dict[str, str] | None = None,
-               stdin: str | None = None) -> SandboxResult:
+def run_python(
+    code: str, limits: Limits | None = None, files: dict[str, str] | None = None, stdin: str | None = None
+) -> SandboxResult:
     """Run `code` as main.py in a fresh folder (with `files`, relative name -> text, beside it)."""
     import shutil
     import subprocess
@@ -124,23 +127,48 @@ def run_python(code: str, limits: Limits | None = None, files: dict[str, str] | 
                 for p in [folder, *(os.path.join(folder, n) for n in dirs + names)]:
                     os.chown(p, *drop)
         cpu = limits.cpu_s if limits.cpu_s is not None else math.ceil(limits.timeout_s) + 1
-        config = {"root": str(root), "kiln_root": KILN_ROOT, "cpu_s": cpu, "memory_mb": limits.memory_mb,
-                  "file_mb": limits.file_mb, "max_processes": limits.max_processes,
-                  "max_open_files": limits.max_open_files, "network": limits.network,
-                  "python_guard": limits.python_guard, "drop": drop}
+        config = {
+            "root": str(root),
+            "kiln_root": KILN_ROOT,
+            "cpu_s": cpu,
+            "memory_mb": limits.memory_mb,
+            "file_mb": limits.file_mb,
+            "max_processes": limits.max_processes,
+            "max_open_files": limits.max_open_files,
+            "network": limits.network,
+            "python_guard": limits.python_guard,
+            "drop": drop,
+        }
         (private / "config.json").write_text(json.dumps(config))
         stdin_path = private / "stdin"
         stdin_path.write_text(stdin or "", encoding="utf-8")
         # The child gets a bare environment: nothing of the caller's (tokens, proxies) leaks in.
-        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(root), "TMPDIR": str(root), "LANG": "C.UTF-8",
-               "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-        with open(stdin_path, "rb") as inp, open(private / "stdout", "wb") as out, \
-                open(private / "stderr", "wb") as err, open(private / "isolation.json", "wb") as rep:
+        env = {
+            "PATH": "/usr/local/bin:/usr/bin:/bin",
+            "HOME": str(root),
+            "TMPDIR": str(root),
+            "LANG": "C.UTF-8",
+            "OMP_NUM_THREADS": "1",
+            "OPENBLAS_NUM_THREADS": "1",
+            "MKL_NUM_THREADS": "1",
+        }
+        with (
+            open(stdin_path, "rb") as inp,
+            open(private / "stdout", "wb") as out,
+            open(private / "stderr", "wb") as err,
+            open(private / "isolation.json", "wb") as rep,
+        ):
             start = time.monotonic()
             proc = subprocess.Popen(
                 [sys.executable, "-I", "-B", "-c", _BOOT, KILN_ROOT, str(private / "config.json"), str(rep.fileno())],
-                cwd=root, env=env, stdin=inp, stdout=out, stderr=err, pass_fds=(rep.fileno(),),
-                start_new_session=True)
+                cwd=root,
+                env=env,
+                stdin=inp,
+                stdout=out,
+                stderr=err,
+                pass_fds=(rep.fileno(),),
+                start_new_session=True,
+            )
             try:
                 timed_out = _wait_exited(proc.pid, limits.timeout_s)
             finally:
@@ -150,10 +178,16 @@ def run_python(code: str, limits: Limits | None = None, files: dict[str, str] | 
                 _, wait_status, usage = os.wait4(proc.pid, 0)
             wall = time.monotonic() - start
             proc.returncode = os.waitstatus_to_exitcode(wait_status)
-        result = SandboxResult("ok", proc.returncode, _tail(private / "stdout", limits.max_output),
-                               _tail(private / "stderr", limits.max_output), wall_s=wall,
-                               cpu_s=usage.ru_utime + usage.ru_stime,
-                               pid=proc.pid, isolation=_read_json(private / "isolation.json"))
+        result = SandboxResult(
+            "ok",
+            proc.returncode,
+            _tail(private / "stdout", limits.max_output),
+            _tail(private / "stderr", limits.max_output),
+            wall_s=wall,
+            cpu_s=usage.ru_utime + usage.ru_stime,
+            pid=proc.pid,
+            isolation=_read_json(private / "isolation.json"),
+        )
         _classify(result, timed_out, limits, cpu)
         return result
     finally:
@@ -180,6 +214,7 @@ def _unprivileged_ids() -> list[int] | None:
     if os.geteuid() != 0:
         return None
     import pwd
+
     try:
         entry = pwd.getpwnam("nobody")
     except KeyError:
@@ -223,7 +258,7 @@ def _read_json(path: Path) -> dict:
 
 def _classify(result: SandboxResult, timed_out: bool, limits: Limits, cpu: int) -> None:
     code = result.returncode
-    marks = [ln[len(MARK):] for ln in result.stderr.splitlines() if ln.startswith(MARK)]
+    marks = [ln[len(MARK) :] for ln in result.stderr.splitlines() if ln.startswith(MARK)]
     if timed_out:
         result.status, result.detail = "timeout", f"wall clock over {limits.timeout_s:g} s"
     elif code == 0:
@@ -245,10 +280,12 @@ def _classify(result: SandboxResult, timed_out: bool, limits: Limits, cpu: int) 
 
 # ---- the child --------------------------------------------------------------------------------------
 
+
 def _child_main(config_path: str, report_fd: int) -> None:
     """Confine this process (module docstring, layers 1-4), then run main.py as __main__."""
     import runpy
     import traceback
+
     with open(config_path) as f:
         cfg = json.load(f)
     root = cfg["root"]
@@ -299,8 +336,9 @@ def _confine(cfg: dict) -> dict:
     _, cpu_hard = resource.getrlimit(resource.RLIMIT_CPU)
     cpu = cfg["cpu_s"]
     # Soft limit: SIGXCPU; one second later the hard limit sends SIGKILL.
-    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1 if cpu_hard == resource.RLIM_INFINITY
-                                             else min(cpu + 1, cpu_hard)))
+    resource.setrlimit(
+        resource.RLIMIT_CPU, (cpu, cpu + 1 if cpu_hard == resource.RLIM_INFINITY else min(cpu + 1, cpu_hard))
+    )
     limit(resource.RLIMIT_AS, cfg["memory_mb"] * mb)
     limit(resource.RLIMIT_FSIZE, cfg["file_mb"] * mb)
     limit(resource.RLIMIT_NOFILE, cfg["max_open_files"])
@@ -350,6 +388,7 @@ def _capset(libc, caps: int) -> bool:
     """Set the permitted and effective capability sets to `caps` (bits below 32)."""
     import ctypes
     import struct
+
     header = ctypes.create_string_buffer(struct.pack("Ii", 0x20080522, 0))  # _LINUX_CAPABILITY_VERSION_3
     data = ctypes.create_string_buffer(struct.pack("6I", caps, caps, 0, 0, 0, 0))
     return libc.capset(header, data) == 0
@@ -368,12 +407,33 @@ def _count_tasks(uid: int) -> int:
 
 
 # Path arguments (by position) of audit events that change the file system, and where their dir_fd is.
-_PATH_EVENTS = {"os.remove": ((0,), 1), "os.rmdir": ((0,), 1), "os.mkdir": ((0,), 2), "os.rename": ((0, 1), 2),
-                "os.link": ((0, 1), 2), "os.symlink": ((1,), 2), "os.truncate": ((0,), None),
-                "os.chmod": ((0,), 2), "os.chown": ((0,), 3), "os.utime": ((0,), 3), "os.chflags": ((0,), None),
-                "os.lchflags": ((0,), None), "os.setxattr": ((0,), None), "os.removexattr": ((0,), None)}
-_PROCESS_EVENTS = {"os.fork", "os.forkpty", "os.exec", "os.posix_spawn", "os.spawn", "os.system",
-                   "subprocess.Popen", "pty.spawn", "os.startfile"}
+_PATH_EVENTS = {
+    "os.remove": ((0,), 1),
+    "os.rmdir": ((0,), 1),
+    "os.mkdir": ((0,), 2),
+    "os.rename": ((0, 1), 2),
+    "os.link": ((0, 1), 2),
+    "os.symlink": ((1,), 2),
+    "os.truncate": ((0,), None),
+    "os.chmod": ((0,), 2),
+    "os.chown": ((0,), 3),
+    "os.utime": ((0,), 3),
+    "os.chflags": ((0,), None),
+    "os.lchflags": ((0,), None),
+    "os.setxattr": ((0,), None),
+    "os.removexattr": ((0,), None),
+}
+_PROCESS_EVENTS = {
+    "os.fork",
+    "os.forkpty",
+    "os.exec",
+    "os.posix_spawn",
+    "os.spawn",
+    "os.system",
+    "subprocess.Popen",
+    "pty.spawn",
+    "os.startfile",
+}
 _ALWAYS_BLOCKED = {"resource.setrlimit", "resource.prlimit"}
 _BLOCKED_IMPORTS = {"ctypes", "_ctypes", "cffi", "_cffi_backend"}
 

@@ -11,9 +11,9 @@ from kiln.errors import ConfigError
 class SampleConfig:
     prompt: str = "def "
     max_new_tokens: int = 96
-    temperature: float = 0.8   # 0: greedy
-    top_k: int = 50            # 0: off
-    top_p: float = 0.95        # 1.0: off
+    temperature: float = 0.8  # 0: greedy
+    top_k: int = 50  # 0: off
+    top_p: float = 0.95  # 1.0: off
     num_samples: int = 2
     seed: int = 0
 

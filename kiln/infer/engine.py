@@ -29,8 +29,16 @@ class KVCache:
     and advances every row by T; a caller that right-padded rows of different lengths then sets the
     true lengths with set_lengths."""
 
-    def __init__(self, n_layers: int, batch: int, n_kv_heads: int, max_len: int, head_dim: int,
-                 dtype: torch.dtype = torch.float32, device=None):
+    def __init__(
+        self,
+        n_layers: int,
+        batch: int,
+        n_kv_heads: int,
+        max_len: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device=None,
+    ):
         shape = (n_layers, batch, n_kv_heads, max_len, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
@@ -110,8 +118,10 @@ class KVCache:
             return k.shape[0], k.shape[2], k.shape[4], k.dtype, k.device
 
         if layout(self.k) != layout(other.k):
-            raise ValueError(f"KV caches differ: {tuple(self.k.shape)} {self.k.dtype} {self.k.device} vs "
-                             f"{tuple(other.k.shape)} {other.k.dtype} {other.k.device}")
+            raise ValueError(
+                f"KV caches differ: {tuple(self.k.shape)} {self.k.dtype} {self.k.device} vs "
+                f"{tuple(other.k.shape)} {other.k.dtype} {other.k.device}"
+            )
         max_len = max(self.max_len, other.max_len)
 
         def slots(t: torch.Tensor) -> torch.Tensor:
@@ -149,10 +159,10 @@ class _LayerCache:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 1.0         # 0: greedy
-    top_k: int = 0                   # 0: off
-    top_p: float = 1.0               # 1: off
-    min_p: float = 0.0               # 0: off
+    temperature: float = 1.0  # 0: greedy
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1: off
+    min_p: float = 0.0  # 0: off
     repetition_penalty: float = 1.0  # 1: off
 
     def __post_init__(self):
@@ -203,6 +213,7 @@ class StreamToken:
     """One generated token. text is what the token completes: "" while a character's bytes are still
     incomplete or while the text might be the start of a stop string; the last token of a request
     carries finish_reason and whatever text was held back."""
+
     id: int
     text: str
     logprob: float
@@ -216,6 +227,7 @@ class StreamToken:
 class Completion:
     """ids include a stop token that ended the request (RL trains on it) and the token that completed
     a stop string; text (with a tokenizer) leaves out the stop token, and ends before a stop string."""
+
     ids: list[int]
     text: str | None
     finish_reason: str  # "stop" | "length"
@@ -234,8 +246,9 @@ class WithoutSpecialTokens:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         hf = getattr(tokenizer, "hf", None)  # Kiln's Tokenizer wraps a `tokenizers.Tokenizer`
-        self._decode = ((lambda ids: hf.decode(list(ids), skip_special_tokens=True)) if hf is not None
-                        else tokenizer.decode)
+        self._decode = (
+            (lambda ids: hf.decode(list(ids), skip_special_tokens=True)) if hf is not None else tokenizer.decode
+        )
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)
@@ -258,8 +271,8 @@ class TextStream:
         self.stop_strings = [s for s in stop_strings if s]
         self.ids: list[int] = []
         self.prefix = self.read = 0
-        self.text = ""       # all complete text so far (cut before a stop string once one matched)
-        self.released = 0    # characters of self.text already given out
+        self.text = ""  # all complete text so far (cut before a stop string once one matched)
+        self.released = 0  # characters of self.text already given out
         self.stopped: str | None = None  # the stop string that matched; nothing is added after it
 
     def push(self, token: int) -> tuple[str, str | None]:
@@ -267,20 +280,20 @@ class TextStream:
         if self.stopped is not None:
             return "", None
         self.ids.append(token)
-        before = self.tokenizer.decode(self.ids[self.prefix:self.read])
-        now = self.tokenizer.decode(self.ids[self.prefix:])
+        before = self.tokenizer.decode(self.ids[self.prefix : self.read])
+        now = self.tokenizer.decode(self.ids[self.prefix :])
         if len(now) <= len(before) or now.endswith("\ufffd"):
             return "", None
         self.prefix, self.read = self.read, len(self.ids)
-        return self._add(now[len(before):], final=False)
+        return self._add(now[len(before) :], final=False)
 
     def finish(self) -> str:
         """The rest of the text at the end of the request (an incomplete character decodes to U+FFFD)."""
         if self.stopped is not None:
             return ""
         if self.read < len(self.ids):
-            before = self.tokenizer.decode(self.ids[self.prefix:self.read])
-            rest = self.tokenizer.decode(self.ids[self.prefix:])[len(before):]
+            before = self.tokenizer.decode(self.ids[self.prefix : self.read])
+            rest = self.tokenizer.decode(self.ids[self.prefix :])[len(before) :]
             self.prefix = self.read = len(self.ids)
             return self._add(rest, final=True)[0]
         return self._add("", final=True)[0]
@@ -299,10 +312,10 @@ class TextStream:
         if matched is None and not final:
             # Hold back the longest tail that some stop string starts with.
             for size in range(min(end - self.released, max((len(s) for s in self.stop_strings), default=0)), 0, -1):
-                if any(s.startswith(self.text[end - size:]) for s in self.stop_strings):
+                if any(s.startswith(self.text[end - size :]) for s in self.stop_strings):
                     end -= size
                     break
-        out, self.released = self.text[self.released:end], end
+        out, self.released = self.text[self.released : end], end
         return out, matched
 
 
@@ -314,10 +327,19 @@ class Engine:
         self.model = model
         self.tokenizer = tokenizer
 
-    def generate(self, prompts: Sequence[Sequence[int] | str], max_new_tokens: int, temperature: float = 1.0,
-                 top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, repetition_penalty: float = 1.0,
-                 stop_token_ids: Sequence[int] = (), stop_strings: Sequence[str] = (),
-                 seed: int | Sequence[int] | None = None) -> list[Completion]:
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int] | str],
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        min_p: float = 0.0,
+        repetition_penalty: float = 1.0,
+        stop_token_ids: Sequence[int] = (),
+        stop_strings: Sequence[str] = (),
+        seed: int | Sequence[int] | None = None,
+    ) -> list[Completion]:
         """One Completion per prompt, in order. Rows stop independently (stop token, stop string,
         max_new_tokens, or the model's max_seq_len); a finished row leaves the batch. seed: an int
         seeds row i with seed + i, a list gives each row its own; each row draws from its own
@@ -337,10 +359,19 @@ class Engine:
                 out.finish_reason, out.stop = token.finish_reason, token.stop
         return outs
 
-    def stream(self, prompt: Sequence[int] | str, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
-               top_p: float = 1.0, min_p: float = 0.0, repetition_penalty: float = 1.0,
-               stop_token_ids: Sequence[int] = (), stop_strings: Sequence[str] = (),
-               seed: int | None = None) -> Iterator[StreamToken]:
+    def stream(
+        self,
+        prompt: Sequence[int] | str,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        min_p: float = 0.0,
+        repetition_penalty: float = 1.0,
+        stop_token_ids: Sequence[int] = (),
+        stop_strings: Sequence[str] = (),
+        seed: int | None = None,
+    ) -> Iterator[StreamToken]:
         """The tokens of one request as they are generated; the same tokens generate([prompt]) gives
         with the same seed, and their texts join to its text."""
         params = SamplingParams(temperature, top_k, top_p, min_p, repetition_penalty)
@@ -378,8 +409,11 @@ class Engine:
             if not prompt:
                 raise ConfigError("prompts", f"prompt {i} is empty; give at least one token (e.g. the eot id)")
             if len(prompt) >= max_seq_len:
-                raise ConfigError("prompts", f"prompt {i} has {len(prompt)} tokens; the model's max_seq_len "
-                                  f"{max_seq_len} leaves no room to generate")
+                raise ConfigError(
+                    "prompts",
+                    f"prompt {i} has {len(prompt)} tokens; the model's max_seq_len "
+                    f"{max_seq_len} leaves no room to generate",
+                )
             if min(prompt) < 0 or max(prompt) >= vocab:
                 raise ConfigError("prompts", f"prompt {i} has token ids outside 0..{vocab - 1}")
 
@@ -399,7 +433,7 @@ class Engine:
             cache = KVCache.for_model(model, batch, min(model.cfg.max_seq_len, longest + max_new_tokens - 1))
             tokens = torch.zeros(batch, longest, dtype=torch.long, device=device)
             for row, prompt in enumerate(prompts):
-                tokens[row, :len(prompt)] = torch.tensor(prompt, device=device)
+                tokens[row, : len(prompt)] = torch.tensor(prompt, device=device)
             logits = model(tokens, kv_cache=cache)
             cache.set_lengths(lengths)
             logits = logits[torch.arange(batch, device=device), torch.tensor(lengths, device=device) - 1].float()
@@ -411,8 +445,9 @@ class Engine:
                 seen[:, 0] = torch.tensor([0 in p for p in prompts], device=device)  # 0 was the padding id
             rows = list(range(batch))  # the prompt index of each cache row
             generators = self._generators(seed, batch, device)
-            texts = [TextStream(self.tokenizer, stop_strings) if self.tokenizer is not None else None
-                     for _ in range(batch)]
+            texts = [
+                TextStream(self.tokenizer, stop_strings) if self.tokenizer is not None else None for _ in range(batch)
+            ]
             stop_ids = {int(t) for t in stop_token_ids}
             generated = [0] * batch
             while True:
@@ -427,8 +462,9 @@ class Engine:
                     elif text is not None:
                         piece, stop = text.push(token)
                         finish = "stop" if stop is not None else None
-                    if finish is None and (generated[row] == max_new_tokens
-                                           or lengths[row] + generated[row] >= model.cfg.max_seq_len):
+                    if finish is None and (
+                        generated[row] == max_new_tokens or lengths[row] + generated[row] >= model.cfg.max_seq_len
+                    ):
                         finish = "length"
                     if finish is not None and text is not None:
                         piece += text.finish()
@@ -467,6 +503,9 @@ def _sample(logits: torch.Tensor, params: SamplingParams, seen, generators):
     probs = final.softmax(dim=-1)
     tokens = torch.cat([torch.multinomial(probs[r], 1, generator=g) for r, g in enumerate(generators)])
     index = tokens[:, None]
-    return (tokens.tolist(), logprobs.gather(1, index)[:, 0].tolist(),
-            (logits / params.temperature).log_softmax(dim=-1).gather(1, index)[:, 0].tolist(),
-            final.log_softmax(dim=-1).gather(1, index)[:, 0].tolist())
+    return (
+        tokens.tolist(),
+        logprobs.gather(1, index)[:, 0].tolist(),
+        (logits / params.temperature).log_softmax(dim=-1).gather(1, index)[:, 0].tolist(),
+        final.log_softmax(dim=-1).gather(1, index)[:, 0].tolist(),
+    )

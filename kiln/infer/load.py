@@ -19,9 +19,9 @@ QUANT_SCHEMES = ("int8", "int4", "nf4")
 
 @dataclass
 class InferenceOptions:
-    device: str = "auto"        # auto: cuda when available
-    dtype: str = "auto"         # auto: bfloat16 on a GPU or when quantising, float32 otherwise
-    quant: str | None = None    # int8 | int4 | nf4
+    device: str = "auto"  # auto: cuda when available
+    dtype: str = "auto"  # auto: bfloat16 on a GPU or when quantising, float32 otherwise
+    quant: str | None = None  # int8 | int4 | nf4
     group_size: int | None = None  # int4: 32/64/128/256 (default 64); nf4: block size (default 64)
 
 
@@ -76,8 +76,11 @@ def load_for_inference(checkpoint, tokenizer_path=None, opts: InferenceOptions |
     model, _ = load_model(checkpoint)
     tokenizer = Tokenizer.load(tokenizer_path or find_tokenizer(checkpoint))
     if tokenizer.vocab_size > model.cfg.vocab_size:
-        raise ConfigError("--tokenizer", f"{tokenizer.path} has {tokenizer.vocab_size} tokens but the model's "
-                          f"vocabulary is {model.cfg.vocab_size}", "<command line>")
+        raise ConfigError(
+            "--tokenizer",
+            f"{tokenizer.path} has {tokenizer.vocab_size} tokens but the model's vocabulary is {model.cfg.vocab_size}",
+            "<command line>",
+        )
     model = model.to(device=device, dtype=dtype).eval()
     return quantize(model, opts), tokenizer
 

@@ -124,7 +124,7 @@ def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     """codes [N, K] in 0..15 with N a multiple of 64 -> uint8 [N, K/2] in the CPU kernel's layout."""
     n, k = codes.shape
     blocks = codes.to(torch.uint8).view(n // _ROW_BLOCK, 2, _ROW_BLOCK // 2, k)
-    packed = blocks[:, 0] | (blocks[:, 1] << 4)          # [N/64, 32, K]: rows n and n + 32 share a byte
+    packed = blocks[:, 0] | (blocks[:, 1] << 4)  # [N/64, 32, K]: rows n and n + 32 share a byte
     return packed.transpose(1, 2).contiguous().view(n, k // 2)
 
 
@@ -165,18 +165,20 @@ class Int4Linear(_QuantLinear):
     def dequantize(self, dtype=torch.float32) -> torch.Tensor:
         n, k, g = self.out_features, self.in_features, self.group_size
         codes = unpack_int4(self.qweight)[:n].float().view(n, k // g, g)
-        sz = self.scales_and_zeros[:, :n].float()          # [K/G, N, 2]
+        sz = self.scales_and_zeros[:, :n].float()  # [K/G, N, 2]
         scale, zero = sz[..., 0].T[..., None], sz[..., 1].T[..., None]
         return ((codes - 8) * scale + zero).view(n, k).to(dtype)
 
     def _kernel(self, x2d: torch.Tensor) -> torch.Tensor:
         sz = self._scales_in(self.scales_and_zeros, x2d.dtype)
         y = torch._weight_int4pack_mm_for_cpu(x2d, self.qweight, self.group_size, sz)
-        return y if y.shape[1] == self.out_features else y[:, :self.out_features]
+        return y if y.shape[1] == self.out_features else y[:, : self.out_features]
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"group_size={self.group_size}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+            f"group_size={self.group_size}"
+        )
 
 
 QUANTIZED_TYPES = (Int8Linear, Int4Linear, NF4Linear)
@@ -194,8 +196,9 @@ def _targets(model: nn.Module, include_output: bool) -> list[tuple[str, nn.Linea
 def _check_group_size(scheme: str, group_size: int | None) -> int | None:
     if scheme == "int8":
         if group_size is not None:
-            raise ConfigError("group_size", f"int8 uses one scale per output channel; leave group_size unset, "
-                                            f"got {group_size}")
+            raise ConfigError(
+                "group_size", f"int8 uses one scale per output channel; leave group_size unset, got {group_size}"
+            )
         return None
     group_size = DEFAULT_GROUP_SIZE[scheme] if group_size is None else group_size
     if scheme == "int4" and group_size not in INT4_GROUP_SIZES:
@@ -206,8 +209,9 @@ def _check_group_size(scheme: str, group_size: int | None) -> int | None:
 
 
 @torch.no_grad()
-def quantize_model(model: nn.Module, scheme: str = "int8", group_size: int | None = None,
-                   include_output: bool = True) -> nn.Module:
+def quantize_model(
+    model: nn.Module, scheme: str = "int8", group_size: int | None = None, include_output: bool = True
+) -> nn.Module:
     """Replace the Transformer's linear layers by weight-only quantised ones, in place; returns the
     model. scheme: "int8" (per output channel; no group_size), "int4" (group_size 32, 64 (default),
     128 or 256 inputs per scale) or "nf4" (kiln.peft.nf4, block size group_size, default 64).
@@ -220,8 +224,9 @@ def quantize_model(model: nn.Module, scheme: str = "int8", group_size: int | Non
     if scheme == "int4":
         for name, linear in targets:
             if linear.in_features % group_size:
-                raise ConfigError("group_size", f"{name} has {linear.in_features} inputs, not a multiple of "
-                                                f"group_size {group_size}")
+                raise ConfigError(
+                    "group_size", f"{name} has {linear.in_features} inputs, not a multiple of group_size {group_size}"
+                )
     for name, linear in targets:
         if scheme == "int8":
             new = Int8Linear(linear)
@@ -258,8 +263,10 @@ class PackedLinear(nn.Module):
     def __init__(self, linear: nn.Linear, batch_hint: int = 1):
         super().__init__()
         if linear.weight.dtype != torch.bfloat16 or linear.weight.device.type != "cpu":
-            raise ConfigError("dtype", f"prepacking needs a bfloat16 model on the CPU, got {linear.weight.dtype} "
-                                       f"on {linear.weight.device}")
+            raise ConfigError(
+                "dtype",
+                f"prepacking needs a bfloat16 model on the CPU, got {linear.weight.dtype} on {linear.weight.device}",
+            )
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), batch_hint)
         self.bias = None if linear.bias is None else linear.bias.detach().clone()

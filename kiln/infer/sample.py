@@ -30,8 +30,16 @@ def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> t
 
 
 @torch.inference_mode()
-def generate(model, prompt_ids: list[int], max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
-             top_p: float = 1.0, generator: torch.Generator | None = None, stop_ids=()) -> list[int]:
+def generate(
+    model,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+    stop_ids=(),
+) -> list[int]:
     """New token ids after prompt_ids (the stop token that ended generation is not included).
 
     temperature 0 means greedy. The context is cropped to the model's max_seq_len, keeping the most
@@ -76,12 +84,20 @@ def sample_texts(model, tokenizer, cfg: SampleConfig) -> list[str]:
     prompt_text = tokenizer.decode(prompt_tokens)
     texts = []
     for _ in range(cfg.num_samples):
-        new = generate(model, prompt_ids, cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k,
-                       top_p=cfg.top_p, generator=generator, stop_ids=(tokenizer.eot_id,))
+        new = generate(
+            model,
+            prompt_ids,
+            cfg.max_new_tokens,
+            temperature=cfg.temperature,
+            top_k=cfg.top_k,
+            top_p=cfg.top_p,
+            generator=generator,
+            stop_ids=(tokenizer.eot_id,),
+        )
         # Decoding prompt and completion together keeps a character whose bytes straddle the boundary
         # whole; the prompt's own text is then cut off the front.
         full = tokenizer.decode(prompt_tokens + new)
-        texts.append(full[len(prompt_text):] if full.startswith(prompt_text) else tokenizer.decode(new))
+        texts.append(full[len(prompt_text) :] if full.startswith(prompt_text) else tokenizer.decode(new))
     return texts
 
 

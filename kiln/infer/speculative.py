@@ -32,11 +32,12 @@ from kiln.infer.engine import Completion, Engine, KVCache, SamplingParams, TextS
 @dataclass
 class SpeculativeStats:
     """Counts of the last generate call: proposals made and kept, forward passes of each model."""
+
     proposed: int = 0
     accepted: int = 0
-    target_calls: int = 0   # prefill included
-    draft_calls: int = 0    # prefill included
-    tokens: int = 0         # tokens emitted
+    target_calls: int = 0  # prefill included
+    draft_calls: int = 0  # prefill included
+    tokens: int = 0  # tokens emitted
 
     @property
     def acceptance_rate(self) -> float:
@@ -52,8 +53,9 @@ def _draw(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.T
     return torch.cat([torch.multinomial(probs[r], 1, generator=g) for r, g in enumerate(generators)])
 
 
-def accept_drafts(target_probs: torch.Tensor, draft_probs: torch.Tensor, drafts: torch.Tensor,
-                  generators: Sequence[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
+def accept_drafts(
+    target_probs: torch.Tensor, draft_probs: torch.Tensor, drafts: torch.Tensor, generators: Sequence[torch.Generator]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The rejection rule for one step of a batch.
 
     target_probs [B, k+1, V]: the target's distributions at the k proposals and after them; draft_probs
@@ -85,18 +87,32 @@ class SpeculativeEngine:
         if k < 1:
             raise ConfigError("k", f"the draft must propose at least 1 token per step, got {k}")
         if draft.cfg.vocab_size != target.cfg.vocab_size:
-            raise ConfigError("draft", f"draft vocab_size {draft.cfg.vocab_size} differs from the target's "
-                                       f"{target.cfg.vocab_size}; both must share the tokenizer")
+            raise ConfigError(
+                "draft",
+                f"draft vocab_size {draft.cfg.vocab_size} differs from the target's "
+                f"{target.cfg.vocab_size}; both must share the tokenizer",
+            )
         if draft.cfg.max_seq_len < target.cfg.max_seq_len:
-            raise ConfigError("draft", f"draft max_seq_len {draft.cfg.max_seq_len} is shorter than the target's "
-                                       f"{target.cfg.max_seq_len}")
+            raise ConfigError(
+                "draft",
+                f"draft max_seq_len {draft.cfg.max_seq_len} is shorter than the target's {target.cfg.max_seq_len}",
+            )
         self.target, self.draft, self.tokenizer, self.k = target, draft, tokenizer, k
         self._engine = Engine(target, tokenizer)  # prompt checks, encoding and seeding as the engine does them
         self.stats = SpeculativeStats()
 
-    def generate(self, prompts, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
-                 top_p: float = 1.0, min_p: float = 0.0, stop_token_ids: Sequence[int] = (),
-                 stop_strings: Sequence[str] = (), seed: int | Sequence[int] | None = None) -> list[Completion]:
+    def generate(
+        self,
+        prompts,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        min_p: float = 0.0,
+        stop_token_ids: Sequence[int] = (),
+        stop_strings: Sequence[str] = (),
+        seed: int | Sequence[int] | None = None,
+    ) -> list[Completion]:
         params = SamplingParams(temperature, top_k, top_p, min_p)
         params.validate()
         prompts = [self._engine._encode(p) for p in prompts]
@@ -122,7 +138,7 @@ class SpeculativeEngine:
         t_cache, d_cache = KVCache.for_model(target, batch, max_len), KVCache.for_model(draft, batch, max_len)
         tokens = torch.zeros(batch, longest, dtype=torch.long, device=device)
         for row, prompt in enumerate(prompts):
-            tokens[row, :len(prompt)] = torch.tensor(prompt, device=device)
+            tokens[row, : len(prompt)] = torch.tensor(prompt, device=device)
         last = torch.tensor(lengths, device=device) - 1
         rows_index = torch.arange(batch, device=device)
         t_logits = target(tokens, kv_cache=t_cache)[rows_index, last][:, None].float()
@@ -133,16 +149,25 @@ class SpeculativeEngine:
 
         generators = self._engine._generators(seed, batch, device)
         outs = [Completion([], None, "length", prompt_tokens=n) for n in lengths]
-        texts = [TextStream(self.tokenizer, stop_strings) if self.tokenizer is not None else None
-                 for _ in range(batch)]
+        texts = [TextStream(self.tokenizer, stop_strings) if self.tokenizer is not None else None for _ in range(batch)]
         stop_ids = {int(t) for t in stop_token_ids}
         rows = list(range(batch))
         # The first token comes from the prefill's logits, as in Engine; then the invariant of the
         # loop holds: the target cache has every committed token but the last, the draft cache lags
         # by the tokens in `pending` (one, or two after a step that kept every proposal).
         first = self._pick(t_logits[:, 0], params, generators)
-        keep = self._commit(outs, texts, rows, [[int(t)] for t in first], t_logits, params, stop_ids,
-                            lengths, max_new_tokens, max_seq_len)
+        keep = self._commit(
+            outs,
+            texts,
+            rows,
+            [[int(t)] for t in first],
+            t_logits,
+            params,
+            stop_ids,
+            lengths,
+            max_new_tokens,
+            max_seq_len,
+        )
         pending = [[int(first[r])] for r in range(batch)]
         while keep:
             if len(keep) < len(rows):
@@ -173,8 +198,9 @@ class SpeculativeEngine:
             t_cache.set_lengths([c + a for c, a in zip(committed, accepted_l)])
             d_cache.set_lengths([c + min(a, k - 1) for c, a in zip(committed, accepted_l)])
             pending = [([drafts_l[r][k - 1]] if a == k else []) + [nxt_l[r]] for r, a in enumerate(accepted_l)]
-            keep = self._commit(outs, texts, rows, new, t_logits, params, stop_ids, lengths, max_new_tokens,
-                                max_seq_len)
+            keep = self._commit(
+                outs, texts, rows, new, t_logits, params, stop_ids, lengths, max_new_tokens, max_seq_len
+            )
         return outs
 
     def _propose(self, cache: KVCache, pending, k, params, generators, device):
@@ -182,12 +208,13 @@ class SpeculativeEngine:
         width = max(len(p) for p in pending)
         feed = torch.zeros(len(pending), width, dtype=torch.long, device=device)
         for r, p in enumerate(pending):
-            feed[r, :len(p)] = torch.tensor(p, device=device)
+            feed[r, : len(p)] = torch.tensor(p, device=device)
         start = cache.lengths
         logits = self.draft(feed, kv_cache=cache)
         cache.set_lengths([n + len(p) for n, p in zip(start, pending)])
-        logits = logits[torch.arange(len(pending), device=device), torch.tensor([len(p) - 1 for p in pending],
-                                                                                device=device)].float()
+        logits = logits[
+            torch.arange(len(pending), device=device), torch.tensor([len(p) - 1 for p in pending], device=device)
+        ].float()
         drafts, probs = [], []
         for i in range(k):
             if params.temperature == 0:
@@ -206,8 +233,9 @@ class SpeculativeEngine:
             return logits.argmax(dim=-1)
         return _draw(_probs(logits, params), generators)
 
-    def _commit(self, outs, texts, rows, new, t_logits, params, stop_ids, lengths, max_new_tokens,
-                max_seq_len) -> list[int]:
+    def _commit(
+        self, outs, texts, rows, new, t_logits, params, stop_ids, lengths, max_new_tokens, max_seq_len
+    ) -> list[int]:
         """Append each row's new tokens (new[r][i] was scored by t_logits[r, i]) until the row ends;
         returns the positions in `rows` of the rows still running."""
         logprobs = t_logits.log_softmax(dim=-1)

@@ -12,6 +12,7 @@ _MODEL_NAMES = ("Transformer", "build_model", "count_params", "flops_per_token")
 def __getattr__(name: str):
     if name in _MODEL_NAMES:
         from kiln.model import transformer
+
         return getattr(transformer, name)
     raise AttributeError(f"module 'kiln.model' has no attribute {name!r}")
 

@@ -9,35 +9,35 @@ from kiln.errors import ConfigError
 
 @dataclass
 class ModelConfig:
-    preset: str = ""             # start from PRESETS[preset]; other keys in the recipe override it
-    vocab_size: int = 0          # 0: take the trained tokenizer's size
+    preset: str = ""  # start from PRESETS[preset]; other keys in the recipe override it
+    vocab_size: int = 0  # 0: take the trained tokenizer's size
     dim: int = 256
     n_layers: int = 4
     n_heads: int = 4
-    n_kv_heads: int = 0          # 0: same as n_heads (MHA); 1: MQA; in between: GQA
-    ffn_hidden: int = 0          # 0: derived from dim (see ffn_hidden_size)
+    n_kv_heads: int = 0  # 0: same as n_heads (MHA); 1: MQA; in between: GQA
+    ffn_hidden: int = 0  # 0: derived from dim (see ffn_hidden_size)
     ffn_multiplier: float = 1.0  # Llama-3 style scaling of the derived SwiGLU width
-    multiple_of: int = 64        # round the derived FFN width up to this (matmul-friendly)
-    ffn: str = "swiglu"          # swiglu | gelu
-    norm: str = "rmsnorm"        # rmsnorm | layernorm
+    multiple_of: int = 64  # round the derived FFN width up to this (matmul-friendly)
+    ffn: str = "swiglu"  # swiglu | gelu
+    norm: str = "rmsnorm"  # rmsnorm | layernorm
     norm_eps: float = 1e-5
-    pos: str = "rope"            # rope | learned | sinusoidal
+    pos: str = "rope"  # rope | learned | sinusoidal
     rope_theta: float = 10000.0
     max_seq_len: int = 256
     tie_embeddings: bool = False
-    qkv_bias: bool = False       # Qwen2 has biases on q, k, v
+    qkv_bias: bool = False  # Qwen2 has biases on q, k, v
     init_std: float = 0.02
     # Mixture of experts (docs/moe.md): which layers replace the dense FFN by routed SwiGLU experts.
-    moe_every: int = 0           # 0: all dense; 1: every layer; 2: layers 1, 3, 5...; n: every n-th layer
+    moe_every: int = 0  # 0: all dense; 1: every layer; 2: layers 1, 3, 5...; n: every n-th layer
     moe_layers: list[int] = field(default_factory=list)  # 0-based layer ids; when set, used instead of moe_every
     n_experts: int = 8
     moe_top_k: int = 2
-    moe_hidden: int = 0          # 0: ffn_hidden_size, each expert the shape of the dense FFN it replaces
-    moe_norm_topk: bool = True   # divide the k gates by their sum (Mixtral); False: raw softmax probabilities
+    moe_hidden: int = 0  # 0: ffn_hidden_size, each expert the shape of the dense FFN it replaces
+    moe_norm_topk: bool = True  # divide the k gates by their sum (Mixtral); False: raw softmax probabilities
     moe_capacity_factor: float = 0.0  # 0: dropless; cf > 0: an expert takes at most ceil(cf * tokens * k / E)
-    moe_aux_loss_weight: float = 0.01   # Switch Transformer's alpha
-    moe_z_loss_weight: float = 0.001    # ST-MoE's router z-loss coefficient
-    moe_shared_expert: bool = False     # also a dense SwiGLU of width moe_hidden for every token (DeepSeekMoE)
+    moe_aux_loss_weight: float = 0.01  # Switch Transformer's alpha
+    moe_z_loss_weight: float = 0.001  # ST-MoE's router z-loss coefficient
+    moe_shared_expert: bool = False  # also a dense SwiGLU of width moe_hidden for every token (DeepSeekMoE)
 
     @property
     def kv_heads(self) -> int:
@@ -82,16 +82,21 @@ class ModelConfig:
             raise ConfigError("n_heads", f"RoPE needs an even head_dim, got dim/n_heads={self.head_dim}")
         if self.n_heads % self.kv_heads:
             raise ConfigError("n_kv_heads", f"must divide n_heads={self.n_heads}, got {self.n_kv_heads}")
-        choices = {"ffn": ("swiglu", "gelu"), "norm": ("rmsnorm", "layernorm"),
-                   "pos": ("rope", "learned", "sinusoidal")}
+        choices = {
+            "ffn": ("swiglu", "gelu"),
+            "norm": ("rmsnorm", "layernorm"),
+            "pos": ("rope", "learned", "sinusoidal"),
+        }
         for key, allowed in choices.items():
             if getattr(self, key) not in allowed:
                 raise ConfigError(key, f"must be one of {', '.join(allowed)}, got {getattr(self, key)!r}")
         if self.preset and self.preset not in PRESETS:
             raise ConfigError("preset", f"unknown preset {self.preset!r}; known: {', '.join(PRESETS)}")
         if self.norm_eps <= 0 or self.rope_theta <= 0 or self.init_std <= 0:
-            raise ConfigError("norm_eps" if self.norm_eps <= 0 else "rope_theta" if self.rope_theta <= 0
-                              else "init_std", "must be positive")
+            raise ConfigError(
+                "norm_eps" if self.norm_eps <= 0 else "rope_theta" if self.rope_theta <= 0 else "init_std",
+                "must be positive",
+            )
         self._validate_moe()
 
     def _validate_moe(self) -> None:
@@ -100,7 +105,9 @@ class ModelConfig:
                 raise ConfigError(key, f"must be >= 0, got {getattr(self, key)}")
         for layer in self.moe_layers:
             if not 0 <= layer < self.n_layers:
-                raise ConfigError("moe_layers", f"layer {layer} is outside 0..{self.n_layers - 1} (n_layers={self.n_layers})")
+                raise ConfigError(
+                    "moe_layers", f"layer {layer} is outside 0..{self.n_layers - 1} (n_layers={self.n_layers})"
+                )
         if len(set(self.moe_layers)) != len(self.moe_layers):
             raise ConfigError("moe_layers", f"lists a layer twice: {self.moe_layers}")
         if not (self.moe_every or self.moe_layers):
@@ -119,15 +126,34 @@ PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(dim=256, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=256),
     # The tiny model with every FFN replaced by 8 experts of half the dense width, top-2: the same
     # active FFN compute per token as "tiny", four times its FFN parameters.
-    "tiny-moe": ModelConfig(dim=256, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=256,
-                            moe_every=1, n_experts=8, moe_top_k=2, moe_hidden=352),
+    "tiny-moe": ModelConfig(
+        dim=256,
+        n_layers=4,
+        n_heads=4,
+        n_kv_heads=2,
+        max_seq_len=256,
+        moe_every=1,
+        n_experts=8,
+        moe_top_k=2,
+        moe_hidden=352,
+    ),
     "125m": ModelConfig(dim=768, n_layers=12, n_heads=12, max_seq_len=2048),
-    "1b": ModelConfig(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_hidden=8192,
-                      rope_theta=500000.0, max_seq_len=8192, tie_embeddings=True),
-    "8b": ModelConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden=14336,
-                      rope_theta=500000.0, max_seq_len=8192),
-    "70b": ModelConfig(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_hidden=28672,
-                       rope_theta=500000.0, max_seq_len=8192),
+    "1b": ModelConfig(
+        dim=2048,
+        n_layers=16,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_hidden=8192,
+        rope_theta=500000.0,
+        max_seq_len=8192,
+        tie_embeddings=True,
+    ),
+    "8b": ModelConfig(
+        dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden=14336, rope_theta=500000.0, max_seq_len=8192
+    ),
+    "70b": ModelConfig(
+        dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_hidden=28672, rope_theta=500000.0, max_seq_len=8192
+    ),
 }
 
 

@@ -120,29 +120,29 @@ class MoEFeedForward(nn.Module):
         with torch.autocast(x.device.type, enabled=False):
             logits = F.linear(x.float(), self.router.weight.float())
         probs = logits.softmax(dim=-1)
-        gates, chosen = probs.topk(k, dim=-1)                  # [N, k]
+        gates, chosen = probs.topk(k, dim=-1)  # [N, k]
         if self.norm_topk:
             gates = gates / gates.sum(dim=-1, keepdim=True)
 
         # Assignments in choice-major order (all first choices, then all second choices...): the
         # order in which capacity is handed out.
-        expert_of = chosen.t().reshape(-1)                     # [k*N]
+        expert_of = chosen.t().reshape(-1)  # [k*N]
         slot_expert = torch.arange(k, device=x.device).repeat_interleave(n_tokens) * n_experts + expert_of
         counts = torch.zeros(k * n_experts, dtype=torch.long, device=x.device)
         counts = counts.scatter_add_(0, slot_expert, torch.ones_like(slot_expert)).view(k, n_experts)
-        table, rank = (self.gather_counts(counts) if self.gather_counts is not None else (counts[None], 0))
+        table, rank = self.gather_counts(counts) if self.gather_counts is not None else (counts[None], 0)
         n_ranks = table.shape[0]
-        totals = table.sum(0)                                  # [k, E] over every rank's tokens
-        tokens_all = totals[0].sum()                           # each token has one first choice
+        totals = table.sum(0)  # [k, E] over every rank's tokens
+        tokens_all = totals[0].sum()  # each token has one first choice
 
         # Each rank's loss is scaled by n_ranks * N_rank / N_all, so that the average over ranks (what
         # data parallelism applies to gradients) is the loss over the union of their tokens.
         share = n_ranks / tokens_all
-        load = totals.sum(0).float() / (k * tokens_all)        # f_i
+        load = totals.sum(0).float() / (k * tokens_all)  # f_i
         self.aux_loss = n_experts * (load * probs.sum(0)).sum() * share
         self.z_loss = torch.logsumexp(logits, dim=-1).square().sum() * share
 
-        order = torch.argsort(expert_of, stable=True)          # grouped by expert, choice-major inside
+        order = torch.argsort(expert_of, stable=True)  # grouped by expert, choice-major inside
         token_of, slot_of = order % n_tokens, order // n_tokens
         sorted_expert = expert_of[order]
         kept_counts = counts.sum(0)
@@ -230,5 +230,10 @@ def moe_stats(model: nn.Module) -> dict[str, float]:
         aux += float(layer.aux_loss)
         z += float(layer.z_loss)
     n = len(layers)
-    return {"dropped_frac": dropped / max(routed, 1), "load_max": load_max / n, "load_cv": load_cv / n,
-            "aux_loss": aux / n, "z_loss": z / n}
+    return {
+        "dropped_frac": dropped / max(routed, 1),
+        "load_max": load_max / n,
+        "load_cv": load_cv / n,
+        "aux_loss": aux / n,
+        "z_loss": z / n,
+    }

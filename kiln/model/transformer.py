@@ -85,8 +85,9 @@ def split_gate_up(w13: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return pairs[:, 0], pairs[:, 1]
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa: bool,
-                     mask: torch.Tensor | None = None) -> torch.Tensor:
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa: bool, mask: torch.Tensor | None = None
+) -> torch.Tensor:
     """q [B, H, T, hd], k and v [B, KV, T, hd] -> [B, H, T, hd]. enable_gqa lets each group of query
     heads read its shared k/v head in place, instead of materialising repeated copies of k and v.
     mask [B, 1, T, T] (True = may attend) replaces the plain causal mask, e.g. for packed documents."""
@@ -107,8 +108,15 @@ class Attention(nn.Module):
         self.wqkv = nn.Linear(cfg.dim, qkv_out, bias=cfg.qkv_bias)
         self.wo = nn.Linear(self.n_heads * self.head_dim, cfg.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
-                mask: torch.Tensor | None = None, *, kv_cache=None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor | None,
+        sin: torch.Tensor | None,
+        mask: torch.Tensor | None = None,
+        *,
+        kv_cache=None,
+    ) -> torch.Tensor:
         batch, seq, _ = x.shape
         # -1 groups: under tensor parallelism this rank holds only some of the key/value groups.
         group = self.n_heads // self.n_kv_heads
@@ -225,8 +233,13 @@ class Transformer(nn.Module):
         if self.output is not None:
             nn.init.normal_(self.output.weight, std=cfg.init_std)
 
-    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None,
-                document_ids: torch.Tensor | None = None, kv_cache=None) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+        kv_cache=None,
+    ) -> torch.Tensor:
         """tokens [B, T] -> logits [B, T, vocab]. position_ids [B, T] (default 0..T-1 in every row)
         only set the positions used by RoPE or the absolute embeddings. Attention is causal over the
         whole row unless document_ids [B, T] are given: then a token attends only to earlier tokens of
@@ -243,13 +256,15 @@ class Transformer(nn.Module):
             cache_positions = kv_cache.prepare(seq)
             position_ids = cache_positions if position_ids is None else position_ids
         if position_ids is None:
-            positions = slice(0, seq)   # [T, ...] tables broadcast over the batch
-            head_axis = 1               # cos/sin [T, 1, head_dim] against q/k [B, T, heads, head_dim]
+            positions = slice(0, seq)  # [T, ...] tables broadcast over the batch
+            head_axis = 1  # cos/sin [T, 1, head_dim] against q/k [B, T, heads, head_dim]
         else:
             if position_ids.shape != tokens.shape:
-                raise ValueError(f"position_ids shape {tuple(position_ids.shape)} != tokens shape {tuple(tokens.shape)}")
+                raise ValueError(
+                    f"position_ids shape {tuple(position_ids.shape)} != tokens shape {tuple(tokens.shape)}"
+                )
             positions = position_ids
-            head_axis = 2               # cos/sin [B, T, 1, head_dim]
+            head_axis = 2  # cos/sin [B, T, 1, head_dim]
         x = self.tok_embeddings(tokens)
         cos = sin = None
         if self.cfg.pos == "rope":
@@ -261,7 +276,9 @@ class Transformer(nn.Module):
                 dtype = torch.get_autocast_dtype(x.device.type)
                 cos, sin = cos.to(dtype), sin.to(dtype)
         elif self.cfg.pos == "learned":
-            x = x + self.pos_embeddings(position_ids if position_ids is not None else torch.arange(seq, device=x.device))
+            x = x + self.pos_embeddings(
+                position_ids if position_ids is not None else torch.arange(seq, device=x.device)
+            )
         else:
             x = x + self.pos_table[positions]
         mask = None

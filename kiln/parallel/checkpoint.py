@@ -15,8 +15,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
-                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 from kiln.train.checkpoint import TRAIN_STATE_FILE, CheckpointManager, write_manifest
 
@@ -34,6 +38,7 @@ class WeightsOnlyLoadPlanner(dcp.DefaultLoadPlanner):
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:
             self.state_dict[read_item.dest_index.fqn] = obj
+
 
 SHARDED_DIR = "sharded"
 
@@ -56,8 +61,9 @@ class ShardedSaver:
         self.async_save = async_save
         self._pending = None  # (future, tmp folder, step, model_cfg, train_state, manifest_extra, is_best)
 
-    def save(self, step: int, model_cfg, model, optimizer, train_state: dict, manifest_extra: dict,
-             is_best: bool = False) -> None:
+    def save(
+        self, step: int, model_cfg, model, optimizer, train_state: dict, manifest_extra: dict, is_best: bool = False
+    ) -> None:
         self.finish()
         tmp = self.manager.root / f".tmp-step-{step:08d}"
         if _rank() == 0:
@@ -85,8 +91,9 @@ class ShardedSaver:
         if _rank() == 0:
             torch.save(train_state, tmp / TRAIN_STATE_FILE)
             names = sorted(str(p.relative_to(tmp)) for p in (tmp / SHARDED_DIR).rglob("*") if p.is_file())
-            write_manifest(tmp, model_cfg, [*names, TRAIN_STATE_FILE],
-                           {"step": step, "layout": "sharded", **manifest_extra})
+            write_manifest(
+                tmp, model_cfg, [*names, TRAIN_STATE_FILE], {"step": step, "layout": "sharded", **manifest_extra}
+            )
             self.manager.commit(tmp, step, is_best)
         _barrier()
 
@@ -113,4 +120,4 @@ def load_sharded_weights(folder: Path) -> dict[str, torch.Tensor]:
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(state, storage_reader=reader, planner=WeightsOnlyLoadPlanner(), no_dist=True)
-    return {key[len("model."):]: t for key, t in state.items()}
+    return {key[len("model.") :]: t for key, t in state.items()}

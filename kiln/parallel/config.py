@@ -12,25 +12,25 @@ PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 @dataclass
 class ParallelConfig:
     # Mesh degrees. Their product is the world size; dp_shard = -1 takes whatever is left.
-    dp_replicate: int = 1       # data-parallel replicas (DDP, or the replicate axis of HSDP)
-    dp_shard: int = -1          # FSDP2 shards (ZeRO-3 by default; see reshard_after_forward)
-    tp: int = 1                 # tensor (+ sequence) parallel, within a node
-    pp: int = 1                 # pipeline stages
-    cp: int = 1                 # context parallel: the sequence split across ranks
-    ep: int = 1                 # expert parallel: MoE experts spread across ranks (borrows dp_shard x cp ranks)
+    dp_replicate: int = 1  # data-parallel replicas (DDP, or the replicate axis of HSDP)
+    dp_shard: int = -1  # FSDP2 shards (ZeRO-3 by default; see reshard_after_forward)
+    tp: int = 1  # tensor (+ sequence) parallel, within a node
+    pp: int = 1  # pipeline stages
+    cp: int = 1  # context parallel: the sequence split across ranks
+    ep: int = 1  # expert parallel: MoE experts spread across ranks (borrows dp_shard x cp ranks)
     # FSDP2
-    reshard_after_forward: bool = True   # True: ZeRO-3 (params freed after forward); False: ZeRO-2-like
-    offload: bool = False                # parameters, gradients and optimizer state kept on the CPU
-    reduce_dtype: str = "fp32"           # dtype of gradient reduction under bf16 compute: fp32 | bf16
+    reshard_after_forward: bool = True  # True: ZeRO-3 (params freed after forward); False: ZeRO-2-like
+    offload: bool = False  # parameters, gradients and optimizer state kept on the CPU
+    reduce_dtype: str = "fp32"  # dtype of gradient reduction under bf16 compute: fp32 | bf16
     # Pipeline
-    pp_schedule: str = "1f1b"            # gpipe | 1f1b | interleaved_1f1b
-    pp_microbatches: int = 0             # 0: 2 x pp (halves the bubble vs pp microbatches)
-    pp_stages_per_rank: int = 1          # > 1 only with interleaved_1f1b (virtual stages)
+    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b
+    pp_microbatches: int = 0  # 0: 2 x pp (halves the bubble vs pp microbatches)
+    pp_stages_per_rank: int = 1  # > 1 only with interleaved_1f1b (virtual stages)
     # Context parallel
-    cp_backend: str = "auto"             # auto (torch on NCCL, else ring) | ring | allgather | torch
-    cp_load_balance: bool = True         # rank r gets sequence chunks r and 2cp-1-r: equal causal work
+    cp_backend: str = "auto"  # auto (torch on NCCL, else ring) | ring | allgather | torch
+    cp_load_balance: bool = True  # rank r gets sequence chunks r and 2cp-1-r: equal causal work
     # Checkpoints
-    async_checkpoint: bool = False       # sharded save runs in the background while training goes on
+    async_checkpoint: bool = False  # sharded save runs in the background while training goes on
 
     def validate(self) -> None:
         for key in ("dp_replicate", "tp", "pp", "cp", "ep", "pp_stages_per_rank"):
@@ -43,8 +43,10 @@ class ParallelConfig:
         if self.pp_schedule not in PP_SCHEDULES:
             raise ConfigError("pp_schedule", f"must be one of {', '.join(PP_SCHEDULES)}, got {self.pp_schedule!r}")
         if self.pp_stages_per_rank > 1 and self.pp_schedule != "interleaved_1f1b":
-            raise ConfigError("pp_stages_per_rank", "more than one stage per rank needs pp_schedule = "
-                              f"'interleaved_1f1b', got {self.pp_schedule!r}")
+            raise ConfigError(
+                "pp_stages_per_rank",
+                f"more than one stage per rank needs pp_schedule = 'interleaved_1f1b', got {self.pp_schedule!r}",
+            )
         if self.cp_backend not in ("auto", "ring", "allgather", "torch"):
             raise ConfigError("cp_backend", f"must be one of auto, ring, allgather, torch, got {self.cp_backend!r}")
         if self.reduce_dtype not in ("fp32", "bf16"):

@@ -50,6 +50,7 @@ BACKENDS = ("auto", "ring", "allgather", "torch")
 # Layout: which global positions each rank holds
 # ---------------------------------------------------------------------------------------------
 
+
 def _check_divisible(seq_len: int, cp_size: int, load_balance: bool) -> None:
     parts = 2 * cp_size if load_balance else cp_size
     if seq_len % parts:
@@ -75,8 +76,9 @@ def sequence_positions(seq_len: int, cp_rank: int, cp_size: int, load_balance: b
     return torch.cat([torch.arange(g, g + n) for _, g, n in sequence_pieces(seq_len, cp_rank, cp_size, load_balance)])
 
 
-def shard_sequence(inputs: torch.Tensor, targets: torch.Tensor | None, cp_rank: int, cp_size: int,
-                   load_balance: bool = True):
+def shard_sequence(
+    inputs: torch.Tensor, targets: torch.Tensor | None, cp_rank: int, cp_size: int, load_balance: bool = True
+):
     """This rank's share of a [B, T] batch: (local_inputs, local_targets, position_ids), each [B, T/cp].
 
     `targets` are the next-token targets already aligned with `inputs` (targets[:, t] follows
@@ -105,6 +107,7 @@ def pair_mask(q_piece: tuple[int, int, int], k_piece: tuple[int, int, int], devi
 # Ring attention math, per (query run, key run) pair. Shapes: q5 [B, KV, G, Lq, hd] (query head
 # kv*G + j reads key/value head kv, the model's GQA order), k and v [B, KV, Lk, hd]; float32.
 # ---------------------------------------------------------------------------------------------
+
 
 def _scores(q5, k, mask, scale):
     s = (q5 @ k.unsqueeze(2).transpose(-1, -2)) * scale
@@ -141,6 +144,7 @@ def pair_grads(q5, k, v, do5, lse, delta, mask, scale):
 @dataclass
 class _Ring:
     """The cp group as the ring sees it: this rank, its neighbours' global ranks, the layout."""
+
     group: object
     load_balance: bool
     rank: int = field(init=False)
@@ -161,8 +165,10 @@ class _Ring:
         if self.size == 1:
             return tensor, []
         received = torch.empty_like(tensor)
-        ops = [dist.P2POp(dist.isend, tensor, self.next_rank, self.group),
-               dist.P2POp(dist.irecv, received, self.prev_rank, self.group)]
+        ops = [
+            dist.P2POp(dist.isend, tensor, self.next_rank, self.group),
+            dist.P2POp(dist.irecv, received, self.prev_rank, self.group),
+        ]
         return received, dist.batch_isend_irecv(ops)
 
 
@@ -199,8 +205,9 @@ class _RingAttention(torch.autograd.Function):
             src = (ring.rank - step) % ring.size
             kf, vf = kv.float().unbind(0)
             for qs, ks, mask in _pairs(ring, src, length, q.device):
-                attend_pair(q5[..., qs, :], kf[..., ks, :], vf[..., ks, :], mask, scale,
-                            m[..., qs], l[..., qs], acc[..., qs, :])
+                attend_pair(
+                    q5[..., qs, :], kf[..., ks, :], vf[..., ks, :], mask, scale, m[..., qs], l[..., qs], acc[..., qs, :]
+                )
             if step + 1 < ring.size:
                 _wait(works)
                 kv = incoming
@@ -228,8 +235,16 @@ class _RingAttention(torch.autograd.Function):
             src = (ring.rank - step) % ring.size
             kf, vf = kv.float().unbind(0)
             for qs, ks, mask in _pairs(ring, src, length, q.device):
-                dq, dk, dv = pair_grads(q5[..., qs, :], kf[..., ks, :], vf[..., ks, :], do5[..., qs, :],
-                                        lse[..., qs], delta[..., qs], mask, scale)
+                dq, dk, dv = pair_grads(
+                    q5[..., qs, :],
+                    kf[..., ks, :],
+                    vf[..., ks, :],
+                    do5[..., qs, :],
+                    lse[..., qs],
+                    delta[..., qs],
+                    mask,
+                    scale,
+                )
                 dq5[..., qs, :] += dq
                 dkv[0, ..., ks, :] += dk
                 dkv[1, ..., ks, :] += dv
@@ -297,8 +312,9 @@ class ContextParallelAttention:
         length = q.shape[2]
         k_all, v_all = _GatherSequence.apply(torch.stack([k, v]), self.group).unbind(0)
         q_pos = sequence_positions(length * size, rank, size, self.load_balance).to(q.device)
-        k_pos = torch.cat([sequence_positions(length * size, r, size, self.load_balance)
-                           for r in range(size)]).to(q.device)
+        k_pos = torch.cat([sequence_positions(length * size, r, size, self.load_balance) for r in range(size)]).to(
+            q.device
+        )
         mask = k_pos[None, :] <= q_pos[:, None]
         return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=enable_gqa)
 
@@ -306,6 +322,7 @@ class ContextParallelAttention:
 # ---------------------------------------------------------------------------------------------
 # PyTorch's context parallel (CUDA only)
 # ---------------------------------------------------------------------------------------------
+
 
 class _CausalSDPA(nn.Module):
     """The module PyTorch's `_ContextParallel` style hooks: its tensor inputs become sequence-sharded
@@ -321,8 +338,9 @@ class _TorchContextParallelAttention(nn.Module):
         from torch.distributed.tensor.experimental._attention import _ContextParallel
         from torch.distributed.tensor.parallel import parallelize_module
 
-        self.sdpa = parallelize_module(_CausalSDPA(), mesh, _ContextParallel(
-            seq_dim=2, attention_type=_ContextParallel.AttentionType.SDPA))
+        self.sdpa = parallelize_module(
+            _CausalSDPA(), mesh, _ContextParallel(seq_dim=2, attention_type=_ContextParallel.AttentionType.SDPA)
+        )
 
     def forward(self, q, k, v, enable_gqa: bool = False):
         if enable_gqa:
@@ -336,11 +354,19 @@ class _TorchContextParallelAttention(nn.Module):
 def _torch_attention_factory(mesh, load_balance: bool):
     try:
         from torch.distributed.tensor.experimental._attention import (
-            _ContextParallel, _cp_options, _enable_context_parallel_dispatcher, set_rotate_method)
+            _ContextParallel,
+            _cp_options,
+            _enable_context_parallel_dispatcher,
+            set_rotate_method,
+        )
+
         del _ContextParallel  # only checked here: _TorchContextParallelAttention imports it
     except ImportError as exc:
-        raise ConfigError("parallel.cp_backend", f"'torch' needs PyTorch's experimental context parallel "
-                          f"(_ContextParallel), which torch {torch.__version__} lacks ({exc}); use 'ring'") from exc
+        raise ConfigError(
+            "parallel.cp_backend",
+            f"'torch' needs PyTorch's experimental context parallel "
+            f"(_ContextParallel), which torch {torch.__version__} lacks ({exc}); use 'ring'",
+        ) from exc
     # Process-wide switches of PyTorch's implementation: its causal ring must assume the same layout
     # that shard_sequence produced, and "alltoall" passes K/V one hop per step (a ring) instead of
     # gathering the whole sequence at once.
@@ -354,6 +380,7 @@ def _torch_attention_factory(mesh, load_balance: bool):
 # Entry point
 # ---------------------------------------------------------------------------------------------
 
+
 def _resolve(cp_group_or_mesh):
     """(process group, 1-D DeviceMesh or None) from either."""
     from torch.distributed.device_mesh import DeviceMesh
@@ -365,8 +392,9 @@ def _resolve(cp_group_or_mesh):
     return cp_group_or_mesh if cp_group_or_mesh is not None else dist.group.WORLD, None
 
 
-def apply_context_parallel(model: nn.Module, cp_group_or_mesh, load_balance: bool = True,
-                           backend: str = "auto") -> nn.Module:
+def apply_context_parallel(
+    model: nn.Module, cp_group_or_mesh, load_balance: bool = True, backend: str = "auto"
+) -> nn.Module:
     """Replace the attention of every `Attention` module in `model` with a context-parallel one over
     `cp_group_or_mesh` (a process group or 1-D DeviceMesh). Feed each rank `shard_sequence(...)` of
     the batch with the same `load_balance`, and pass its position_ids to the model.
@@ -383,10 +411,14 @@ def apply_context_parallel(model: nn.Module, cp_group_or_mesh, load_balance: boo
         backend = "torch" if nccl else "ring"
     if backend == "torch":
         if not nccl:
-            raise ConfigError("parallel.cp_backend", "'torch' (PyTorch's context parallel) trains only on CUDA "
-                              f"with NCCL, the cp group uses {dist.get_backend(group)!r}; use 'ring' or 'allgather'")
+            raise ConfigError(
+                "parallel.cp_backend",
+                "'torch' (PyTorch's context parallel) trains only on CUDA "
+                f"with NCCL, the cp group uses {dist.get_backend(group)!r}; use 'ring' or 'allgather'",
+            )
         if mesh is None:
             from torch.distributed.device_mesh import DeviceMesh
+
             mesh = DeviceMesh.from_group(group, "cuda")
         make = _torch_attention_factory(mesh, load_balance)
     else:
@@ -394,6 +426,7 @@ def apply_context_parallel(model: nn.Module, cp_group_or_mesh, load_balance: boo
 
         def make():
             return shared
+
     # Listed first: the torch backend registers a submodule on each Attention while we walk them.
     for module in [m for m in model.modules() if isinstance(m, Attention)]:
         module.attention = make()

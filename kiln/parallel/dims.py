@@ -18,7 +18,6 @@ from kiln.errors import ConfigError
 from kiln.parallel.config import ParallelConfig
 
 
-
 @dataclass(frozen=True)
 class ParallelDims:
     dp_replicate: int
@@ -36,15 +35,23 @@ class ParallelDims:
         dp_shard = cfg.dp_shard
         if dp_shard == -1:
             if world_size % fixed:
-                raise ConfigError("parallel.dp_shard", f"world size {world_size} is not divisible by "
-                                  f"dp_replicate*tp*pp*cp = {fixed}, so no dp_shard fits")
+                raise ConfigError(
+                    "parallel.dp_shard",
+                    f"world size {world_size} is not divisible by dp_replicate*tp*pp*cp = {fixed}, so no dp_shard fits",
+                )
             dp_shard = world_size // fixed
         if fixed * dp_shard != world_size:
-            raise ConfigError("parallel", f"dp_replicate({cfg.dp_replicate}) * dp_shard({dp_shard}) * tp({cfg.tp}) "
-                              f"* pp({cfg.pp}) * cp({cfg.cp}) = {fixed * dp_shard}, but the world size is {world_size}")
+            raise ConfigError(
+                "parallel",
+                f"dp_replicate({cfg.dp_replicate}) * dp_shard({dp_shard}) * tp({cfg.tp}) "
+                f"* pp({cfg.pp}) * cp({cfg.cp}) = {fixed * dp_shard}, but the world size is {world_size}",
+            )
         if cfg.ep > 1 and dp_shard % cfg.ep:
-            raise ConfigError("parallel.ep", f"experts are spread over ranks of the dp_shard dimension, so ep must "
-                              f"divide dp_shard={dp_shard}, got {cfg.ep}")
+            raise ConfigError(
+                "parallel.ep",
+                f"experts are spread over ranks of the dp_shard dimension, so ep must "
+                f"divide dp_shard={dp_shard}, got {cfg.ep}",
+            )
         return cls(cfg.dp_replicate, dp_shard, cfg.tp, cfg.pp, cfg.cp, cfg.ep, world_size)
 
     @property
@@ -65,21 +72,35 @@ class ParallelDims:
         """Degrees the model shape must allow, checked before any process builds anything."""
         if self.tp > 1:
             if model_cfg.kv_heads % self.tp:
-                raise ConfigError("parallel.tp", f"must divide model.n_kv_heads={model_cfg.kv_heads} (each rank "
-                                  f"holds whole key/value groups), got {self.tp}")
+                raise ConfigError(
+                    "parallel.tp",
+                    f"must divide model.n_kv_heads={model_cfg.kv_heads} (each rank "
+                    f"holds whole key/value groups), got {self.tp}",
+                )
             if model_cfg.ffn_hidden_size % self.tp:
-                raise ConfigError("parallel.tp", f"must divide the FFN width {model_cfg.ffn_hidden_size}, got {self.tp}")
+                raise ConfigError(
+                    "parallel.tp", f"must divide the FFN width {model_cfg.ffn_hidden_size}, got {self.tp}"
+                )
             if any(model_cfg.is_moe_layer(i) for i in range(model_cfg.n_layers)):
-                raise ConfigError("parallel.tp", "tensor parallelism does not split MoE experts; spread them "
-                                  "with parallel.ep instead")
+                raise ConfigError(
+                    "parallel.tp", "tensor parallelism does not split MoE experts; spread them with parallel.ep instead"
+                )
             if model_cfg.tie_embeddings:
-                raise ConfigError("parallel.tp", "tensor parallelism needs model.tie_embeddings = false "
-                                  "(the embedding and the output head are sharded on different layouts)")
+                raise ConfigError(
+                    "parallel.tp",
+                    "tensor parallelism needs model.tie_embeddings = false "
+                    "(the embedding and the output head are sharded on different layouts)",
+                )
             if model_cfg.pos != "rope":
-                raise ConfigError("parallel.tp", f"sequence parallelism needs model.pos = 'rope' (an absolute "
-                                  f"position table would be added to a sequence shard), got {model_cfg.pos!r}")
+                raise ConfigError(
+                    "parallel.tp",
+                    f"sequence parallelism needs model.pos = 'rope' (an absolute "
+                    f"position table would be added to a sequence shard), got {model_cfg.pos!r}",
+                )
         if self.ep > 1 and not any(model_cfg.is_moe_layer(i) for i in range(model_cfg.n_layers)):
-            raise ConfigError("parallel.ep", "expert parallelism needs MoE layers (model.moe_every or model.moe_layers)")
+            raise ConfigError(
+                "parallel.ep", "expert parallelism needs MoE layers (model.moe_every or model.moe_layers)"
+            )
         if self.ep > 1 and model_cfg.n_experts % self.ep:
             raise ConfigError("parallel.ep", f"must divide model.n_experts={model_cfg.n_experts}, got {self.ep}")
         if self.pp > 1 and model_cfg.n_layers < self.pp:
@@ -88,14 +109,21 @@ class ParallelDims:
     def _leaves(self) -> dict[str, int]:
         """Mesh dimensions in order, outermost first. With expert parallelism dp_shard is built as
         (dp_shard_mod_ep, ep) so the ep ranks are one named dimension; flattened back it is dp_shard."""
-        shard = {"dp_shard": self.dp_shard} if self.ep == 1 else \
-            {"dp_shard_mod_ep": self.dp_shard // self.ep, "ep": self.ep}
+        shard = (
+            {"dp_shard": self.dp_shard}
+            if self.ep == 1
+            else {"dp_shard_mod_ep": self.dp_shard // self.ep, "ep": self.ep}
+        )
         return {"pp": self.pp, "dp_replicate": self.dp_replicate, **shard, "cp": self.cp, "tp": self.tp}
 
     def _parts(self, name: str) -> tuple[str, ...]:
         shard = ("dp_shard",) if self.ep == 1 else ("dp_shard_mod_ep", "ep")
-        return {"dp_shard": shard, "dp": ("dp_replicate", *shard), "dp_shard_cp": (*shard, "cp"),
-                "dp_cp": ("dp_replicate", *shard, "cp")}.get(name, (name,))
+        return {
+            "dp_shard": shard,
+            "dp": ("dp_replicate", *shard),
+            "dp_shard_cp": (*shard, "cp"),
+            "dp_cp": ("dp_replicate", *shard, "cp"),
+        }.get(name, (name,))
 
     def build_mesh(self, device_type: str):
         """The world's DeviceMesh with named, flattened sub-meshes; needs an initialised process group."""
@@ -138,6 +166,7 @@ def init_distributed(device_type: str) -> tuple[int, int]:
     # connect then fails ("Connection refused") or hangs.
     store, rank, world = next(dist.rendezvous("env://"))
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    dist.init_process_group(backend, store=dist.PrefixStore(f"kiln/attempt-{attempt}", store), rank=rank,
-                            world_size=world)
+    dist.init_process_group(
+        backend, store=dist.PrefixStore(f"kiln/attempt-{attempt}", store), rank=rank, world_size=world
+    )
     return dist.get_rank(), dist.get_world_size()

@@ -66,9 +66,9 @@ class _TokenDispatcher:
         self._perm = self._send_splits = self._recv_splits = None
 
     def dispatch(self, module, inputs, mesh):
-        x, counts = inputs                      # rows grouped by global expert; counts [E]
-        per_rank = counts.view(self.size, -1)   # [destination rank, its local experts]
-        received = torch.empty_like(per_rank)   # [source rank, my local experts]
+        x, counts = inputs  # rows grouped by global expert; counts [E]
+        per_rank = counts.view(self.size, -1)  # [destination rank, its local experts]
+        received = torch.empty_like(per_rank)  # [source rank, my local experts]
         dist.all_to_all_single(received, per_rank.contiguous(), group=self.group)
         self._send_splits = per_rank.sum(1).tolist()
         self._recv_splits = received.sum(1).tolist()
@@ -102,7 +102,7 @@ def _shard_expert_weights(name: str, module: nn.Module, mesh: DeviceMesh) -> Non
         per_rank = param.shape[0] // size
         # Each rank slices its own copy (no communication): every rank built the same model from the
         # same seed, or is on the meta device and will be initialised per expert by init_weights.
-        local = param.detach()[rank * per_rank:(rank + 1) * per_rank].clone()
+        local = param.detach()[rank * per_rank : (rank + 1) * per_rank].clone()
         sharded = DTensor.from_local(local, mesh, [Shard(0)], run_check=False)
         module.register_parameter(param_name, nn.Parameter(sharded, requires_grad=param.requires_grad))
 
@@ -129,7 +129,12 @@ def apply_expert_parallel(model: nn.Module, ep_mesh) -> nn.Module:
         if moe.n_experts % mesh.size():
             raise ConfigError("ep", f"must divide model.n_experts={moe.n_experts}, got {mesh.size()}")
         dispatcher = _TokenDispatcher(group)
-        distribute_module(moe.experts, mesh, partition_fn=_shard_expert_weights,
-                          input_fn=dispatcher.dispatch, output_fn=dispatcher.combine)
+        distribute_module(
+            moe.experts,
+            mesh,
+            partition_fn=_shard_expert_weights,
+            input_fn=dispatcher.dispatch,
+            output_fn=dispatcher.combine,
+        )
         moe.gather_counts = lambda counts, group=group: _gather_counts(counts, group)
     return model

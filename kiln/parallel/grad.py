@@ -39,6 +39,7 @@ def total_grad_norm(params, pp_group=None) -> torch.Tensor:
     total = torch.stack(squares).sum() if squares else torch.zeros((), device=device)
     if pp_group is not None:
         import torch.distributed as dist
+
         dist.all_reduce(total, group=pp_group)
     return total.sqrt()
 

@@ -16,13 +16,13 @@ from kiln.errors import ConfigError
 @dataclass(frozen=True)
 class GPU:
     name: str
-    bf16_flops: float      # dense (no structured sparsity) bf16 tensor-core peak
-    memory: float          # HBM capacity, bytes
-    hbm_bw: float          # HBM bandwidth, bytes/s
-    intra_bw: float        # within a node (NVLink / Infinity Fabric), per GPU per direction, bytes/s
-    inter_bw: float        # between nodes (one 400G-class NIC per GPU unless noted), bytes/s
-    price: float           # default USD per GPU-hour (rough 2025 cloud on-demand level; override it)
-    power: float           # board power (TDP), watts
+    bf16_flops: float  # dense (no structured sparsity) bf16 tensor-core peak
+    memory: float  # HBM capacity, bytes
+    hbm_bw: float  # HBM bandwidth, bytes/s
+    intra_bw: float  # within a node (NVLink / Infinity Fabric), per GPU per direction, bytes/s
+    inter_bw: float  # between nodes (one 400G-class NIC per GPU unless noted), bytes/s
+    price: float  # default USD per GPU-hour (rough 2025 cloud on-demand level; override it)
+    power: float  # board power (TDP), watts
     gpus_per_node: int = 8
 
 
@@ -56,9 +56,9 @@ class ClusterConfig:
     gpu: str = "h100"
     gpus_per_node: int = 8
     n_nodes: int = 1
-    intra_bw: float = 0.0          # bytes/s per GPU per direction; 0: the GPU's NVLink figure
-    inter_bw: float = 0.0          # bytes/s per GPU per direction; 0: the GPU's NIC figure
-    price: float = 0.0             # USD per GPU-hour; 0: the GPU's default
+    intra_bw: float = 0.0  # bytes/s per GPU per direction; 0: the GPU's NVLink figure
+    inter_bw: float = 0.0  # bytes/s per GPU per direction; 0: the GPU's NIC figure
+    price: float = 0.0  # USD per GPU-hour; 0: the GPU's default
     # Share of link peak that NCCL-class ring collectives reach (bus bandwidth / link bandwidth).
     comm_efficiency: float = 0.8
     # Share of the dense bf16 peak that the model's large matmuls reach. MFU can never exceed it;
@@ -111,7 +111,9 @@ class ClusterConfig:
         return self.price or self.spec.price
 
     def describe(self) -> str:
-        return (f"{self.n_nodes} x {self.gpus_per_node} {self.spec.name} = {self.world} GPUs; "
-                f"bf16 peak {self.peak_flops / 1e12:.0f} TFLOP/s, {self.spec.memory / GB:.0f} GB HBM; "
-                f"links {self.intra / GB:.0f} GB/s in-node, {self.inter / GB:.0f} GB/s across nodes "
-                f"(after comm_efficiency {self.comm_efficiency})")
+        return (
+            f"{self.n_nodes} x {self.gpus_per_node} {self.spec.name} = {self.world} GPUs; "
+            f"bf16 peak {self.peak_flops / 1e12:.0f} TFLOP/s, {self.spec.memory / GB:.0f} GB HBM; "
+            f"links {self.intra / GB:.0f} GB/s in-node, {self.inter / GB:.0f} GB/s across nodes "
+            f"(after comm_efficiency {self.comm_efficiency})"
+        )

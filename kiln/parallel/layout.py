@@ -51,28 +51,33 @@ class Layout:
         """Ranks the data-parallel gradient reduction averages over (dp x cp)."""
         return self.dims.dp * self.dims.cp
 
-    def parallelize(self, model, compute_dtype: torch.dtype, activation_checkpointing: bool,
-                    compile_blocks: bool):
+    def parallelize(self, model, compute_dtype: torch.dtype, activation_checkpointing: bool, compile_blocks: bool):
         """(module whose parameters and state dict are this rank's, module to call for training).
         Without pipelining both are the model (or the model and its DDP wrapper); with it, the first
         is the rank's stages under the unsplit names and training runs through `self.schedule`."""
         from kiln.parallel.parallelize import parallelize
+
         if self.mesh is None:
             self.forward_model = model
             return model, model
-        kwargs = dict(compute_dtype=compute_dtype, activation_checkpointing=activation_checkpointing,
-                      compile_blocks=compile_blocks)
+        kwargs = dict(
+            compute_dtype=compute_dtype,
+            activation_checkpointing=activation_checkpointing,
+            compile_blocks=compile_blocks,
+        )
         if self.dims.pp == 1:
             self.forward_model = parallelize(model, self.dims, self.mesh, self.cfg, **kwargs)
             return model, self.forward_model
         from kiln.parallel.pipeline import PipelineParts, build_pipeline_schedule, split_model
+
         self.stages = split_model(model, self.pp_mesh.get_local_rank(), self.dims.pp, self.cfg.pp_stages_per_rank)
         for stage in self.stages:
             parallelize(stage, self.dims, self.mesh, self.cfg, **kwargs)
         # scale_grads=False: the trainer accumulates several schedule steps per optimizer step and
         # divides the summed micro-batch gradients once (Trainer.train_step).
-        self.schedule = build_pipeline_schedule(self.stages, self.pp_mesh, self.cfg, scale_grads=False,
-                                                device=next(model.parameters()).device)
+        self.schedule = build_pipeline_schedule(
+            self.stages, self.pp_mesh, self.cfg, scale_grads=False, device=next(model.parameters()).device
+        )
         self.is_first = any(stage.is_first for stage in self.stages)
         self.is_last = any(stage.is_last for stage in self.stages)
         return PipelineParts(self.stages), None
@@ -84,14 +89,21 @@ class Layout:
     def pipeline_step(self, batch: tuple, train: bool) -> torch.Tensor:
         """One batch through the pipeline; its mean loss on the last stage's rank, 0 elsewhere."""
         from kiln.parallel.pipeline import pipeline_eval_step, pipeline_train_step
+
         inputs, targets = batch[:2]
         run = pipeline_train_step if train else pipeline_eval_step
-        loss = run(self.schedule, inputs if self.is_first else None, targets if self.is_last else None,
-                   self.is_first, self.is_last)
+        loss = run(
+            self.schedule,
+            inputs if self.is_first else None,
+            targets if self.is_last else None,
+            self.is_first,
+            self.is_last,
+        )
         return loss if loss is not None else torch.zeros((), device=inputs.device)
 
     def bubble_fraction(self) -> float:
         from kiln.parallel.pipeline import bubble_fraction
+
         if not self.pipelined:
             return 0.0
         return bubble_fraction(self.cfg.pp_schedule, self.dims.pp, self.cfg.microbatches, self.cfg.pp_stages_per_rank)
@@ -113,6 +125,7 @@ class Layout:
         cross-entropy on the shards without gathering them."""
         if self.dims.tp > 1:
             from torch.distributed.tensor.parallel import loss_parallel
+
             return loss_parallel()
         return nullcontext()
 
@@ -121,6 +134,7 @@ class Layout:
         if self.dims.cp == 1:
             return batch
         from kiln.parallel.context import shard_sequence
+
         inputs, targets = batch[:2]
         return shard_sequence(inputs, targets, self.cp_rank, self.dims.cp, load_balance=self.cfg.cp_load_balance)
 
@@ -132,8 +146,9 @@ class Layout:
         if self.pp_mesh is not None:
             loss_sum = loss_sum.clone()
             dist.all_reduce(loss_sum, group=self.pp_mesh.get_group())
-        stats = torch.stack([loss_sum.to(torch.float64), torch.tensor(float(tokens), dtype=torch.float64,
-                                                                      device=loss_sum.device)])
+        stats = torch.stack(
+            [loss_sum.to(torch.float64), torch.tensor(float(tokens), dtype=torch.float64, device=loss_sum.device)]
+        )
         if self.loss_group is not None:
             dist.all_reduce(stats, group=self.loss_group)
         return stats[0].to(loss_sum.dtype), int(stats[1].item())
@@ -142,6 +157,7 @@ class Layout:
         if not self.sharded:
             return torch.nn.utils.clip_grad_norm_(params, max_norm)
         from kiln.parallel.grad import clip_grad_norm
+
         return clip_grad_norm(params, max_norm, self.pp_mesh.get_group() if self.pp_mesh is not None else None)
 
     def load_full_optimizer_state(self, model, optimizer, state: dict) -> None:
@@ -158,9 +174,10 @@ class Layout:
         if len(saved_ids) != len(ordered):
             raise ValueError(f"optimizer state has {len(saved_ids)} parameters, the model {len(ordered)}")
         name_by_id = dict(zip(saved_ids, ordered))
-        by_name = {"state": {name_by_id[i]: s for i, s in state["state"].items()},
-                   "param_groups": [{**g, "params": [name_by_id[i] for i in g["params"]]}
-                                    for g in state["param_groups"]]}
+        by_name = {
+            "state": {name_by_id[i]: s for i, s in state["state"].items()},
+            "param_groups": [{**g, "params": [name_by_id[i] for i in g["params"]]} for g in state["param_groups"]],
+        }
         set_optimizer_state_dict(model, optimizer, by_name, options=StateDictOptions(full_state_dict=True))
 
 

@@ -28,8 +28,13 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh) -> None:
     Column chunks of `wqkv` and `w13` are whole kv groups / gate-up pairs by the model's row layout.
     """
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                                   SequenceParallel, parallelize_module)
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
 
     top = {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
@@ -42,21 +47,34 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh) -> None:
         # A later pipeline stage receives the residual stream whole from the previous stage; its
         # first block takes a sequence shard, as it would from the embedding on the first stage.
         # (On the block, not the stage: the stage sizes the RoPE tables from the whole sequence.)
-        parallelize_module(model.layers[0], tp_mesh, PrepareModuleInput(
-            input_layouts=(Replicate(), None, None), desired_input_layouts=(Shard(1), None, None),
-            use_local_output=True))
+        parallelize_module(
+            model.layers[0],
+            tp_mesh,
+            PrepareModuleInput(
+                input_layouts=(Replicate(), None, None),
+                desired_input_layouts=(Shard(1), None, None),
+                use_local_output=True,
+            ),
+        )
     if getattr(model, "is_last", True) is False:
         # ... and gives the next stage a whole tensor, not a sequence shard.
         from torch.distributed.tensor.parallel import PrepareModuleOutput
-        parallelize_module(model, tp_mesh, PrepareModuleOutput(
-            output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),), use_local_output=True))
+
+        parallelize_module(
+            model,
+            tp_mesh,
+            PrepareModuleOutput(
+                output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),), use_local_output=True
+            ),
+        )
     if top:
         parallelize_module(model, tp_mesh, top)
     for block in model.layers:
         plan = {
             "attn_norm": SequenceParallel(),
-            "attn": PrepareModuleInput(input_layouts=(Shard(1), None, None),
-                                       desired_input_layouts=(Replicate(), None, None)),
+            "attn": PrepareModuleInput(
+                input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
+            ),
             "attn.wqkv": ColwiseParallel(),
             "attn.wo": RowwiseParallel(output_layouts=Shard(1)),
             "ffn_norm": SequenceParallel(),
@@ -86,8 +104,10 @@ def apply_fsdp(model: nn.Module, mesh, cfg: ParallelConfig, param_dtype: torch.d
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=DTYPES[cfg.reduce_dtype]
-                              if param_dtype != torch.float32 else torch.float32)
+    mp = MixedPrecisionPolicy(
+        param_dtype=param_dtype,
+        reduce_dtype=DTYPES[cfg.reduce_dtype] if param_dtype != torch.float32 else torch.float32,
+    )
     # pin_memory needs an accelerator; on a CPU-only machine it fails at wrap time.
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cfg.offload else None
     kwargs = {"mesh": mesh, "mp_policy": mp}
@@ -118,11 +138,20 @@ class _NoMesh:
 
 def apply_ddp(model: nn.Module, dp_mesh) -> nn.Module:
     from torch.nn.parallel import DistributedDataParallel
+
     return DistributedDataParallel(model, process_group=dp_mesh.get_group() if dp_mesh is not None else None)
 
 
-def parallelize(model: nn.Module, dims: ParallelDims, mesh, cfg: ParallelConfig, *, compute_dtype: torch.dtype,
-                activation_checkpointing: bool, compile_blocks: bool) -> nn.Module:
+def parallelize(
+    model: nn.Module,
+    dims: ParallelDims,
+    mesh,
+    cfg: ParallelConfig,
+    *,
+    compute_dtype: torch.dtype,
+    activation_checkpointing: bool,
+    compile_blocks: bool,
+) -> nn.Module:
     """Apply every configured parallelism except pipelining to `model` (the whole model, or one
     pipeline stage) in place; returns the module to call for training (it, or its DDP wrapper)."""
     from kiln.train.objective import apply_activation_checkpointing
@@ -131,11 +160,14 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh, cfg: ParallelConfig,
         apply_tensor_parallel(model, dims.submesh(mesh, "tp"))
     if dims.ep > 1:
         from kiln.parallel.expert import apply_expert_parallel
+
         apply_expert_parallel(model, dims.submesh(mesh, "ep"))
     if dims.cp > 1:
         from kiln.parallel.context import apply_context_parallel
-        apply_context_parallel(model, dims.submesh(mesh, "cp"), load_balance=cfg.cp_load_balance,
-                               backend=cfg.cp_backend)
+
+        apply_context_parallel(
+            model, dims.submesh(mesh, "cp"), load_balance=cfg.cp_load_balance, backend=cfg.cp_backend
+        )
     if activation_checkpointing:
         apply_activation_checkpointing(model)
     if compile_blocks:

@@ -145,8 +145,7 @@ def head_weight_from_flops(cfg) -> float:
     return head / per_layer
 
 
-def split_layers(n_layers: int, n_stages: int, embed_weight: float = 0.0,
-                 head_weight: float = 0.0) -> list[range]:
+def split_layers(n_layers: int, n_stages: int, embed_weight: float = 0.0, head_weight: float = 0.0) -> list[range]:
     """Contiguous blocks per stage, balancing each stage's cost: its block count, plus
     `embed_weight` on the first stage and `head_weight` on the last (in units of one block).
 
@@ -155,8 +154,11 @@ def split_layers(n_layers: int, n_stages: int, embed_weight: float = 0.0,
     smallest possible maximum stage cost, which is what sets a pipeline's step time.
     """
     if n_layers < n_stages:
-        raise ConfigError("parallel.pp", f"{n_stages} pipeline stages (pp x pp_stages_per_rank) need at least "
-                          f"as many layers, but model.n_layers = {n_layers}")
+        raise ConfigError(
+            "parallel.pp",
+            f"{n_stages} pipeline stages (pp x pp_stages_per_rank) need at least "
+            f"as many layers, but model.n_layers = {n_layers}",
+        )
     counts = [1] * n_stages
     extra = [0.0] * n_stages
     extra[0] += embed_weight
@@ -177,8 +179,15 @@ def stage_ids_of_rank(pp_rank: int, pp_size: int, stages_per_rank: int) -> list[
     return [pp_rank + k * pp_size for k in range(stages_per_rank)]
 
 
-def split_model(model: Transformer, pp_rank: int, pp_size: int, stages_per_rank: int = 1, *,
-                embed_weight: float = 0.0, head_weight: float | None = None) -> list[PipelineStageModule]:
+def split_model(
+    model: Transformer,
+    pp_rank: int,
+    pp_size: int,
+    stages_per_rank: int = 1,
+    *,
+    embed_weight: float = 0.0,
+    head_weight: float | None = None,
+) -> list[PipelineStageModule]:
     """The stages `pp_rank` runs, in the order of their stage index.
 
     The stages share their modules with `model`; blocks other ranks own stay referenced only by
@@ -193,13 +202,17 @@ def split_model(model: Transformer, pp_rank: int, pp_size: int, stages_per_rank:
     if n_stages > 1 and cfg.tie_embeddings:
         # The first and last stages live on different ranks, so one tied matrix would need its
         # gradient summed across them; Kiln keeps the head separate instead.
-        raise ConfigError("model.tie_embeddings", "pipeline parallelism (parallel.pp > 1) needs untied "
-                          "embeddings: the embedding and the head are on different ranks")
+        raise ConfigError(
+            "model.tie_embeddings",
+            "pipeline parallelism (parallel.pp > 1) needs untied "
+            "embeddings: the embedding and the head are on different ranks",
+        )
     if head_weight is None:
         head_weight = head_weight_from_flops(cfg)
     ranges = split_layers(cfg.n_layers, n_stages, embed_weight, head_weight)
-    return [PipelineStageModule(model, ranges[s], s, n_stages)
-            for s in stage_ids_of_rank(pp_rank, pp_size, stages_per_rank)]
+    return [
+        PipelineStageModule(model, ranges[s], s, n_stages) for s in stage_ids_of_rank(pp_rank, pp_size, stages_per_rank)
+    ]
 
 
 class PipelineParts(nn.Module):
@@ -234,8 +247,14 @@ def _pp_group(pp_group_or_mesh):
     return pp_group_or_mesh
 
 
-def build_pipeline_schedule(stages: list[PipelineStageModule], pp_group_or_mesh, cfg: ParallelConfig,
-                            loss_fn=pipeline_loss, device: torch.device | str = "cpu", scale_grads: bool = True):
+def build_pipeline_schedule(
+    stages: list[PipelineStageModule],
+    pp_group_or_mesh,
+    cfg: ParallelConfig,
+    loss_fn=pipeline_loss,
+    device: torch.device | str = "cpu",
+    scale_grads: bool = True,
+):
     """Wrap this rank's stages in `PipelineStage`s and return the schedule `cfg.pp_schedule` names,
     running `cfg.microbatches` microbatches per step.
 
@@ -250,22 +269,30 @@ def build_pipeline_schedule(stages: list[PipelineStageModule], pp_group_or_mesh,
     if cfg.pp_schedule not in PP_SCHEDULES:
         raise ConfigError("parallel.pp_schedule", f"must be one of {', '.join(PP_SCHEDULES)}, got {cfg.pp_schedule!r}")
     if len(stages) != cfg.pp_stages_per_rank:
-        raise ConfigError("parallel.pp_stages_per_rank", f"is {cfg.pp_stages_per_rank} but this rank was given "
-                          f"{len(stages)} stages; split the model with the same stages_per_rank")
+        raise ConfigError(
+            "parallel.pp_stages_per_rank",
+            f"is {cfg.pp_stages_per_rank} but this rank was given "
+            f"{len(stages)} stages; split the model with the same stages_per_rank",
+        )
     if cfg.pp_schedule != "interleaved_1f1b" and len(stages) != 1:
-        raise ConfigError("parallel.pp_schedule", f"{cfg.pp_schedule} runs one stage per rank; use "
-                          "'interleaved_1f1b' for pp_stages_per_rank > 1")
+        raise ConfigError(
+            "parallel.pp_schedule",
+            f"{cfg.pp_schedule} runs one stage per rank; use 'interleaved_1f1b' for pp_stages_per_rank > 1",
+        )
     m = cfg.microbatches
     if cfg.pp_schedule == "interleaved_1f1b":
         # PyTorch runs interleaved 1F1B in rounds of pp microbatches each (fewer when m < pp).
         rounds = max(1, m // cfg.pp)
         if m % rounds:
-            raise ConfigError("parallel.pp_microbatches", f"interleaved_1f1b needs a multiple of "
-                              f"{rounds} microbatches (rounds of pp = {cfg.pp}), got {m}")
+            raise ConfigError(
+                "parallel.pp_microbatches",
+                f"interleaved_1f1b needs a multiple of {rounds} microbatches (rounds of pp = {cfg.pp}), got {m}",
+            )
     device = torch.device(device)
     group = _pp_group(pp_group_or_mesh)
-    pipeline_stages = [PipelineStage(stage, stage.stage_index, stage.num_stages, device, group=group)
-                       for stage in stages]
+    pipeline_stages = [
+        PipelineStage(stage, stage.stage_index, stage.num_stages, device, group=group) for stage in stages
+    ]
     if cfg.pp_schedule == "interleaved_1f1b":
         return ScheduleInterleaved1F1B(pipeline_stages, n_microbatches=m, loss_fn=loss_fn, scale_grads=scale_grads)
     schedule_class = ScheduleGPipe if cfg.pp_schedule == "gpipe" else Schedule1F1B
@@ -277,8 +304,9 @@ def _check_batch(schedule, tensor: torch.Tensor) -> None:
     if tensor.shape[0] % m:
         # Unequal microbatches would weigh each microbatch's mean equally and so no longer give
         # the batch mean.
-        raise ConfigError("parallel.pp_microbatches", f"must divide the per-rank batch size "
-                          f"{tensor.shape[0]}, got {m} microbatches")
+        raise ConfigError(
+            "parallel.pp_microbatches", f"must divide the per-rank batch size {tensor.shape[0]}, got {m} microbatches"
+        )
 
 
 def _run(schedule, inputs, targets, is_first: bool, is_last: bool, train: bool):
@@ -303,8 +331,9 @@ def _run(schedule, inputs, targets, is_first: bool, is_last: bool, train: bool):
     return torch.stack([loss.detach() for loss in losses]).mean()
 
 
-def pipeline_train_step(schedule, inputs: torch.Tensor | None, targets: torch.Tensor | None,
-                        is_first: bool, is_last: bool) -> torch.Tensor | None:
+def pipeline_train_step(
+    schedule, inputs: torch.Tensor | None, targets: torch.Tensor | None, is_first: bool, is_last: bool
+) -> torch.Tensor | None:
     """One forward and backward of a whole batch through the pipeline; gradients accumulate into
     this rank's stage parameters. Returns the batch's mean loss on the rank holding the last stage,
     None elsewhere. The first stage's rank passes `inputs`, the last stage's rank `targets`."""
@@ -312,8 +341,9 @@ def pipeline_train_step(schedule, inputs: torch.Tensor | None, targets: torch.Te
 
 
 @torch.no_grad()
-def pipeline_eval_step(schedule, inputs: torch.Tensor | None, targets: torch.Tensor | None,
-                       is_first: bool, is_last: bool) -> torch.Tensor | None:
+def pipeline_eval_step(
+    schedule, inputs: torch.Tensor | None, targets: torch.Tensor | None, is_first: bool, is_last: bool
+) -> torch.Tensor | None:
     """Forward only (validation): the batch's mean loss on the last stage's rank, else None."""
     return _run(schedule, inputs, targets, is_first, is_last, train=False)
 

@@ -96,8 +96,8 @@ class Layout:
     # 1 optimizer states (FSDP, reshard off, gradients reduced once per step on the last micro-batch);
     # 2 + gradients (FSDP, reshard off, reduced every micro-batch); 3 + parameters (FSDP default).
     zero: int = 0
-    ac: str = "none"               # activation checkpointing: none | selective | full
-    micro_batch: int = 1           # sequences per micro-batch per data-parallel rank
+    ac: str = "none"  # activation checkpointing: none | selective | full
+    micro_batch: int = 1  # sequences per micro-batch per data-parallel rank
     pp_schedule: str = "1f1b"
     pp_stages_per_rank: int = 1
 
@@ -117,16 +117,29 @@ class Layout:
     def label(self) -> str:
         dp = f"{self.dp_replicate}x{self.dp_shard}" if self.dp_replicate > 1 and self.dp_shard > 1 else str(self.dp)
         ep = f" ep={self.ep}" if self.ep > 1 else ""
-        sched = "" if self.pp == 1 else f" {self.pp_schedule}" + (
-            f"/v{self.pp_stages_per_rank}" if self.pp_stages_per_rank > 1 else "")
-        return (f"dp={dp} tp={self.tp} pp={self.pp} cp={self.cp}{ep} zero={self.zero} ac={self.ac} "
-                f"mb={self.micro_batch}{sched}")
+        sched = (
+            ""
+            if self.pp == 1
+            else f" {self.pp_schedule}" + (f"/v{self.pp_stages_per_rank}" if self.pp_stages_per_rank > 1 else "")
+        )
+        return (
+            f"dp={dp} tp={self.tp} pp={self.pp} cp={self.cp}{ep} zero={self.zero} ac={self.ac} "
+            f"mb={self.micro_batch}{sched}"
+        )
 
     def to_parallel_config(self, microbatches: int) -> ParallelConfig:
-        return ParallelConfig(dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, tp=self.tp, pp=self.pp,
-                              cp=self.cp, ep=self.ep, reshard_after_forward=self.zero == 3,
-                              pp_schedule=self.pp_schedule, pp_microbatches=microbatches if self.pp > 1 else 0,
-                              pp_stages_per_rank=self.pp_stages_per_rank)
+        return ParallelConfig(
+            dp_replicate=self.dp_replicate,
+            dp_shard=self.dp_shard,
+            tp=self.tp,
+            pp=self.pp,
+            cp=self.cp,
+            ep=self.ep,
+            reshard_after_forward=self.zero == 3,
+            pp_schedule=self.pp_schedule,
+            pp_microbatches=microbatches if self.pp > 1 else 0,
+            pp_stages_per_rank=self.pp_stages_per_rank,
+        )
 
 
 @dataclass(frozen=True)
@@ -172,8 +185,9 @@ def layout_problems(cfg: ModelConfig, lay: Layout, cluster: ClusterConfig, work:
     if work.global_batch_tokens % work.seq_len:
         out.append(f"global_batch_tokens={work.global_batch_tokens} is not a multiple of seq_len={work.seq_len}")
     elif work.global_seqs % lay.dp or (work.global_seqs // lay.dp) % lay.micro_batch:
-        out.append(f"{work.global_seqs} sequences per step do not split into dp={lay.dp} x "
-                   f"micro_batch={lay.micro_batch}")
+        out.append(
+            f"{work.global_seqs} sequences per step do not split into dp={lay.dp} x micro_batch={lay.micro_batch}"
+        )
     elif lay.pp > 1:
         m = work.global_seqs // lay.dp // lay.micro_batch
         if m < lay.pp:
@@ -188,6 +202,7 @@ def stage_layer_ids(cfg: ModelConfig, pp: int, v: int = 1) -> list[list[int]]:
     trainer makes (kiln.parallel.pipeline.split_layers, with the output head weighed by its FLOPs),
     so the memory predicted per rank is that of the layers the rank will really hold."""
     from kiln.parallel.pipeline import head_weight_from_flops, split_layers  # torch, only when pp > 1
+
     if pp * v == 1:
         return [list(range(cfg.n_layers))]
     ranges = split_layers(cfg.n_layers, pp * v, 0.0, head_weight_from_flops(cfg))
@@ -214,8 +229,15 @@ KILN = ActivationModel()
 MEGATRON = ActivationModel(flash=False, dropout=True, sp_gathered_inputs=False)
 
 
-def layer_activation_bytes(cfg: ModelConfig, seq_len: int, tokens: int, tp: int = 1, ac: str = "none",
-                           act: ActivationModel = KILN, moe: bool = False) -> float:
+def layer_activation_bytes(
+    cfg: ModelConfig,
+    seq_len: int,
+    tokens: int,
+    tp: int = 1,
+    ac: str = "none",
+    act: ActivationModel = KILN,
+    moe: bool = False,
+) -> float:
     """Bytes one layer keeps for backward for `tokens` tokens (16-bit activations, 1-byte masks).
 
     Per token: each norm's input 2h; q 2h, k and v 2h*kv_heads/n_heads each; the attention output
@@ -320,8 +342,13 @@ def block_params(cfg: ModelConfig, lay: Layout, moe: bool) -> float:
     return (layer_params(cfg, moe) - experts) / lay.tp + experts / lay.ep
 
 
-def memory(cfg: ModelConfig, lay: Layout, work: Workload, act: ActivationModel = KILN,
-           counts: list[tuple[int, int]] | None = None) -> Memory:
+def memory(
+    cfg: ModelConfig,
+    lay: Layout,
+    work: Workload,
+    act: ActivationModel = KILN,
+    counts: list[tuple[int, int]] | None = None,
+) -> Memory:
     """Peak bytes per GPU: the largest over the pipeline ranks."""
     counts = counts or stage_counts(cfg, lay)
     m = work.global_seqs // lay.dp // lay.micro_batch
@@ -333,13 +360,19 @@ def memory(cfg: ModelConfig, lay: Layout, work: Workload, act: ActivationModel =
     for r in representative_ranks(counts):
         layers, n_moe = counts[r]
         dense, experts = rank_params(cfg, lay, layers, n_moe, r)
-        states = [a + b for a, b in zip(model_state_bytes(dense, lay.zero, lay.shard_degree),
-                                        model_state_bytes(experts, lay.zero, lay.shard_degree // lay.ep))]
+        states = [
+            a + b
+            for a, b in zip(
+                model_state_bytes(dense, lay.zero, lay.shard_degree),
+                model_state_bytes(experts, lay.zero, lay.shard_degree // lay.ep),
+            )
+        ]
         acts = in_flight(lay, r, m) * ((layers - n_moe) * per_layer[False] + n_moe * per_layer[True])
         if lay.ac == "full":  # backward rematerialises one checkpointed block at a time
             acts += layer_activation_bytes(cfg, work.seq_len, tokens, lay.tp, "none", act, n_moe > 0)
-        block = max(block_params(cfg, lay, False) if layers > n_moe else 0.0,
-                    block_params(cfg, lay, True) if n_moe else 0.0)
+        block = max(
+            block_params(cfg, lay, False) if layers > n_moe else 0.0, block_params(cfg, lay, True) if n_moe else 0.0
+        )
         # FSDP's unsharded working set: bf16 weights of the current and the prefetched block, and the
         # current block's fp32 gradients before their reduce-scatter.
         buffers = {3: block * (2 * 2 + 4), 2: block * 4}.get(lay.zero, 0.0)
@@ -375,33 +408,38 @@ class Estimate:
     fits: bool
     microbatches: int
     step_time: float
-    compute_time: float          # busiest pipeline rank: kernels, over the step's micro-batches
+    compute_time: float  # busiest pipeline rank: kernels, over the step's micro-batches
     bubble_time: float
-    tp_time: float               # tensor- and expert-parallel collectives (exposed)
-    cp_time: float               # exposed part only
+    tp_time: float  # tensor- and expert-parallel collectives (exposed)
+    cp_time: float  # exposed part only
     pp_time: float
-    dp_time: float               # exposed part only
+    dp_time: float  # exposed part only
     optimizer_time: float
     mfu: float
     tokens_per_s: float
 
 
-def layer_seconds_per_token(cfg: ModelConfig, seq_len: int, cluster: ClusterConfig, ac: str,
-                            act: ActivationModel = KILN, moe: bool = False) -> float:
+def layer_seconds_per_token(
+    cfg: ModelConfig, seq_len: int, cluster: ClusterConfig, ac: str, act: ActivationModel = KILN, moe: bool = False
+) -> float:
     """One layer, one token, one GPU (before tensor-parallel division): matmuls and attention kernels
     at their efficiencies, and the memory-bound rest (norms, RoPE, activation functions, residuals,
     casts) as HBM traffic of ~3x the bytes the layer saves (written in forward, read twice in backward)."""
     t_attn = attention_flops_per_token(cfg, seq_len) / (cluster.peak_flops * cluster.attention_efficiency)
-    t = (6.0 * layer_params(cfg, moe, active=True) / (cluster.peak_flops * cluster.matmul_efficiency) + t_attn
-         + 3 * layer_activation_bytes(cfg, seq_len, 1, 1, "none", act, moe) / cluster.spec.hbm_bw)
+    t = (
+        6.0 * layer_params(cfg, moe, active=True) / (cluster.peak_flops * cluster.matmul_efficiency)
+        + t_attn
+        + 3 * layer_activation_bytes(cfg, seq_len, 1, 1, "none", act, moe) / cluster.spec.hbm_bw
+    )
     # Recomputation costs time that MFU does not credit: a whole block forward under full
     # checkpointing; under selective, the attention core (nothing with flash attention, whose
     # backward recomputes the scores inside the kernel in any case).
     return t + {"full": t / 3, "selective": 0.0 if act.flash else t_attn / 3}.get(ac, 0.0)
 
 
-def estimate(cfg: ModelConfig, lay: Layout, cluster: ClusterConfig, work: Workload,
-             act: ActivationModel = KILN) -> Estimate:
+def estimate(
+    cfg: ModelConfig, lay: Layout, cluster: ClusterConfig, work: Workload, act: ActivationModel = KILN
+) -> Estimate:
     """Memory and step time of a layout that layout_problems accepts."""
     counts = stage_counts(cfg, lay)
     mem = memory(cfg, lay, work, act, counts)
@@ -412,8 +450,10 @@ def estimate(cfg: ModelConfig, lay: Layout, cluster: ClusterConfig, work: Worklo
     per_layer = {moe: layer_seconds_per_token(cfg, s, cluster, lay.ac, act, moe) for moe in kinds}
     per_layer.setdefault(True, 0.0)
     # Output head, and the loss's softmax over ~10 bytes per logit, read and written three times.
-    t_head = (6.0 * cfg.vocab_size * h / (cluster.peak_flops * cluster.matmul_efficiency)
-              + 30.0 * cfg.vocab_size / cluster.spec.hbm_bw)
+    t_head = (
+        6.0 * cfg.vocab_size * h / (cluster.peak_flops * cluster.matmul_efficiency)
+        + 30.0 * cfg.vocab_size / cluster.spec.hbm_bw
+    )
     t_attn = attention_flops_per_token(cfg, s) / (cluster.peak_flops * cluster.attention_efficiency)
     act_bytes = tokens * h * 2  # one [tokens, h] bf16 activation, before sequence sharding
     redo = lay.ac == "full"
@@ -424,8 +464,11 @@ def estimate(cfg: ModelConfig, lay: Layout, cluster: ClusterConfig, work: Worklo
     slots = {}
     for r in representative_ranks(counts):
         layers, n_moe = counts[r]
-        compute = tokens * ((layers - n_moe) * per_layer[False] + n_moe * per_layer[True]
-                            + (t_head if r == p - 1 else 0.0)) / lay.tp
+        compute = (
+            tokens
+            * ((layers - n_moe) * per_layer[False] + n_moe * per_layer[True] + (t_head if r == p - 1 else 0.0))
+            / lay.tp
+        )
         # TP collectives sit between dependent matmuls and are counted in full (no async-TP
         # overlap): sequence parallelism all-gathers and reduce-scatters around attention and MLP,
         # in forward and backward (and again in a recomputed forward).
@@ -459,14 +502,14 @@ def estimate(cfg: ModelConfig, lay: Layout, cluster: ClusterConfig, work: Worklo
         per_step += max(0.0, _ring(lay.dp * lay.cp, 4 * (dense + experts), ring_bw, True) - bwd)
     else:
         rs, ag = gather(4), gather(2)
-        if lay.zero == 3:    # gathered for forward and again for backward, reduce-scattered every micro-batch
+        if lay.zero == 3:  # gathered for forward and again for backward, reduce-scattered every micro-batch
             per_mb += max(0.0, ag - fwd) + max(0.0, ag + rs - bwd)
         elif lay.zero == 2:  # gathered once per step, gradients reduce-scattered every micro-batch
             per_mb += max(0.0, rs - bwd)
             per_step += max(0.0, ag - fwd)
-        else:                # gradients accumulate unsharded: one reduce-scatter and one gather per step
+        else:  # gradients accumulate unsharded: one reduce-scatter and one gather per step
             per_step += max(0.0, rs - bwd) + max(0.0, ag - fwd)
-        if rep > 1:          # HSDP: all-reduce the gradient shard across the replicas once per step
+        if rep > 1:  # HSDP: all-reduce the gradient shard across the replicas once per step
             per_step += max(0.0, _ring(rep, 4 * local, rep_bw, True) - bwd)
     slot = compute + tp_t + cp_t + pp_t + per_mb
     # 1F1B/GPipe idle (p-1) slots per step, a (p-1)/(m+p-1) share; interleaving divides that by v.
@@ -476,8 +519,22 @@ def estimate(cfg: ModelConfig, lay: Layout, cluster: ClusterConfig, work: Worklo
     step = m * slot + bubble + per_step + opt
     tokens_step = work.global_seqs * s
     mfu = model_flops_per_token(cfg, s) * tokens_step / (cluster.world * cluster.peak_flops * step)
-    return Estimate(lay, mem, mem.total <= cluster.usable_memory, m, step, m * compute, bubble, m * tp_t,
-                    m * cp_t, m * pp_t, m * per_mb + per_step, opt, mfu, tokens_step / step)
+    return Estimate(
+        lay,
+        mem,
+        mem.total <= cluster.usable_memory,
+        m,
+        step,
+        m * compute,
+        bubble,
+        m * tp_t,
+        m * cp_t,
+        m * pp_t,
+        m * per_mb + per_step,
+        opt,
+        mfu,
+        tokens_step / step,
+    )
 
 
 # ----------------------------------------------------------------------------- search
@@ -495,8 +552,9 @@ def candidates(cfg: ModelConfig, cluster: ClusterConfig, work: Workload, act: Ac
     world, moe = cluster.world, moe_layer_count(cfg) > 0
     for tp in [t for t in _divisors(cluster.gpus_per_node) if world % t == 0]:
         for pp in [d for d in _divisors(world // tp) if d <= cfg.n_layers]:
-            for cp in [c for c in _divisors(world // tp // pp)
-                       if c == 1 or (c & (c - 1) == 0 and work.seq_len // c >= 2048)]:
+            for cp in [
+                c for c in _divisors(world // tp // pp) if c == 1 or (c & (c - 1) == 0 and work.seq_len // c >= 2048)
+            ]:
                 dp = world // (tp * pp * cp)
                 per_replica = work.global_seqs // dp if work.global_seqs % dp == 0 else 0
                 splits = {(dp, 1, 0)} | ({(1, dp, z) for z in (1, 2, 3)} if dp * cp > 1 else set())
@@ -510,8 +568,19 @@ def candidates(cfg: ModelConfig, cluster: ClusterConfig, work: Workload, act: Ac
                         for ac in ("none", "full") if act.flash else AC_MODES:
                             for mb in [b for b in (1, 2, 4, 8, 16, 32, 64) if per_replica % b == 0]:
                                 for v in stages:
-                                    yield Layout(rep, shard, tp, pp, cp, ep, zero, ac, mb,
-                                                 "1f1b" if v == 1 else "interleaved_1f1b", v)
+                                    yield Layout(
+                                        rep,
+                                        shard,
+                                        tp,
+                                        pp,
+                                        cp,
+                                        ep,
+                                        zero,
+                                        ac,
+                                        mb,
+                                        "1f1b" if v == 1 else "interleaved_1f1b",
+                                        v,
+                                    )
 
 
 @dataclass
@@ -519,13 +588,14 @@ class Plan:
     model: ModelConfig
     cluster: ClusterConfig
     work: Workload
-    ranked: list[Estimate]           # layouts that fit, fastest first
-    too_big: list[Estimate]          # valid layouts that do not fit, smallest first
-    rejected: dict[str, int]         # kind of problem -> layouts excluded for it
+    ranked: list[Estimate]  # layouts that fit, fastest first
+    too_big: list[Estimate]  # valid layouts that do not fit, smallest first
+    rejected: dict[str, int]  # kind of problem -> layouts excluded for it
 
 
-def plan(cfg: ModelConfig, cluster: ClusterConfig, work: Workload, act: ActivationModel = KILN,
-         fixed: dict | None = None) -> Plan:
+def plan(
+    cfg: ModelConfig, cluster: ClusterConfig, work: Workload, act: ActivationModel = KILN, fixed: dict | None = None
+) -> Plan:
     """Estimate every candidate; `fixed` holds Layout fields to keep, e.g. {"tp": 8, "pp": 16}."""
     pool = list(candidates(cfg, cluster, work, act))
     if fixed:
@@ -544,15 +614,15 @@ def plan(cfg: ModelConfig, cluster: ClusterConfig, work: Workload, act: Activati
             (ranked if est.fits else too_big).append(est)
     # Estimates within 0.5% tie; fewer parallel dimensions win, then the larger micro-batch (bigger
     # matmuls run closer to peak, which the model does not credit), then less memory.
-    ranked.sort(key=lambda e: (round(math.log(e.step_time) / 0.005), _dims(e.layout), -e.layout.micro_batch,
-                               e.memory.total))
+    ranked.sort(
+        key=lambda e: (round(math.log(e.step_time) / 0.005), _dims(e.layout), -e.layout.micro_batch, e.memory.total)
+    )
     too_big.sort(key=lambda e: e.memory.total)
     return Plan(cfg, cluster, work, ranked, too_big, rejected)
 
 
 def _dims(lay: Layout) -> int:
-    return sum(d > 1 for d in (lay.dp_replicate, lay.dp_shard, lay.tp, lay.pp, lay.cp, lay.ep,
-                               lay.pp_stages_per_rank))
+    return sum(d > 1 for d in (lay.dp_replicate, lay.dp_shard, lay.tp, lay.pp, lay.cp, lay.ep, lay.pp_stages_per_rank))
 
 
 def budget(est: Estimate, cluster: ClusterConfig, tokens: float) -> dict:
@@ -560,6 +630,11 @@ def budget(est: Estimate, cluster: ClusterConfig, tokens: float) -> dict:
     GPU board power at TDP only: no host, network or cooling overhead."""
     seconds = tokens / est.tokens_per_s
     gpu_hours = seconds / 3600 * cluster.world
-    return {"tokens": tokens, "days": seconds / 86400, "gpu_hours": gpu_hours,
-            "cost_usd": gpu_hours * cluster.gpu_hour_price, "energy_mwh": gpu_hours * cluster.spec.power / 1e6,
-            "price_per_gpu_hour": cluster.gpu_hour_price}
+    return {
+        "tokens": tokens,
+        "days": seconds / 86400,
+        "gpu_hours": gpu_hours,
+        "cost_usd": gpu_hours * cluster.gpu_hour_price,
+        "energy_mwh": gpu_hours * cluster.spec.power / 1e6,
+        "price_per_gpu_hour": cluster.gpu_hour_price,
+    }

@@ -16,12 +16,30 @@ from kiln.parallel.plan import KILN, MEGATRON, Estimate, Layout, Plan, Workload,
 # Shapes the planner is checked against (docs/plan.md); planning-only, so not training presets.
 REFERENCE_MODELS: dict[str, ModelConfig] = {
     # Llama 3 405B (Llama 3 paper, Table 3).
-    "405b": ModelConfig(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_hidden=53248,
-                        vocab_size=128256, rope_theta=500000.0, max_seq_len=8192),
+    "405b": ModelConfig(
+        dim=16384,
+        n_layers=126,
+        n_heads=128,
+        n_kv_heads=8,
+        ffn_hidden=53248,
+        vocab_size=128256,
+        rope_theta=500000.0,
+        max_seq_len=8192,
+    ),
     # GPT-3 175B as Megatron-LM benchmarks it (Korthikanti et al. 2022): GELU MLP, LayerNorm, learned
     # positions, a 51200-token vocabulary.
-    "gpt3-175b": ModelConfig(dim=12288, n_layers=96, n_heads=96, ffn="gelu", norm="layernorm", pos="learned",
-                             vocab_size=51200, max_seq_len=2048, tie_embeddings=True, qkv_bias=True),
+    "gpt3-175b": ModelConfig(
+        dim=12288,
+        n_layers=96,
+        n_heads=96,
+        ffn="gelu",
+        norm="layernorm",
+        pos="learned",
+        vocab_size=51200,
+        max_seq_len=2048,
+        tie_embeddings=True,
+        qkv_bias=True,
+    ),
 }
 # Kiln presets leave vocab_size to the tokenizer; planning one needs a number: the published model's.
 DEFAULT_VOCAB = {"tiny": 8192, "tiny-moe": 8192, "125m": 50257, "1b": 128256, "8b": 128256, "70b": 128256}
@@ -46,8 +64,12 @@ def add_plan_parser(verbs) -> None:
     p.add_argument("--inter-bw", type=float, default=0.0, help="GB/s per GPU across nodes (default: the GPU's)")
     p.add_argument("--matmul-efficiency", type=float, default=0.75, help="share of the bf16 peak matmuls reach")
     p.add_argument("--attention-efficiency", type=float, default=0.5, help="share of the peak attention reaches")
-    p.add_argument("--activations", choices=("kiln", "megatron"), default="kiln",
-                   help="what autograd keeps: Kiln's model under PyTorch, or Megatron-LM's GPT (docs/plan.md)")
+    p.add_argument(
+        "--activations",
+        choices=("kiln", "megatron"),
+        default="kiln",
+        help="what autograd keeps: Kiln's model under PyTorch, or Megatron-LM's GPT (docs/plan.md)",
+    )
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
@@ -69,12 +91,14 @@ def parse_layout(text: str) -> dict:
 def model_and_workload(args) -> tuple[ModelConfig, Workload]:
     if args.recipe:
         from kiln.config import load_recipe
+
         recipe = load_recipe(args.recipe, args.overrides)
         cfg, vocab = recipe.model, args.vocab or recipe.model.vocab_size or recipe.tokenizer.vocab_size
         seq = args.seq_len or recipe.train.seq_len
         batch = args.global_batch_tokens or recipe.train.global_batch_tokens
     elif args.preset:
         from kiln.model.config import PRESETS, preset
+
         if args.preset not in PRESETS and args.preset not in REFERENCE_MODELS:
             known = ", ".join([*PRESETS, *REFERENCE_MODELS])
             raise ConfigError("preset", f"unknown preset {args.preset!r}; known: {known}")
@@ -106,40 +130,55 @@ def unique_layouts(ests: list[Estimate]) -> list[Estimate]:
 
 def row(e: Estimate, cluster: ClusterConfig) -> dict:
     times = ("compute_time", "bubble_time", "tp_time", "cp_time", "pp_time", "dp_time", "optimizer_time")
-    return {"layout": e.layout.label(), **dataclasses.asdict(e.layout), "microbatches": e.microbatches,
-            "fits": e.fits, "memory_gb": e.memory.as_gb(), "usable_gb": round(cluster.usable_memory / GB, 2),
-            "step_time_s": e.step_time, "tokens_per_s": e.tokens_per_s, "mfu": e.mfu,
-            "seconds": {k: getattr(e, k) for k in times}}
+    return {
+        "layout": e.layout.label(),
+        **dataclasses.asdict(e.layout),
+        "microbatches": e.microbatches,
+        "fits": e.fits,
+        "memory_gb": e.memory.as_gb(),
+        "usable_gb": round(cluster.usable_memory / GB, 2),
+        "step_time_s": e.step_time,
+        "tokens_per_s": e.tokens_per_s,
+        "mfu": e.mfu,
+        "seconds": {k: getattr(e, k) for k in times},
+    }
 
 
 def report(result: Plan, top: int, cost: dict | None) -> list[str]:
     cluster, out = result.cluster, []
     if result.ranked:
         out.append(f"{len(result.ranked)} layouts fit ({len(result.too_big)} valid ones do not); the best per mesh:")
-        out.append(f"{'#':>3}  {'layout':<64} {'GB/GPU':>7} {'step':>8} {'tok/s/GPU':>10} {'MFU':>6} "
-                   f"{'bubble':>7} {'comm':>6}")
+        out.append(
+            f"{'#':>3}  {'layout':<64} {'GB/GPU':>7} {'step':>8} {'tok/s/GPU':>10} {'MFU':>6} {'bubble':>7} {'comm':>6}"
+        )
         for i, e in enumerate(unique_layouts(result.ranked)[:top], 1):
             step = f"{e.step_time * 1e3:.0f} ms" if e.step_time < 1 else f"{e.step_time:.2f} s"
             comm = (e.tp_time + e.cp_time + e.pp_time + e.dp_time) / e.step_time
-            out.append(f"{i:>3}  {e.layout.label():<64} {e.memory.total / GB:>7.1f} {step:>8} "
-                       f"{e.tokens_per_s / cluster.world:>10,.0f} {e.mfu:>6.1%} "
-                       f"{e.bubble_time / e.step_time:>7.1%} {comm:>6.1%}")
+            out.append(
+                f"{i:>3}  {e.layout.label():<64} {e.memory.total / GB:>7.1f} {step:>8} "
+                f"{e.tokens_per_s / cluster.world:>10,.0f} {e.mfu:>6.1%} "
+                f"{e.bubble_time / e.step_time:>7.1%} {comm:>6.1%}"
+            )
     shown = result.ranked[:1] or result.too_big[:1]
     for e in shown:
         gb = e.memory.as_gb()
         parts = ", ".join(f"{k} {v:.2f}" for k, v in gb.items() if k not in ("total", "pipeline_rank"))
-        out.append(f"{'best' if e.fits else 'no layout fits; closest'}: {e.layout.label()}\n"
-                   f"  memory per GPU (pipeline rank {gb['pipeline_rank']}): {gb['total']:.2f} GB "
-                   f"{'fits' if e.fits else 'does NOT fit'} in {cluster.usable_memory / GB:.1f} GB usable [{parts}]")
+        out.append(
+            f"{'best' if e.fits else 'no layout fits; closest'}: {e.layout.label()}\n"
+            f"  memory per GPU (pipeline rank {gb['pipeline_rank']}): {gb['total']:.2f} GB "
+            f"{'fits' if e.fits else 'does NOT fit'} in {cluster.usable_memory / GB:.1f} GB usable [{parts}]"
+        )
         if e.fits:
             note = " (gradients reduced on the last micro-batch only)" if e.layout.zero == 1 else ""
             out.append(f"  as [parallel]: {e.layout.to_parallel_config(e.microbatches)}{note}")
     if not shown:
         out.append("no valid layout")
     if cost:
-        out.append(f"budget {cost['tokens']:.3g} tokens: {cost['days']:.1f} days, {cost['gpu_hours']:,.0f} GPU-hours, "
-                   f"${cost['cost_usd']:,.0f} at ${cost['price_per_gpu_hour']:.2f}/GPU-hour, "
-                   f"{cost['energy_mwh']:,.1f} MWh (GPU TDP only)")
+        out.append(
+            f"budget {cost['tokens']:.3g} tokens: {cost['days']:.1f} days, {cost['gpu_hours']:,.0f} GPU-hours, "
+            f"${cost['cost_usd']:,.0f} at ${cost['price_per_gpu_hour']:.2f}/GPU-hour, "
+            f"{cost['energy_mwh']:,.1f} MWh (GPU TDP only)"
+        )
     if result.rejected:
         reasons = sorted(result.rejected.items(), key=lambda kv: -kv[1])[:6]
         out.append("excluded: " + "; ".join(f"{reason} (x{n})" for reason, n in reasons))
@@ -149,23 +188,42 @@ def report(result: Plan, top: int, cost: dict | None) -> list[str]:
 def run_plan(args) -> int:
     """Prints the ranking (or JSON with --json); exit status 1 when no layout fits."""
     cfg, work = model_and_workload(args)
-    cluster = ClusterConfig(gpu=args.gpu, gpus_per_node=args.gpus_per_node, n_nodes=args.nodes,
-                            intra_bw=args.intra_bw * GB, inter_bw=args.inter_bw * GB, price=args.price,
-                            matmul_efficiency=args.matmul_efficiency, attention_efficiency=args.attention_efficiency)
+    cluster = ClusterConfig(
+        gpu=args.gpu,
+        gpus_per_node=args.gpus_per_node,
+        n_nodes=args.nodes,
+        intra_bw=args.intra_bw * GB,
+        inter_bw=args.inter_bw * GB,
+        price=args.price,
+        matmul_efficiency=args.matmul_efficiency,
+        attention_efficiency=args.attention_efficiency,
+    )
     act = MEGATRON if args.activations == "megatron" else KILN
     result = plan(cfg, cluster, work, act, fixed=parse_layout(args.layout) if args.layout else None)
     best = result.ranked[0] if result.ranked else None
     cost = budget(best, cluster, args.tokens) if best and args.tokens else None
     if args.json:
-        print(json.dumps({"model_params": total_params(cfg), "world": cluster.world, "seq_len": work.seq_len,
-                          "global_batch_tokens": work.global_batch_tokens,
-                          "ranked": [row(e, cluster) for e in unique_layouts(result.ranked)[:args.top]],
-                          "closest_not_fitting": [row(e, cluster) for e in result.too_big[:1]],
-                          "rejected": result.rejected, "budget": cost}, indent=1))
+        print(
+            json.dumps(
+                {
+                    "model_params": total_params(cfg),
+                    "world": cluster.world,
+                    "seq_len": work.seq_len,
+                    "global_batch_tokens": work.global_batch_tokens,
+                    "ranked": [row(e, cluster) for e in unique_layouts(result.ranked)[: args.top]],
+                    "closest_not_fitting": [row(e, cluster) for e in result.too_big[:1]],
+                    "rejected": result.rejected,
+                    "budget": cost,
+                },
+                indent=1,
+            )
+        )
     else:
-        print(f"model: {total_params(cfg) / 1e9:.3g}B parameters ({cfg.n_layers} layers, dim {cfg.dim}, "
-              f"{cfg.n_heads}/{cfg.kv_heads} heads, vocab {cfg.vocab_size}); seq_len {work.seq_len}, "
-              f"{work.global_batch_tokens:,} tokens per step")
+        print(
+            f"model: {total_params(cfg) / 1e9:.3g}B parameters ({cfg.n_layers} layers, dim {cfg.dim}, "
+            f"{cfg.n_heads}/{cfg.kv_heads} heads, vocab {cfg.vocab_size}); seq_len {work.seq_len}, "
+            f"{work.global_batch_tokens:,} tokens per step"
+        )
         print(f"cluster: {cluster.describe()}")
         print("\n".join(report(result, args.top, cost)))
     return 0 if best else 1

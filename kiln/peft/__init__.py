@@ -16,14 +16,43 @@ from kiln.peft.config import METHODS, PeftConfig
 
 _EXPORTS = {
     "kiln.peft.config": ("apply_peft", "trainable_parameters", "parameter_counts", "peft_disabled"),
-    "kiln.peft.lora": ("LoRAConfig", "LoRALinear", "apply_lora", "merge_lora", "unmerge_lora", "lora_state_dict",
-                       "load_lora_state_dict", "lora_modules", "lora_scaling", "set_lora"),
-    "kiln.peft.nf4": ("NF4Linear", "quantize_base", "quantize_nf4", "dequantize_nf4", "nf4_bits_per_param",
-                      "NF4_LEVELS"),
-    "kiln.peft.adapter": ("AdapterConfig", "BottleneckAdapter", "apply_adapters", "adapter_state_dict",
-                          "load_adapter_state_dict", "adapter_modules"),
-    "kiln.peft.peft_io": ("save_peft_adapter", "load_peft_adapter", "save_trainable", "load_trainable",
-                          "peft_state_dict", "merged_state_dict", "base_state_dict"),
+    "kiln.peft.lora": (
+        "LoRAConfig",
+        "LoRALinear",
+        "apply_lora",
+        "merge_lora",
+        "unmerge_lora",
+        "lora_state_dict",
+        "load_lora_state_dict",
+        "lora_modules",
+        "lora_scaling",
+        "set_lora",
+    ),
+    "kiln.peft.nf4": (
+        "NF4Linear",
+        "quantize_base",
+        "quantize_nf4",
+        "dequantize_nf4",
+        "nf4_bits_per_param",
+        "NF4_LEVELS",
+    ),
+    "kiln.peft.adapter": (
+        "AdapterConfig",
+        "BottleneckAdapter",
+        "apply_adapters",
+        "adapter_state_dict",
+        "load_adapter_state_dict",
+        "adapter_modules",
+    ),
+    "kiln.peft.peft_io": (
+        "save_peft_adapter",
+        "load_peft_adapter",
+        "save_trainable",
+        "load_trainable",
+        "peft_state_dict",
+        "merged_state_dict",
+        "base_state_dict",
+    ),
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 
@@ -31,6 +60,7 @@ _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 def __getattr__(name: str):
     if name in _WHERE:
         import importlib
+
         return getattr(importlib.import_module(_WHERE[name]), name)
     raise AttributeError(f"module 'kiln.peft' has no attribute {name!r}")
 

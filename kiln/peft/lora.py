@@ -101,8 +101,10 @@ class LoRALinear(nn.Module):
         if self.merged:
             return
         if not isinstance(self.base, nn.Linear):
-            raise ValueError("cannot merge LoRA into a 4-bit NF4 base without re-quantising it (lossy); "
-                             "use kiln.peft.merged_state_dict(model) for full-precision merged weights")
+            raise ValueError(
+                "cannot merge LoRA into a 4-bit NF4 base without re-quantising it (lossy); "
+                "use kiln.peft.merged_state_dict(model) for full-precision merged weights"
+            )
         w = self.base.weight
         w.copy_((w.float() + self.delta_weight()).to(w.dtype))
         self.merged = True
@@ -145,16 +147,24 @@ def apply_lora(model: nn.Module, cfg: LoRAConfig) -> nn.Module:
     for target in cfg.targets:
         if not any(matches_target(n, target) for n, _ in linears):
             hint = " (tied embeddings have no separate output layer)" if target == "output" else ""
-            raise ConfigError("targets", f"{target!r} matches no linear layer{hint}; "
-                                         f"Kiln's are {', '.join(KILN_LINEAR_NAMES)}")
+            raise ConfigError(
+                "targets", f"{target!r} matches no linear layer{hint}; Kiln's are {', '.join(KILN_LINEAR_NAMES)}"
+            )
     for name, module in linears:
         if any(matches_target(name, t) for t in cfg.targets):
             _set_submodule(model, name, LoRALinear(module, cfg.r, cfg.scaling, cfg.dropout, cfg.dtype))
     return model
 
 
-def set_lora(model: nn.Module, name: str, lora_A: torch.Tensor, lora_B: torch.Tensor, scaling: float,
-             dropout: float = 0.0, dtype=None) -> LoRALinear:
+def set_lora(
+    model: nn.Module,
+    name: str,
+    lora_A: torch.Tensor,
+    lora_B: torch.Tensor,
+    scaling: float,
+    dropout: float = 0.0,
+    dtype=None,
+) -> LoRALinear:
     """Give the layer `name` exactly this LoRA (any rank), wrapping it if it has none yet."""
     module = model.get_submodule(name)
     base = module.base if isinstance(module, LoRALinear) else module
@@ -162,8 +172,10 @@ def set_lora(model: nn.Module, name: str, lora_A: torch.Tensor, lora_B: torch.Te
         raise ValueError(f"{name}: unmerge the LoRA before replacing it")
     fits = (lora_B.shape[0], lora_A.shape[1]) == (base.out_features, base.in_features)
     if lora_B.shape[1] != lora_A.shape[0] or not fits:
-        raise ValueError(f"{name}: LoRA shapes A {tuple(lora_A.shape)}, B {tuple(lora_B.shape)} do not fit a "
-                         f"{base.in_features} -> {base.out_features} layer")
+        raise ValueError(
+            f"{name}: LoRA shapes A {tuple(lora_A.shape)}, B {tuple(lora_B.shape)} do not fit a "
+            f"{base.in_features} -> {base.out_features} layer"
+        )
     lora = LoRALinear(base, lora_A.shape[0], scaling, dropout, dtype or lora_A.dtype)
     with torch.no_grad():
         lora.lora_A.copy_(lora_A)

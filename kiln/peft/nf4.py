@@ -31,10 +31,22 @@ import torch.nn.functional as F
 
 # bitsandbytes' NF4 levels: quantiles of N(0, 1) scaled to [-1, 1], asymmetric so that 0 is exact.
 NF4_LEVELS = (
-    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
-    -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
-    0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
-    0.7229568362236023, 1.0,
+    -1.0,
+    -0.6961928009986877,
+    -0.5250730514526367,
+    -0.39491748809814453,
+    -0.28444138169288635,
+    -0.18477343022823334,
+    -0.09105003625154495,
+    0.0,
+    0.07958029955625534,
+    0.16093020141124725,
+    0.24611230194568634,
+    0.33791524171829224,
+    0.44070982933044434,
+    0.5626170039176941,
+    0.7229568362236023,
+    1.0,
 )
 SCALER_BLOCK_SIZE = 256
 
@@ -50,8 +62,13 @@ def _nearest_level(x: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
     return torch.bucketize(x, midpoints, right=False)
 
 
-def quantize_nf4(weight: torch.Tensor, block_size: int = 64, double_quant: bool = True,
-                 scaler_block_size: int = SCALER_BLOCK_SIZE, levels=NF4_LEVELS) -> dict[str, torch.Tensor]:
+def quantize_nf4(
+    weight: torch.Tensor,
+    block_size: int = 64,
+    double_quant: bool = True,
+    scaler_block_size: int = SCALER_BLOCK_SIZE,
+    levels=NF4_LEVELS,
+) -> dict[str, torch.Tensor]:
     """Quantise any-shaped `weight` (math in float32) to the tensors dequantize_nf4 reads back.
 
     Keys: codes (uint8, two indices per byte, first in the high nibble as torchao packs them), and
@@ -96,8 +113,14 @@ def _pair_table(levels, device) -> torch.Tensor:
     return torch.stack([table[byte >> 4], table[byte & 15]], dim=1)
 
 
-def dequantize_nf4(parts: dict[str, torch.Tensor], shape, dtype=torch.float32, block_size: int = 64,
-                   scaler_block_size: int = SCALER_BLOCK_SIZE, levels=NF4_LEVELS) -> torch.Tensor:
+def dequantize_nf4(
+    parts: dict[str, torch.Tensor],
+    shape,
+    dtype=torch.float32,
+    block_size: int = 64,
+    scaler_block_size: int = SCALER_BLOCK_SIZE,
+    levels=NF4_LEVELS,
+) -> torch.Tensor:
     codes = parts["codes"]
     values = _pair_table(levels, codes.device)[codes.long()].view(-1, block_size)
     scalers = dequantize_scalers(parts, scaler_block_size)
@@ -105,8 +128,12 @@ def dequantize_nf4(parts: dict[str, torch.Tensor], shape, dtype=torch.float32, b
     return (values * scalers.unsqueeze(1)).flatten()[:numel].view(shape).to(dtype)
 
 
-def error_bound(weight: torch.Tensor, parts: dict[str, torch.Tensor], block_size: int = 64,
-                scaler_block_size: int = SCALER_BLOCK_SIZE) -> torch.Tensor:
+def error_bound(
+    weight: torch.Tensor,
+    parts: dict[str, torch.Tensor],
+    block_size: int = 64,
+    scaler_block_size: int = SCALER_BLOCK_SIZE,
+) -> torch.Tensor:
     """Per-element upper bound on |weight - dequantize_nf4(parts)| (see the module docstring)."""
     w = weight.detach().float().flatten()
     absmax = _pad_to(w, block_size).view(-1, block_size).abs().amax(dim=1)
@@ -153,8 +180,16 @@ class NF4Linear(nn.Module):
     The quantised tensors are persistent buffers, so a checkpoint of a QLoRA run stores the base at
     ~4.1 bits per parameter and reloads without re-quantising."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, block_size: int = 64,
-                 double_quant: bool = True, dtype=torch.float32, device=None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        block_size: int = 64,
+        double_quant: bool = True,
+        dtype=torch.float32,
+        device=None,
+    ):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.block_size, self.double_quant = block_size, double_quant
@@ -175,8 +210,15 @@ class NF4Linear(nn.Module):
     @classmethod
     def from_linear(cls, linear: nn.Linear, block_size: int = 64, double_quant: bool = True) -> "NF4Linear":
         w = linear.weight
-        module = cls(linear.in_features, linear.out_features, linear.bias is not None, block_size,
-                     double_quant, dtype=w.dtype, device=w.device)
+        module = cls(
+            linear.in_features,
+            linear.out_features,
+            linear.bias is not None,
+            block_size,
+            double_quant,
+            dtype=w.dtype,
+            device=w.device,
+        )
         module.load_quantized(quantize_nf4(w, block_size, double_quant))
         if linear.bias is not None:
             module.bias.data.copy_(linear.bias.detach())
@@ -192,8 +234,9 @@ class NF4Linear(nn.Module):
             buf.copy_(parts[name])
 
     def dequantize(self, dtype=None) -> torch.Tensor:
-        return dequantize_nf4(self.parts(), (self.out_features, self.in_features), dtype or self.weight_dtype,
-                              self.block_size)
+        return dequantize_nf4(
+            self.parts(), (self.out_features, self.in_features), dtype or self.weight_dtype, self.block_size
+        )
 
     def storage_bits(self) -> int:
         """Bits held for the weight (codes and scalers; the bias is not counted)."""
@@ -204,8 +247,10 @@ class NF4Linear(nn.Module):
         return out if self.bias is None else out + self.bias.to(out.dtype)
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"block_size={self.block_size}, double_quant={self.double_quant}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+            f"block_size={self.block_size}, double_quant={self.double_quant}"
+        )
 
 
 def is_quantizable(name: str, module: nn.Module) -> bool:

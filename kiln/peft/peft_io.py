@@ -37,8 +37,13 @@ from safetensors.torch import save_file
 from kiln.errors import DataError
 from kiln.hf import _read_json
 from kiln.model.transformer import fuse_gate_up, fuse_qkv, split_gate_up, split_qkv
-from kiln.peft.adapter import (AdapterConfig, adapter_modules, adapter_state_dict, apply_adapters,
-                               load_adapter_state_dict)
+from kiln.peft.adapter import (
+    AdapterConfig,
+    adapter_modules,
+    adapter_state_dict,
+    apply_adapters,
+    load_adapter_state_dict,
+)
 from kiln.peft.config import PeftConfig
 from kiln.peft.lora import LoRALinear, lora_modules, lora_scaling, lora_state_dict, set_lora
 from kiln.peft.nf4 import NF4Linear, quantize_base
@@ -54,12 +59,18 @@ _SIMPLE = {"attn.wo": "self_attn.o_proj", "ffn.w2": "mlp.down_proj"}
 
 # ---- plain state dicts --------------------------------------------------------------------------
 
+
 def _plain_state(model: nn.Module, merge: bool) -> dict[str, torch.Tensor]:
     state = {k: v.detach() for k, v in model.state_dict().items()}
     loras = lora_modules(model)
     layers = {name: (m.base, m) for name, m in loras.items()}
-    layers.update({name: (m, None) for name, m in model.named_modules()
-                   if isinstance(m, NF4Linear) and name.removesuffix(".base") not in loras})
+    layers.update(
+        {
+            name: (m, None)
+            for name, m in model.named_modules()
+            if isinstance(m, NF4Linear) and name.removesuffix(".base") not in loras
+        }
+    )
     for name, (base, lora) in layers.items():
         for key in [k for k in state if k.startswith(name + ".")]:
             del state[key]
@@ -83,8 +94,10 @@ def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     its weight in float32 and NF4 weights dequantised: what kiln.hf.export_hf or a weights checkpoint
     takes. The model is not modified. Refused for bottleneck adapters, which cannot be folded in."""
     if adapter_modules(model):
-        raise ValueError("bottleneck adapters cannot be merged into the base weights; save them with "
-                         "save_trainable and export the base with base_state_dict")
+        raise ValueError(
+            "bottleneck adapters cannot be merged into the base weights; save them with "
+            "save_trainable and export the base with base_state_dict"
+        )
     return _plain_state(model, merge=True)
 
 
@@ -97,6 +110,7 @@ def base_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 # ---- Kiln format --------------------------------------------------------------------------------
 
+
 def peft_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every PEFT weight (LoRA matrices and adapters) under its Kiln parameter name."""
     return {**lora_state_dict(model), **adapter_state_dict(model)}
@@ -108,8 +122,12 @@ def save_trainable(model: nn.Module, cfg: PeftConfig, out_dir) -> Path:
     tensors = {k: t.contiguous() for k, t in peft_state_dict(model).items()}
     if not tensors:
         raise ValueError("the model has no LoRA layers or adapters to save")
-    meta = {"format": "kiln-peft", "version": 1, "peft": asdict(cfg),
-            "lora": {name: {"r": m.r, "scaling": m.scaling} for name, m in lora_modules(model).items()}}
+    meta = {
+        "format": "kiln-peft",
+        "version": 1,
+        "peft": asdict(cfg),
+        "lora": {name: {"r": m.r, "scaling": m.scaling} for name, m in lora_modules(model).items()},
+    }
     save_file(tensors, str(out / KILN_WEIGHTS), metadata={"format": "pt"})
     (out / KILN_CONFIG).write_text(json.dumps(meta, indent=2) + "\n")
     return out
@@ -145,8 +163,9 @@ def load_trainable(model: nn.Module, in_dir) -> PeftConfig:
         quantize_base(model, cfg.nf4_block_size, cfg.double_quant)
     for name, info in meta.get("lora", {}).items():
         try:
-            set_lora(model, name, tensors.pop(f"{name}.lora_A"), tensors.pop(f"{name}.lora_B"),
-                     info["scaling"], cfg.dropout)
+            set_lora(
+                model, name, tensors.pop(f"{name}.lora_A"), tensors.pop(f"{name}.lora_B"), info["scaling"], cfg.dropout
+            )
         except (KeyError, AttributeError) as err:
             raise DataError(f"{folder}: LoRA layer {name!r} does not fit the model ({err})") from None
     if cfg.method == "adapter":
@@ -161,6 +180,7 @@ def load_trainable(model: nn.Module, in_dir) -> PeftConfig:
 
 # ---- Hugging Face PEFT format -------------------------------------------------------------------
 
+
 def _hf_parts(name: str, lora: LoRALinear, cfg) -> list[tuple[str, torch.Tensor]]:
     """[(HF module name, B rows for it)] for one Kiln LoRA layer; all share the layer's A."""
     B = lora.lora_B.detach()
@@ -168,8 +188,10 @@ def _hf_parts(name: str, lora: LoRALinear, cfg) -> list[tuple[str, torch.Tensor]
         return [("lm_head", B)]
     match = _KILN_LAYER.fullmatch(name)
     if match is None:
-        raise ValueError(f"LoRA layer {name!r} has no counterpart in a Hugging Face Llama model; "
-                         f"save it with save_trainable (Kiln format) instead")
+        raise ValueError(
+            f"LoRA layer {name!r} has no counterpart in a Hugging Face Llama model; "
+            f"save it with save_trainable (Kiln format) instead"
+        )
     layer, kind = match.groups()
     prefix = f"model.layers.{layer}."
     if kind == "attn.wqkv":
@@ -180,8 +202,9 @@ def _hf_parts(name: str, lora: LoRALinear, cfg) -> list[tuple[str, torch.Tensor]
     return [(prefix + _SIMPLE[kind], B)]
 
 
-def save_peft_adapter(model: nn.Module, model_cfg, out_dir, peft_cfg: PeftConfig | None = None,
-                      base_model_name_or_path: str | None = None) -> Path:
+def save_peft_adapter(
+    model: nn.Module, model_cfg, out_dir, peft_cfg: PeftConfig | None = None, base_model_name_or_path: str | None = None
+) -> Path:
     """Write the model's LoRA layers in Hugging Face PEFT format for the model kiln.hf.export_hf writes.
 
     r, lora_alpha, use_rslora and lora_dropout come from peft_cfg when given; otherwise r is the most
@@ -211,16 +234,30 @@ def save_peft_adapter(model: nn.Module, model_cfg, out_dir, peft_cfg: PeftConfig
             # A copy per tensor: safetensors refuses tensors that share memory (the shared A, B's row views).
             tensors[f"{PREFIX}{hf_name}.lora_A.weight"] = A.clone()
             tensors[f"{PREFIX}{hf_name}.lora_B.weight"] = (B * fold if fold != 1.0 else B).clone(
-                memory_format=torch.contiguous_format)
+                memory_format=torch.contiguous_format
+            )
             targets.add(hf_name.rpartition(".")[2])
             if lora.r != r:
                 rank_pattern[re.escape(hf_name)] = lora.r
     config = {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model_name_or_path,
-        "r": r, "lora_alpha": alpha, "lora_dropout": dropout, "use_rslora": rslora,
-        "target_modules": sorted(targets), "rank_pattern": rank_pattern, "alpha_pattern": {},
-        "bias": "none", "fan_in_fan_out": False, "init_lora_weights": True, "use_dora": False,
-        "modules_to_save": None, "layers_to_transform": None, "inference_mode": True, "revision": None,
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model_name_or_path,
+        "r": r,
+        "lora_alpha": alpha,
+        "lora_dropout": dropout,
+        "use_rslora": rslora,
+        "target_modules": sorted(targets),
+        "rank_pattern": rank_pattern,
+        "alpha_pattern": {},
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "init_lora_weights": True,
+        "use_dora": False,
+        "modules_to_save": None,
+        "layers_to_transform": None,
+        "inference_mode": True,
+        "revision": None,
     }
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -240,12 +277,14 @@ def _pattern_value(patterns: dict, module: str, default):
 def _check_supported(config: dict, where: Path) -> None:
     if config.get("peft_type") != "LORA":
         raise DataError(f"{where}: peft_type {config.get('peft_type')!r}: Kiln loads LORA adapters only")
-    refusals = {"use_dora": "DoRA adapters are not supported",
-                "fan_in_fan_out": "fan_in_fan_out weights are not supported",
-                "modules_to_save": "extra fully trained modules are not supported",
-                "layers_to_transform": "LoRA on a subset of layers given by index is not supported; "
-                                       "the adapter file lists the layers it changes",
-                "lora_bias": "LoRA biases are not supported"}
+    refusals = {
+        "use_dora": "DoRA adapters are not supported",
+        "fan_in_fan_out": "fan_in_fan_out weights are not supported",
+        "modules_to_save": "extra fully trained modules are not supported",
+        "layers_to_transform": "LoRA on a subset of layers given by index is not supported; "
+        "the adapter file lists the layers it changes",
+        "lora_bias": "LoRA biases are not supported",
+    }
     for key, why in refusals.items():
         if config.get(key):
             raise DataError(f"{where}: {key}={config[key]!r}: {why}")
@@ -265,7 +304,7 @@ def _stack(parts: list, names: tuple, sizes: list[int], fuse):
         B = torch.zeros(rows, A.shape[0], dtype=A.dtype)
         if n in parts:
             a, b, s = parts[n]
-            B[:, offset:offset + a.shape[0]] = b * (s / first_s)
+            B[:, offset : offset + a.shape[0]] = b * (s / first_s)
             offset += a.shape[0]
         Bs.append(B)
     return A, fuse(Bs), first_s
@@ -303,16 +342,26 @@ def load_peft_adapter(model: nn.Module, in_dir, model_cfg=None) -> nn.Module:
             continue
         match = _HF_LAYER.fullmatch(hf_name)
         if match is None:
-            raise DataError(f"{weights_path}: LoRA on {hf_name!r}: Kiln maps only q/k/v/o_proj, "
-                            f"gate/up/down_proj and lm_head")
+            raise DataError(
+                f"{weights_path}: LoRA on {hf_name!r}: Kiln maps only q/k/v/o_proj, gate/up/down_proj and lm_head"
+            )
         layer, proj = match.groups()
-        kiln = {"q": "attn.wqkv", "k": "attn.wqkv", "v": "attn.wqkv", "o": "attn.wo",
-                "gate": "ffn.w13", "up": "ffn.w13", "down": "ffn.w2"}[proj]
+        kiln = {
+            "q": "attn.wqkv",
+            "k": "attn.wqkv",
+            "v": "attn.wqkv",
+            "o": "attn.wo",
+            "gate": "ffn.w13",
+            "up": "ffn.w13",
+            "down": "ffn.w2",
+        }[proj]
         per_layer.setdefault(f"layers.{layer}.{kiln}", {})[f"{proj}_proj"] = (A, B, scale)
     others = sorted(set(lora_modules(model)) - set(per_layer))
     if others:
-        raise ValueError(f"the model has LoRA layers the adapter does not cover ({', '.join(others[:4])}); "
-                         f"load it onto a model without LoRA")
+        raise ValueError(
+            f"the model has LoRA layers the adapter does not cover ({', '.join(others[:4])}); "
+            f"load it onto a model without LoRA"
+        )
     q_rows, kv_rows = cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
     hidden = cfg.ffn_hidden_size
     for name, parts in per_layer.items():
@@ -321,8 +370,7 @@ def load_peft_adapter(model: nn.Module, in_dir, model_cfg=None) -> nn.Module:
         except AttributeError:
             raise DataError(f"{weights_path}: the adapter changes {name!r}, which this model does not have") from None
         if name.endswith("attn.wqkv"):
-            A, B, s = _stack(parts, QKV, [q_rows, kv_rows, kv_rows],
-                             lambda bs: fuse_qkv(*bs, cfg.kv_heads))
+            A, B, s = _stack(parts, QKV, [q_rows, kv_rows, kv_rows], lambda bs: fuse_qkv(*bs, cfg.kv_heads))
         elif name.endswith("ffn.w13"):
             A, B, s = _stack(parts, GATE_UP, [hidden, hidden], lambda bs: fuse_gate_up(*bs))
         else:

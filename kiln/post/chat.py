@@ -103,8 +103,9 @@ class ChatTokens:
         self.pad = tokenizer.token_id(PAD)
 
 
-def _assemble(tokens: ChatTokens, messages: Sequence[dict], contents: list[list[int]],
-              add_generation_prompt: bool) -> tuple[list[int], list[int]]:
+def _assemble(
+    tokens: ChatTokens, messages: Sequence[dict], contents: list[list[int]], add_generation_prompt: bool
+) -> tuple[list[int], list[int]]:
     ids: list[int] = []
     mask: list[int] = []
     for message, content in zip(messages, contents):
@@ -120,8 +121,11 @@ def _assemble(tokens: ChatTokens, messages: Sequence[dict], contents: list[list[
     return ids, mask
 
 
-def render_conversations(tokenizer, conversations: Sequence[Sequence[dict]], add_generation_prompt: bool = False,
-                         ) -> list[tuple[list[int], list[int]]]:
+def render_conversations(
+    tokenizer,
+    conversations: Sequence[Sequence[dict]],
+    add_generation_prompt: bool = False,
+) -> list[tuple[list[int], list[int]]]:
     """render_conversation for many conversations, all message texts encoded in one batched
     tokeniser call (which the Rust side may spread over threads)."""
     for k, messages in enumerate(conversations):
@@ -133,13 +137,16 @@ def render_conversations(tokenizer, conversations: Sequence[Sequence[dict]], add
     encoded = tokenizer.encode_batch(texts, parse_special=False) if texts else []
     out, start = [], 0
     for messages in conversations:
-        out.append(_assemble(tokens, messages, encoded[start:start + len(messages)], add_generation_prompt))
+        out.append(_assemble(tokens, messages, encoded[start : start + len(messages)], add_generation_prompt))
         start += len(messages)
     return out
 
 
-def render_conversation(tokenizer, messages: Sequence[dict], add_generation_prompt: bool = False,
-                        ) -> tuple[list[int], list[int]]:
+def render_conversation(
+    tokenizer,
+    messages: Sequence[dict],
+    add_generation_prompt: bool = False,
+) -> tuple[list[int], list[int]]:
     """(ids, loss mask) of one conversation; messages are {"role", "content"} dicts."""
     validate_messages(messages)
     contents = tokenizer.encode_batch([m["content"] for m in messages], parse_special=False)
@@ -150,8 +157,10 @@ def render_prompt(tokenizer, messages: Sequence[dict]) -> list[int]:
     """The ids a model continues to produce the next assistant reply."""
     validate_messages(messages)
     if messages[-1]["role"] == "assistant":
-        raise DataError("bad prompt: the last message is the assistant's; a prompt ends with a user "
-                        "(or system) message and the reply is generated")
+        raise DataError(
+            "bad prompt: the last message is the assistant's; a prompt ends with a user "
+            "(or system) message and the reply is generated"
+        )
     return render_conversation(tokenizer, messages, add_generation_prompt=True)[0]
 
 

@@ -19,6 +19,7 @@ TASK_FAMILIES = ("arithmetic", "sort", "reverse", "convert", "word_problem")
 @dataclass
 class TaskConfig:
     """Kiln's verifiable tasks: SFT data, preference pairs, RL prompts and the held-out evaluation."""
+
     families: list[str] = field(default_factory=lambda: ["arithmetic", "reverse", "sort"])
     difficulty: int = 1
     train_per_family: int = 2000
@@ -28,7 +29,9 @@ class TaskConfig:
     def validate(self) -> None:
         unknown = [f for f in self.families if f not in TASK_FAMILIES]
         if not self.families or unknown:
-            raise ConfigError("families", f"must be a non-empty list of {', '.join(TASK_FAMILIES)}, got {self.families}")
+            raise ConfigError(
+                "families", f"must be a non-empty list of {', '.join(TASK_FAMILIES)}, got {self.families}"
+            )
         if self.difficulty not in (1, 2, 3):
             raise ConfigError("difficulty", f"must be 1, 2 or 3, got {self.difficulty}")
         for key in ("train_per_family", "heldout_per_family"):
@@ -39,13 +42,14 @@ class TaskConfig:
 @dataclass
 class StageTrainConfig:
     """The [train] keys a post-training stage sets for itself (fine-tuning defaults)."""
+
     lr: float = 1e-4
     max_steps: int = 200
     warmup_steps: int = 10
     min_lr_ratio: float = 0.0
     seq_len: int = 64
     micro_batch_size: int = 16
-    global_batch_tokens: int = 0          # 0: one micro-batch per step on every data-parallel rank
+    global_batch_tokens: int = 0  # 0: one micro-batch per step on every data-parallel rank
     weight_decay: float = 0.0
     eval_every: int = 50
     eval_batches: int = 4
@@ -72,15 +76,16 @@ class StageTrainConfig:
         if values["compile"] is None:
             values.pop("compile")
         # Pretraining's batch ramp is sized in pretraining tokens; a fine-tuning stage runs at its own batch.
-        return dataclasses.replace(base, **values, global_batch_tokens=tokens, schedule="cosine",
-                                   batch_ramp_steps=0, batch_ramp_start_tokens=0)
+        return dataclasses.replace(
+            base, **values, global_batch_tokens=tokens, schedule="cosine", batch_ramp_steps=0, batch_ramp_start_tokens=0
+        )
 
 
 @dataclass
 class SFTConfig:
-    files: list[str] = field(default_factory=list)   # JSONL conversations; empty: the [tasks] train split
-    tasks: bool = True                                # also train on the verifiable tasks
-    packing: bool = True                              # several conversations per row, document-masked
+    files: list[str] = field(default_factory=list)  # JSONL conversations; empty: the [tasks] train split
+    tasks: bool = True  # also train on the verifiable tasks
+    packing: bool = True  # several conversations per row, document-masked
     train: StageTrainConfig = field(default_factory=lambda: StageTrainConfig(lr=1e-3, max_steps=300))
 
     def validate(self) -> None:
@@ -94,17 +99,18 @@ class SFTConfig:
 
 @dataclass
 class DPOConfig:
-    files: list[str] = field(default_factory=list)   # JSONL preference pairs; empty: pairs from [tasks]
+    files: list[str] = field(default_factory=list)  # JSONL preference pairs; empty: pairs from [tasks]
     beta: float = 0.1
-    loss_type: str = "sigmoid"                        # sigmoid | ipo | cdpo (label-smoothed sigmoid)
-    label_smoothing: float = 0.1                      # cdpo only: assumed share of flipped labels
+    loss_type: str = "sigmoid"  # sigmoid | ipo | cdpo (label-smoothed sigmoid)
+    label_smoothing: float = 0.1  # cdpo only: assumed share of flipped labels
     # Task pairs: "distractor" rejects one of the task's plausible wrong answers; "policy" rejects
     # the starting model's own greedy answer where it is wrong (on-policy pairs aimed at its errors).
     rejected: str = "distractor"
-    nll_weight: float = 0.0                           # RPO: + weight x per-token NLL of the chosen answers
-    rejected_to_divergence: bool = False              # score a rejected answer only up to its first wrong token
-    train: StageTrainConfig = field(default_factory=lambda: StageTrainConfig(lr=1e-4, max_steps=100,
-                                                                             micro_batch_size=8))
+    nll_weight: float = 0.0  # RPO: + weight x per-token NLL of the chosen answers
+    rejected_to_divergence: bool = False  # score a rejected answer only up to its first wrong token
+    train: StageTrainConfig = field(
+        default_factory=lambda: StageTrainConfig(lr=1e-4, max_steps=100, micro_batch_size=8)
+    )
 
     def validate(self) -> None:
         if self.beta <= 0:
@@ -127,21 +133,22 @@ class DPOConfig:
 
 @dataclass
 class GRPOConfig:
-    group_size: int = 8                   # completions sampled per prompt
+    group_size: int = 8  # completions sampled per prompt
     prompts_per_step: int = 8
     max_new_tokens: int = 16
     temperature: float = 1.0
     clip_eps: float = 0.2
-    beta: float = 0.0                     # KL to the reference (k3 estimator); 0 = no reference model
-    loss_type: str = "grpo"               # grpo | dr_grpo | dapo
+    beta: float = 0.0  # KL to the reference (k3 estimator); 0 = no reference model
+    loss_type: str = "grpo"  # grpo | dr_grpo | dapo
     # RLAIF: "" scores completions with the task verifiers; a path (an rm stage folder or its
     # reward_model export) lets a learned reward model judge them instead.
     reward_model: str = ""
     # RL prompts: train-split problems of [tasks] generated with this seed instead of tasks.seed, so
     # the policy practises problems SFT did not train on (None: the SFT problems).
     prompt_seed: int | None = None
-    train: StageTrainConfig = field(default_factory=lambda: StageTrainConfig(lr=5e-5, max_steps=60,
-                                                                             eval_every=20, ckpt_every=20))
+    train: StageTrainConfig = field(
+        default_factory=lambda: StageTrainConfig(lr=5e-5, max_steps=60, eval_every=20, ckpt_every=20)
+    )
 
     def validate(self) -> None:
         for key in ("group_size", "prompts_per_step", "max_new_tokens"):

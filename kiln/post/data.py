@@ -30,8 +30,14 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
-from kiln.data.readers import (_decompress_errors, _open_binary, has_lone_surrogate, input_format,
-                               list_named_inputs, rejection)
+from kiln.data.readers import (
+    _decompress_errors,
+    _open_binary,
+    has_lone_surrogate,
+    input_format,
+    list_named_inputs,
+    rejection,
+)
 from kiln.errors import DataError
 from kiln.post.chat import message_problem
 
@@ -42,6 +48,7 @@ Parsed = tuple[object, None] | tuple[None, tuple[str, str]]  # (item, None) or (
 
 
 # ---- record parsing ------------------------------------------------------------------------------
+
 
 def _system(record: dict) -> tuple[list[dict] | None, tuple[str, str] | None]:
     system = record.get("system")
@@ -156,8 +163,9 @@ def parse_preference(record: dict) -> Parsed:
         prompt = system + chosen_history
         problem = message_problem(prompt)
         if problem:
-            return None, ("missing_prompt", "no prompt field and no history in chosen") \
-                if problem[0] == "empty_messages" else problem
+            return None, ("missing_prompt", "no prompt field and no history in chosen") if problem[
+                0
+            ] == "empty_messages" else problem
         if prompt[-1]["role"] != "user":
             return None, ("bad_prompt", "the prompt must end with a user message")
     if chosen == rejected:
@@ -184,6 +192,7 @@ def parse_prompt(record: dict) -> Parsed:
 
 
 # ---- reading ---------------------------------------------------------------------------------------
+
 
 def _iter_records(path: Path) -> Iterator[tuple[int, dict | None, dict | str]]:
     """(line, record, raw text) or (line, None, rejection) for every record of one JSONL or Parquet file."""
@@ -243,8 +252,9 @@ def _list_files(paths) -> list[tuple[Path, str]]:
         for path, name in list_named_inputs([entry]):
             if input_format(path) not in ("jsonl", "parquet"):
                 if Path(entry) == path:
-                    raise DataError(f"{path}: post-training data must be JSONL (.jsonl/.ndjson, optionally "
-                                    ".gz/.zst) or Parquet")
+                    raise DataError(
+                        f"{path}: post-training data must be JSONL (.jsonl/.ndjson, optionally .gz/.zst) or Parquet"
+                    )
                 continue
             if path.resolve() not in seen:
                 seen.add(path.resolve())
@@ -254,8 +264,9 @@ def _list_files(paths) -> list[tuple[Path, str]]:
     return files
 
 
-def _read(paths, parse: Callable[[dict], Parsed], kind: str, rejected_path,
-          with_location: bool = False) -> tuple[list, dict]:
+def _read(
+    paths, parse: Callable[[dict], Parsed], kind: str, rejected_path, with_location: bool = False
+) -> tuple[list, dict]:
     files = _list_files(paths)
     items: list = []
     reasons: Counter = Counter()
@@ -283,18 +294,26 @@ def _read(paths, parse: Callable[[dict], Parsed], kind: str, rejected_path,
     finally:
         if out is not None:
             out.close()
-    stats = {"kind": kind, "files": len(files), "records": records, "kept": len(items),
-             "rejected": records - len(items), "reasons": dict(sorted(reasons.items())),
-             "first_rejections": first}
+    stats = {
+        "kind": kind,
+        "files": len(files),
+        "records": records,
+        "kept": len(items),
+        "rejected": records - len(items),
+        "reasons": dict(sorted(reasons.items())),
+        "first_rejections": first,
+    }
     if not items:
         where = ", ".join(str(p) for p, _ in files[:3]) + (" ..." if len(files) > 3 else "")
         if not records:
             raise DataError(f"{where}: no {kind} records (the files are empty)")
         sample = first[0]
-        raise DataError(f"{where}: no valid {kind} records; {records} rejected "
-                        f"({', '.join(f'{r}={n}' for r, n in sorted(reasons.items()))}); first: "
-                        f"{sample['file']}:{sample['line']} {sample['reason']}"
-                        + (f" ({sample['detail']})" if sample.get("detail") else ""))
+        raise DataError(
+            f"{where}: no valid {kind} records; {records} rejected "
+            f"({', '.join(f'{r}={n}' for r, n in sorted(reasons.items()))}); first: "
+            f"{sample['file']}:{sample['line']} {sample['reason']}"
+            + (f" ({sample['detail']})" if sample.get("detail") else "")
+        )
     return items, stats
 
 
@@ -332,6 +351,7 @@ def write_jsonl(path, records: Iterable) -> Path:
 
 # ---- SFT packing -----------------------------------------------------------------------------------
 
+
 @dataclass
 class PackedRow:
     """One training row of T = seq_len positions holding whole conversations.
@@ -342,6 +362,7 @@ class PackedRow:
     next id, so with document masking it attends to nothing real. `sources` are the indices of the
     conversations in the list given to pack_sft.
     """
+
     inputs: torch.Tensor
     targets: torch.Tensor
     position_ids: torch.Tensor
@@ -351,6 +372,7 @@ class PackedRow:
 
 class PackedRows(list):
     """The rows, plus `stats`: conversations, truncated, dropped, rows, tokens, target_tokens, fill."""
+
     stats: dict
 
 
@@ -414,14 +436,22 @@ def pack_sft(tokenized: list[tuple[list[int], list[int]]], seq_len: int, pad_id:
         documents += [len(members)] * pad
         # The row has capacity slots; inputs are the first seq_len and targets[t] predicts slot t+1,
         # which row_targets already holds at t.
-        rows.append(PackedRow(
-            inputs=torch.tensor(row_ids[:seq_len], dtype=torch.long),
-            targets=torch.tensor(row_targets[:seq_len], dtype=torch.long),
-            position_ids=torch.tensor(positions[:seq_len], dtype=torch.long),
-            document_ids=torch.tensor(documents[:seq_len], dtype=torch.long),
-            sources=[kept[m][2] for m in members],
-        ))
-    rows.stats = {"conversations": len(tokenized), "truncated": truncated, "dropped": dropped, "rows": len(rows),
-                  "tokens": tokens, "target_tokens": targets_counted,
-                  "fill": round(tokens / (len(rows) * capacity), 4) if rows else 0.0}
+        rows.append(
+            PackedRow(
+                inputs=torch.tensor(row_ids[:seq_len], dtype=torch.long),
+                targets=torch.tensor(row_targets[:seq_len], dtype=torch.long),
+                position_ids=torch.tensor(positions[:seq_len], dtype=torch.long),
+                document_ids=torch.tensor(documents[:seq_len], dtype=torch.long),
+                sources=[kept[m][2] for m in members],
+            )
+        )
+    rows.stats = {
+        "conversations": len(tokenized),
+        "truncated": truncated,
+        "dropped": dropped,
+        "rows": len(rows),
+        "tokens": tokens,
+        "target_tokens": targets_counted,
+        "fill": round(tokens / (len(rows) * capacity), 4) if rows else 0.0,
+    }
     return rows

@@ -35,17 +35,17 @@ DISTILL_KINDS = ("forward", "reverse")  # kiln.post.losses.DISTILL_KINDS, withou
 
 @dataclass
 class DistillConfig:
-    teacher: str = ""                  # teacher checkpoint: folder, checkpoints root or stage folder (required)
-    data: str = "teacher"              # teacher: the teacher's answers to the prompts | answers: reference answers
-    files: list[str] = field(default_factory=list)   # JSONL prompts (data=teacher) or conversations (answers)
-    tasks: bool = True                 # also use the [tasks] train split
+    teacher: str = ""  # teacher checkpoint: folder, checkpoints root or stage folder (required)
+    data: str = "teacher"  # teacher: the teacher's answers to the prompts | answers: reference answers
+    files: list[str] = field(default_factory=list)  # JSONL prompts (data=teacher) or conversations (answers)
+    tasks: bool = True  # also use the [tasks] train split
     samples_per_prompt: int = 1
-    gen_temperature: float = 0.0       # 0: the teacher's greedy answer
+    gen_temperature: float = 0.0  # 0: the teacher's greedy answer
     max_new_tokens: int = 16
-    filter_correct: bool = False       # keep only teacher answers the task grader accepts
-    kind: str = "forward"              # forward KL(teacher || student) | reverse KL(student || teacher)
-    temperature: float = 1.0           # softening temperature of both distributions in the KL
-    alpha: float = 0.5                 # weight of the KL; 1 - alpha on the cross entropy
+    filter_correct: bool = False  # keep only teacher answers the task grader accepts
+    kind: str = "forward"  # forward KL(teacher || student) | reverse KL(student || teacher)
+    temperature: float = 1.0  # softening temperature of both distributions in the KL
+    alpha: float = 0.5  # weight of the KL; 1 - alpha on the cross entropy
     packing: bool = True
     train: StageTrainConfig = field(default_factory=lambda: StageTrainConfig(lr=1e-3, max_steps=200))
 
@@ -62,8 +62,10 @@ class DistillConfig:
             if getattr(self, key) <= 0:
                 raise ConfigError(key, f"must be positive, got {getattr(self, key)}")
         if self.samples_per_prompt > 1 and self.gen_temperature == 0:
-            raise ConfigError("samples_per_prompt", "several samples per prompt need gen_temperature > 0 "
-                                                    "(greedy answers are all the same)")
+            raise ConfigError(
+                "samples_per_prompt",
+                "several samples per prompt need gen_temperature > 0 (greedy answers are all the same)",
+            )
         if self.gen_temperature < 0:
             raise ConfigError("gen_temperature", f"must be >= 0 (0 is greedy), got {self.gen_temperature}")
         if self.temperature <= 0:
@@ -78,20 +80,26 @@ class DistillConfig:
 
 def load_teacher(path: str, vocab_size: int):
     from kiln.infer.sample import load_model
+
     try:
         teacher, _ = load_model(path)
     except (ValueError, OSError, RuntimeError) as err:  # CheckpointError is a ValueError
         raise ConfigError("distill.teacher", f"{path}: {err}") from None
     if teacher.cfg.vocab_size < vocab_size:
-        raise ConfigError("distill.teacher", f"teacher vocabulary {teacher.cfg.vocab_size} < the tokenizer's "
-                                             f"{vocab_size}: teacher and student must share the tokenizer")
+        raise ConfigError(
+            "distill.teacher",
+            f"teacher vocabulary {teacher.cfg.vocab_size} < the tokenizer's "
+            f"{vocab_size}: teacher and student must share the tokenizer",
+        )
     return teacher.requires_grad_(False)
 
 
 # ---- synthetic data ----------------------------------------------------------------------------------
 
-def teacher_conversations(teacher, tokenizer, examples: list[dict], cfg: DistillConfig, seed: int = 0,
-                          batch_size: int = 64) -> tuple[list[list[dict]], dict]:
+
+def teacher_conversations(
+    teacher, tokenizer, examples: list[dict], cfg: DistillConfig, seed: int = 0, batch_size: int = 64
+) -> tuple[list[list[dict]], dict]:
     """The teacher's answers to each example's prompt as [user, assistant] conversations (examples
     carry "messages" or a task "prompt"; with filter_correct, also "answer" and "task")."""
     from kiln.post.chat import render_prompt
@@ -101,11 +109,12 @@ def teacher_conversations(teacher, tokenizer, examples: list[dict], cfg: Distill
     jobs = [ex for ex in examples for _ in range(cfg.samples_per_prompt)]
     conversations, kept, graded, correct = [], 0, 0, 0
     for start in range(0, len(jobs), batch_size):
-        chunk = jobs[start:start + batch_size]
+        chunk = jobs[start : start + batch_size]
         messages = [ex.get("messages") or [{"role": "user", "content": ex["prompt"]}] for ex in chunk]
         prompts = [render_prompt(tokenizer, m) for m in messages]
-        outs = complete(teacher, tokenizer, prompts, cfg.max_new_tokens, temperature=cfg.gen_temperature,
-                        seed=seed + start)
+        outs = complete(
+            teacher, tokenizer, prompts, cfg.max_new_tokens, temperature=cfg.gen_temperature, seed=seed + start
+        )
         for ex, msgs, ids in zip(chunk, messages, outs):
             text = tokenizer.decode(strip_stop(tokenizer, ids))
             if ex.get("answer") is not None:
@@ -116,8 +125,11 @@ def teacher_conversations(teacher, tokenizer, examples: list[dict], cfg: Distill
                     continue
             conversations.append([*msgs, {"role": "assistant", "content": text}])
             kept += 1
-    return conversations, {"generated": len(jobs), "kept": kept,
-                           "teacher_train_accuracy": correct / graded if graded else None}
+    return conversations, {
+        "generated": len(jobs),
+        "kept": kept,
+        "teacher_train_accuracy": correct / graded if graded else None,
+    }
 
 
 def _cached_conversations(out: Path, key: dict, make) -> tuple[list, dict]:
@@ -136,6 +148,7 @@ def _cached_conversations(out: Path, key: dict, make) -> tuple[list, dict]:
 
 # ---- objective and measurement ----------------------------------------------------------------------
 
+
 def make_distill_loss(cfg: DistillConfig, teacher):
     import torch
 
@@ -153,9 +166,11 @@ def make_distill_loss(cfg: DistillConfig, teacher):
         with torch.no_grad():
             teacher_logits = teacher(inputs, position_ids=positions, document_ids=documents)
         vocab = logits.shape[-1]
-        loss = distill_loss(logits, teacher_logits[..., :vocab], targets, kind=cfg.kind,
-                            temperature=cfg.temperature, alpha=cfg.alpha)
+        loss = distill_loss(
+            logits, teacher_logits[..., :vocab], targets, kind=cfg.kind, temperature=cfg.temperature, alpha=cfg.alpha
+        )
         return loss, counted
+
     return loss_fn
 
 
@@ -163,6 +178,7 @@ def teacher_kl(student, teacher, rows: list[tuple], batch_size: int = 16) -> flo
     """Mean per-token KL(teacher || student) at temperature 1 over the counted tokens of `rows`."""
     import torch
     import torch.nn.functional as F
+
     modes = (student.training, teacher.training)
     student.eval()
     teacher.eval()
@@ -170,11 +186,11 @@ def teacher_kl(student, teacher, rows: list[tuple], batch_size: int = 16) -> flo
     total, count = 0.0, 0
     with torch.no_grad():
         for start in range(0, len(rows), batch_size):
-            chunk = rows[start:start + batch_size]
+            chunk = rows[start : start + batch_size]
             inputs, targets, positions, documents = (torch.stack(p).to(device) for p in zip(*chunk))
             valid = targets != IGNORE
             s = student(inputs, position_ids=positions, document_ids=documents)[valid].float()
-            t = teacher(inputs, position_ids=positions, document_ids=documents)[valid].float()[:, :s.shape[-1]]
+            t = teacher(inputs, position_ids=positions, document_ids=documents)[valid].float()[:, : s.shape[-1]]
             log_s, log_t = F.log_softmax(s, -1), F.log_softmax(t, -1)
             total += float((log_t.exp() * (log_t - log_s)).sum())
             count += int(valid.sum())
@@ -184,6 +200,7 @@ def teacher_kl(student, teacher, rows: list[tuple], batch_size: int = 16) -> flo
 
 
 # ---- the stage -------------------------------------------------------------------------------------
+
 
 def _examples(recipe, cfg: DistillConfig, out: Path) -> tuple[list[dict], list[list[dict]]]:
     """(prompt examples for the teacher, reference conversations) from [tasks] and cfg.files."""
@@ -198,9 +215,11 @@ def _examples(recipe, cfg: DistillConfig, out: Path) -> tuple[list[dict], list[l
     if cfg.files:
         if cfg.data == "teacher":
             from kiln.post.data import read_prompts
+
             prompts += read_prompts(cfg.files, rejected_path=out / "rejected.jsonl")[0]
         else:
             from kiln.post.data import read_sft
+
             conversations += read_sft(cfg.files, rejected_path=out / "rejected.jsonl")[0]
     return prompts, conversations
 
@@ -226,17 +245,26 @@ def run_distill(recipe, out: Path, init: Path, tokenizer, resume: str = "auto") 
     seed = recipe.train.seed
     if cfg.data == "teacher":
         from kiln.train.checkpoint import read_manifest, resolve_checkpoint
+
         folder = resolve_checkpoint(cfg.teacher)
-        key = {"teacher": str(folder.resolve()), "weights": read_manifest(folder)["files"],
-               "prompts": len(prompts), "seed": seed,
-               **{k: getattr(cfg, k) for k in ("samples_per_prompt", "gen_temperature", "max_new_tokens",
-                                               "filter_correct", "files", "tasks")}}
+        key = {
+            "teacher": str(folder.resolve()),
+            "weights": read_manifest(folder)["files"],
+            "prompts": len(prompts),
+            "seed": seed,
+            **{
+                k: getattr(cfg, k)
+                for k in ("samples_per_prompt", "gen_temperature", "max_new_tokens", "filter_correct", "files", "tasks")
+            },
+        }
         conversations, data = _cached_conversations(
-            out, key, lambda: teacher_conversations(teacher, tokenizer, prompts, cfg, seed=seed))
+            out, key, lambda: teacher_conversations(teacher, tokenizer, prompts, cfg, seed=seed)
+        )
         # Held out: the teacher's greedy answers to the held-out prompts, so the reported KL and the
         # validation loss measure imitation of the teacher on problems neither saw in training.
-        val_cfg = DistillConfig(**{**cfg.__dict__, "samples_per_prompt": 1, "gen_temperature": 0.0,
-                                   "filter_correct": False})
+        val_cfg = DistillConfig(
+            **{**cfg.__dict__, "samples_per_prompt": 1, "gen_temperature": 0.0, "filter_correct": False}
+        )
         val_conversations, _ = teacher_conversations(teacher, tokenizer, heldout, val_cfg)
     else:
         conversations, data = references, {"conversations": len(references)}
@@ -252,20 +280,31 @@ def run_distill(recipe, out: Path, init: Path, tokenizer, resume: str = "auto") 
 
     student, _ = load_model(init)
     if student.cfg.vocab_size > teacher.cfg.vocab_size:
-        raise ConfigError("distill.teacher", f"teacher vocabulary {teacher.cfg.vocab_size} < the student's "
-                                             f"{student.cfg.vocab_size}")
+        raise ConfigError(
+            "distill.teacher", f"teacher vocabulary {teacher.cfg.vocab_size} < the student's {student.cfg.vocab_size}"
+        )
     before = {**S.task_accuracy(student, tokenizer, heldout), "teacher_kl": teacher_kl(student, teacher, val_rows)}
     teacher_acc = S.task_accuracy(teacher, tokenizer, heldout)
     del student
-    trainer = _trainer(recipe, out, cfg, (train, val), make_distill_loss(cfg, teacher), init, resume,
-                       prepare_model=_peft(recipe))
+    trainer = _trainer(
+        recipe, out, cfg, (train, val), make_distill_loss(cfg, teacher), init, resume, prepare_model=_peft(recipe)
+    )
     teacher.to(trainer.device)
     # Trains, measures held-out accuracy, writes the PEFT outputs and stats.json, as every stage does.
-    stats = _finish(trainer, tokenizer, heldout, before, out,
-                    {"data": {**data, **row_stats}, "teacher": {"path": cfg.teacher, "heldout": teacher_acc}}, recipe)
+    stats = _finish(
+        trainer,
+        tokenizer,
+        heldout,
+        before,
+        out,
+        {"data": {**data, **row_stats}, "teacher": {"path": cfg.teacher, "heldout": teacher_acc}},
+        recipe,
+    )
     after = stats["heldout_after"]["teacher_kl"] = teacher_kl(trainer.model, teacher, val_rows)
     if trainer.is_main:
         S.write_stats(out, stats)
-        print(f"[{out.name}] teacher held-out accuracy {teacher_acc['accuracy']:.3f}; KL(teacher||student) "
-              f"{before['teacher_kl']:.4f} -> {after:.4f}")
+        print(
+            f"[{out.name}] teacher held-out accuracy {teacher_acc['accuracy']:.3f}; KL(teacher||student) "
+            f"{before['teacher_kl']:.4f} -> {after:.4f}"
+        )
     return stats

@@ -78,8 +78,9 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor | None = None, unbiased: bool
     return masked_sum(centered * centered, m) / denom
 
 
-def whiten(x: torch.Tensor, mask: torch.Tensor | None = None, shift_mean: bool = True,
-           unbiased: bool = True, eps: float = 1e-8) -> torch.Tensor:
+def whiten(
+    x: torch.Tensor, mask: torch.Tensor | None = None, shift_mean: bool = True, unbiased: bool = True, eps: float = 1e-8
+) -> torch.Tensor:
     """(x - mean) / sqrt(var + eps) over the masked elements; masked positions are set to 0.
 
     Follows TRL `masked_whiten`: unbiased (Bessel) variance by default (OpenRLHF uses the biased
@@ -121,8 +122,13 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
     return (picked - torch.logsumexp(logits, dim=-1)).masked_fill(~valid, 0.0)
 
 
-def sequence_logprobs(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor | None = None,
-                      temperature: float = 1.0, average: bool = False) -> torch.Tensor:
+def sequence_logprobs(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    average: bool = False,
+) -> torch.Tensor:
     """Sum over the counted tokens of each row of token_logprobs -> [B] (mean when `average`).
 
     Counted = targets != -100 and mask. The sum is the sequence log-prob all anchors use for DPO and
@@ -147,8 +153,9 @@ def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tenso
 # Reward model and DPO
 
 
-def bradley_terry_loss(r_chosen: torch.Tensor, r_rejected: torch.Tensor, margin=None,
-                       center_coef: float = 0.0) -> torch.Tensor:
+def bradley_terry_loss(
+    r_chosen: torch.Tensor, r_rejected: torch.Tensor, margin=None, center_coef: float = 0.0
+) -> torch.Tensor:
     """mean(-log sigmoid(r_c - r_r - margin)) + center_coef * mean((r_c + r_r)^2).
 
     As TRL `RewardTrainer` and OpenRLHF `PairWiseLoss`; `margin` is a number or a per-pair tensor
@@ -169,10 +176,18 @@ def pairwise_accuracy(r_chosen: torch.Tensor, r_rejected: torch.Tensor) -> torch
     return (r_chosen.detach() > r_rejected.detach()).float().mean()
 
 
-def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,
-             ref_rejected: torch.Tensor, beta: float = 0.1, loss_type: str = "sigmoid",
-             label_smoothing: float = 0.0, chosen_lengths: torch.Tensor | None = None,
-             rejected_lengths: torch.Tensor | None = None, ipo_normalize: bool = True):
+def dpo_loss(
+    policy_chosen: torch.Tensor,
+    policy_rejected: torch.Tensor,
+    ref_chosen: torch.Tensor,
+    ref_rejected: torch.Tensor,
+    beta: float = 0.1,
+    loss_type: str = "sigmoid",
+    label_smoothing: float = 0.0,
+    chosen_lengths: torch.Tensor | None = None,
+    rejected_lengths: torch.Tensor | None = None,
+    ipo_normalize: bool = True,
+):
     """DPO family on sequence log-probs [B]. Returns (mean loss, chosen_rewards [B], rejected_rewards [B]).
 
     With d_c = policy_chosen - ref_chosen, d_r = policy_rejected - ref_rejected, h = d_c - d_r, eps =
@@ -206,8 +221,9 @@ def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_cho
     elif loss_type == "ipo":
         if ipo_normalize:
             if chosen_lengths is None or rejected_lengths is None:
-                raise ValueError("ipo with ipo_normalize=True needs chosen_lengths and rejected_lengths "
-                                 "(completion token counts)")
+                raise ValueError(
+                    "ipo with ipo_normalize=True needs chosen_lengths and rejected_lengths (completion token counts)"
+                )
             h = d_c / _f32(chosen_lengths).clamp(min=1) - d_r / _f32(rejected_lengths).clamp(min=1)
         losses = (h - 1 / (2 * beta)) ** 2
     else:
@@ -219,8 +235,13 @@ def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_cho
 # KL, GAE and PPO
 
 
-def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k1",
-                mask: torch.Tensor | None = None, clamp: float | None = None) -> torch.Tensor:
+def kl_estimate(
+    logp: torch.Tensor,
+    ref_logp: torch.Tensor,
+    kind: str = "k1",
+    mask: torch.Tensor | None = None,
+    clamp: float | None = None,
+) -> torch.Tensor:
     """Per-token estimate of KL(policy || ref) from the sampled tokens' log-probs; 0 where masked.
 
     With r = ref_logp - logp (Schulman's estimators, the convention of TRL and OpenRLHF):
@@ -247,8 +268,9 @@ def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k1",
     return torch.where(m, kl, zero)
 
 
-def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0,
-        lam: float = 0.95) -> tuple[torch.Tensor, torch.Tensor]:
+def gae(
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0, lam: float = 0.95
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation over [B, T]. Returns (advantages, returns), detached, 0 where masked.
 
     delta_t = r_t + gamma V_{t+1} - V_t, A_t = delta_t + gamma lam A_{t+1}, returns = A + V, with
@@ -277,8 +299,14 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
     return advantages, returns
 
 
-def ppo_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
-                    mask: torch.Tensor, clip: float = 0.2, clip_high: float | None = None):
+def ppo_policy_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip: float = 0.2,
+    clip_high: float | None = None,
+):
     """Clipped surrogate. Returns (loss, clip_fraction, approx_kl); the last two are detached.
 
     ratio = exp(logp - old_logp); loss = masked_mean(max(-A ratio, -A clip(ratio, 1-clip, 1+clip_high)))
@@ -304,8 +332,9 @@ def ppo_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torc
     return loss, clip_fraction, approx_kl
 
 
-def ppo_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
-                   mask: torch.Tensor, clip: float | None = 0.2) -> torch.Tensor:
+def ppo_value_loss(
+    values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, clip: float | None = 0.2
+) -> torch.Tensor:
     """0.5 masked_mean(max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2)); clip=None: unclipped.
 
     The default c = 0.2 is TRL's cliprange_value and torchtune's value_clip; OpenRLHF uses 0.5.
@@ -334,8 +363,7 @@ def _nanstd(x: torch.Tensor, dim=None, keepdim: bool = False) -> torch.Tensor:
     return std if keepdim or dim is None else std.squeeze(dim)
 
 
-def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group",
-                     eps: float = 1e-4) -> torch.Tensor:
+def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group", eps: float = 1e-4) -> torch.Tensor:
     """GRPO advantages for rewards [G * n] laid out group by group (n = group_size consecutive
     samples of one prompt) -> [G * n].
 
@@ -348,11 +376,11 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group
     if scale not in ADVANTAGE_SCALES:
         raise ConfigError("scale", f"must be one of {', '.join(ADVANTAGE_SCALES)}, got {scale!r}")
     if group_size < 2:
-        raise ConfigError("group_size",
-                          f"must be >= 2 (advantages compare samples of one prompt), got {group_size}")
+        raise ConfigError("group_size", f"must be >= 2 (advantages compare samples of one prompt), got {group_size}")
     if rewards.dim() != 1 or rewards.numel() % group_size:
-        raise ValueError(f"rewards must be 1-D with a multiple of group_size={group_size} entries, "
-                         f"got shape {tuple(rewards.shape)}")
+        raise ValueError(
+            f"rewards must be 1-D with a multiple of group_size={group_size} entries, got shape {tuple(rewards.shape)}"
+        )
     r = _f32(rewards.detach()).view(-1, group_size)
     adv = r - torch.nanmean(r, dim=1, keepdim=True)
     if scale == "group":
@@ -362,10 +390,19 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group
     return torch.nan_to_num(adv.reshape(-1), nan=0.0)
 
 
-def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor | None, advantages: torch.Tensor,
-              mask: torch.Tensor, eps: float = 0.2, eps_high: float | None = None, beta: float = 0.0,
-              ref_logp: torch.Tensor | None = None, loss_type: str = "grpo", max_len: int | None = None,
-              num_tokens=None):
+def grpo_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor | None,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    eps: float = 0.2,
+    eps_high: float | None = None,
+    beta: float = 0.0,
+    ref_logp: torch.Tensor | None = None,
+    loss_type: str = "grpo",
+    max_len: int | None = None,
+    num_tokens=None,
+):
     """Clipped GRPO objective on completion tokens [B, T] with one advantage per sequence [B].
 
     Per token (TRL `GRPOTrainer._compute_loss`): ratio = exp(logp - old_logp) (old_logp=None means
@@ -408,14 +445,17 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor | None, advantages: tor
     elif loss_type == "dr_grpo":
         loss = masked_sum(per_token, m) / (logp.shape[0] * (max_len or logp.shape[-1]))
     else:
-        count = m.sum() if num_tokens is None else torch.as_tensor(num_tokens, dtype=logp.dtype,
-                                                                     device=logp.device)
+        count = m.sum() if num_tokens is None else torch.as_tensor(num_tokens, dtype=logp.dtype, device=logp.device)
         loss = masked_sum(per_token, m) / count.clamp(min=1)
     r = ratio.detach()
     low = (r < 1 - eps) & (adv < 0)
     high = (r > 1 + eps_high) & (adv > 0)
-    stats.update(clip_low=masked_mean(low.float(), m), clip_high=masked_mean(high.float(), m),
-                 clip_region=masked_mean((low | high).float(), m), ratio=masked_mean(r, m))
+    stats.update(
+        clip_low=masked_mean(low.float(), m),
+        clip_high=masked_mean(high.float(), m),
+        clip_region=masked_mean((low | high).float(), m),
+        ratio=masked_mean(r, m),
+    )
     return loss, stats
 
 
@@ -423,9 +463,15 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor | None, advantages: tor
 # Distillation
 
 
-def distill_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, targets: torch.Tensor,
-                 mask: torch.Tensor | None = None, kind: str = "forward", temperature: float = 1.0,
-                 alpha: float = 0.5) -> torch.Tensor:
+def distill_loss(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    targets: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    kind: str = "forward",
+    temperature: float = 1.0,
+    alpha: float = 0.5,
+) -> torch.Tensor:
     """alpha * T^2 * KL + (1 - alpha) * CE, each a mean over the counted tokens.
 
     p_s = softmax(student / T), p_t = softmax(teacher / T) over the vocabulary, per position.
@@ -442,8 +488,10 @@ def distill_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, tar
         raise ConfigError("alpha", f"must be in [0, 1], got {alpha}")
     _check_temperature(temperature)
     if student_logits.shape != teacher_logits.shape:
-        raise ValueError(f"student logits {tuple(student_logits.shape)} and teacher logits "
-                         f"{tuple(teacher_logits.shape)} differ (same tokenizer and vocabulary needed)")
+        raise ValueError(
+            f"student logits {tuple(student_logits.shape)} and teacher logits "
+            f"{tuple(teacher_logits.shape)} differ (same tokenizer and vocabulary needed)"
+        )
     valid = targets != IGNORE_INDEX
     if mask is not None:
         valid = valid & mask.bool()
@@ -458,4 +506,4 @@ def distill_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, tar
     else:
         kl = (log_s.exp() * (log_s - log_t)).sum() / n
     ce = F.cross_entropy(s, targets[valid], reduction="sum") / n
-    return alpha * temperature ** 2 * kl + (1 - alpha) * ce
+    return alpha * temperature**2 * kl + (1 - alpha) * ce

@@ -49,25 +49,28 @@ RewardFn = Callable[[list[dict], list[list[int]], list[list[int]]], "list[float]
 
 @dataclass
 class PPOConfig:
-    files: list[str] = field(default_factory=list)   # JSONL prompts; empty: the [tasks] train split
-    reward: str = "verifier"          # verifier (task graders) | rm (this run's rm stage) | a reward-model path
-    critic_init: str = "policy"       # policy (the init checkpoint + a new value head) | rm | a reward-model path
+    files: list[str] = field(default_factory=list)  # JSONL prompts; empty: the [tasks] train split
+    reward: str = "verifier"  # verifier (task graders) | rm (this run's rm stage) | a reward-model path
+    critic_init: str = "policy"  # policy (the init checkpoint + a new value head) | rm | a reward-model path
     max_new_tokens: int = 16
-    temperature: float = 1.0          # sampling temperature; log-probs, ratios and KL use the same one
-    kl_coef: float = 0.05             # per-token KL penalty in the reward
-    kl_estimator: str = "k1"          # k1 | k2 | k3
+    temperature: float = 1.0  # sampling temperature; log-probs, ratios and KL use the same one
+    kl_coef: float = 0.05  # per-token KL penalty in the reward
+    kl_estimator: str = "k1"  # k1 | k2 | k3
     gamma: float = 1.0
     lam: float = 0.95
-    clip: float = 0.2                 # policy ratio clip
-    value_clip: float = 0.2           # value clip around the rollout's values
+    clip: float = 0.2  # policy ratio clip
+    value_clip: float = 0.2  # value clip around the rollout's values
     vf_coef: float = 0.1
     entropy_coef: float = 0.0
-    ppo_epochs: int = 4               # passes over each rollout batch
-    minibatches: int = 2              # optimizer steps per pass; rollout batch = minibatches x step batch
+    ppo_epochs: int = 4  # passes over each rollout batch
+    minibatches: int = 2  # optimizer steps per pass; rollout batch = minibatches x step batch
     whiten_advantages: bool = True
     missing_stop_penalty: float = 0.0  # subtracted from the score of a completion cut at max_new_tokens
-    train: StageTrainConfig = field(default_factory=lambda: StageTrainConfig(
-        lr=3e-5, max_steps=64, micro_batch_size=16, warmup_steps=0, eval_every=16, ckpt_every=16))
+    train: StageTrainConfig = field(
+        default_factory=lambda: StageTrainConfig(
+            lr=3e-5, max_steps=64, micro_batch_size=16, warmup_steps=0, eval_every=16, ckpt_every=16
+        )
+    )
 
     @property
     def steps_per_rollout(self) -> int:
@@ -82,8 +85,10 @@ class PPOConfig:
         if not self.critic_init:
             raise ConfigError("critic_init", "must be policy, rm or a reward-model checkpoint path")
         if self.temperature <= 0:
-            raise ConfigError("temperature", f"must be positive (PPO needs the sampling distribution's "
-                                             f"log-probs), got {self.temperature}")
+            raise ConfigError(
+                "temperature",
+                f"must be positive (PPO needs the sampling distribution's log-probs), got {self.temperature}",
+            )
         if self.kl_estimator not in KL_ESTIMATORS:
             raise ConfigError("kl_estimator", f"must be one of {', '.join(KL_ESTIMATORS)}, got {self.kl_estimator!r}")
         for key in ("gamma", "lam"):
@@ -104,26 +109,31 @@ class PPOConfig:
         # policy that sampled it at the start of a cycle.
         for key in ("ckpt_every", "eval_every"):
             if getattr(self.train, key) % self.steps_per_rollout:
-                raise ConfigError(f"train.{key}", f"must be a multiple of ppo_epochs * minibatches = "
-                                                  f"{self.steps_per_rollout}, got {getattr(self.train, key)}")
+                raise ConfigError(
+                    f"train.{key}",
+                    f"must be a multiple of ppo_epochs * minibatches = "
+                    f"{self.steps_per_rollout}, got {getattr(self.train, key)}",
+                )
 
 
 # ---- rollouts --------------------------------------------------------------------------------------
+
 
 @dataclass
 class Rollout:
     """One rollout batch, [N, T] per token (aligned with `targets`: position t holds the quantities
     of the token targets[:, t], predicted from the state inputs[:, :t+1])."""
+
     inputs: torch.Tensor
-    targets: torch.Tensor        # completion tokens; IGNORE on prompt and padding
-    logprobs: torch.Tensor       # actor at rollout time ("old" log-probs)
+    targets: torch.Tensor  # completion tokens; IGNORE on prompt and padding
+    logprobs: torch.Tensor  # actor at rollout time ("old" log-probs)
     ref_logprobs: torch.Tensor
-    values: torch.Tensor         # critic at rollout time
-    rewards: torch.Tensor        # -kl_coef * KL, plus the score at the last completion token
-    advantages: torch.Tensor     # GAE, whitened when configured
+    values: torch.Tensor  # critic at rollout time
+    rewards: torch.Tensor  # -kl_coef * KL, plus the score at the last completion token
+    advantages: torch.Tensor  # GAE, whitened when configured
     returns: torch.Tensor
-    scores: torch.Tensor         # [N] sequence scores (after the missing-stop penalty)
-    kl: torch.Tensor             # [N, T] per-token KL estimate
+    scores: torch.Tensor  # [N] sequence scores (after the missing-stop penalty)
+    kl: torch.Tensor  # [N, T] per-token KL estimate
     stats: dict
 
     @property
@@ -138,8 +148,10 @@ def _no_grad(fn):
     @functools.wraps(fn)
     def run(*args, **kwargs):
         import torch
+
         with torch.no_grad():
             return fn(*args, **kwargs)
+
     return run
 
 
@@ -148,6 +160,7 @@ def autocast_for(precision: str, device: torch.device):
     import torch
 
     from kiln.train.trainer import PRECISION_DTYPES
+
     if precision == "fp32":
         return nullcontext()
     return torch.autocast(device.type, dtype=PRECISION_DTYPES[precision])
@@ -158,16 +171,28 @@ def critic_of(model) -> torch.nn.Module:
 
 
 @_no_grad
-def make_rollout(actor, critic, reference, tokenizer, examples: list[dict], prompts: list[list[int]],
-                 reward_fn: RewardFn, cfg: PPOConfig, seq_len: int, seed: int, precision: str = "fp32") -> Rollout:
+def make_rollout(
+    actor,
+    critic,
+    reference,
+    tokenizer,
+    examples: list[dict],
+    prompts: list[list[int]],
+    reward_fn: RewardFn,
+    cfg: PPOConfig,
+    seq_len: int,
+    seed: int,
+    precision: str = "fp32",
+) -> Rollout:
     import torch
 
     from kiln.infer.engine import Engine
     from kiln.post.losses import gae, kl_estimate, masked_mean, token_logprobs, whiten
 
     stop = (tokenizer.token_id("<|end|>"), tokenizer.eot_id)
-    outs = Engine(actor).generate(prompts, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                                  stop_token_ids=stop, seed=seed)
+    outs = Engine(actor).generate(
+        prompts, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, stop_token_ids=stop, seed=seed
+    )
     completions = [list(o.ids) for o in outs]
     pad = tokenizer.token_id("<|pad|>")
     n = len(prompts)
@@ -178,12 +203,14 @@ def make_rollout(actor, critic, reference, tokenizer, examples: list[dict], prom
     for i, (p, c, o) in enumerate(zip(prompts, completions, outs)):
         ids = p + c
         if len(ids) > seq_len + 1:
-            raise ConfigError("ppo.train.seq_len", f"prompt ({len(p)} tokens) + completion ({len(c)}) exceeds "
-                                                   f"seq_len + 1 = {seq_len + 1}")
-        inputs[i, :len(ids) - 1] = torch.tensor(ids[:-1])
+            raise ConfigError(
+                "ppo.train.seq_len",
+                f"prompt ({len(p)} tokens) + completion ({len(c)}) exceeds seq_len + 1 = {seq_len + 1}",
+            )
+        inputs[i, : len(ids) - 1] = torch.tensor(ids[:-1])
         # targets[t] = ids[t + 1]: the completion's first token is predicted at the prompt's last position.
-        targets[i, len(p) - 1:len(ids) - 1] = torch.tensor(c)
-        engine_logp[i, len(p) - 1:len(ids) - 1] = torch.tensor(o.temperature_logprobs)
+        targets[i, len(p) - 1 : len(ids) - 1] = torch.tensor(c)
+        engine_logp[i, len(p) - 1 : len(ids) - 1] = torch.tensor(o.temperature_logprobs)
         last.append(len(ids) - 2)
     mask = targets != IGNORE
 
@@ -214,17 +241,22 @@ def make_rollout(actor, critic, reference, tokenizer, examples: list[dict], prom
     if cfg.whiten_advantages:
         advantages = whiten(advantages, mask)
     lengths = mask.sum(-1).float()
-    stats = {"score": scores.mean().item(), "kl": (kl.sum(-1)).mean().item(),
-             "kl_per_token": masked_mean(kl, mask).item(), "length": lengths.mean().item(),
-             "stopped": stopped.float().mean().item(),
-             "value_error": masked_mean((values - returns) ** 2, mask).item(),
-             # Engine (KV cache, fp32) vs the recomputed log-probs: a temperature or position
-             # mismatch shows here as a large gap long before it shows as a negative KL.
-             "logprob_gap": (engine_logp - logp).abs().masked_fill(~mask, 0).max().item()}
+    stats = {
+        "score": scores.mean().item(),
+        "kl": (kl.sum(-1)).mean().item(),
+        "kl_per_token": masked_mean(kl, mask).item(),
+        "length": lengths.mean().item(),
+        "stopped": stopped.float().mean().item(),
+        "value_error": masked_mean((values - returns) ** 2, mask).item(),
+        # Engine (KV cache, fp32) vs the recomputed log-probs: a temperature or position
+        # mismatch shows here as a large gap long before it shows as a negative KL.
+        "logprob_gap": (engine_logp - logp).abs().masked_fill(~mask, 0).max().item(),
+    }
     return Rollout(inputs, targets, logp, ref_logp, values, rewards, advantages, returns, scores, kl, stats)
 
 
 # ---- the objective ---------------------------------------------------------------------------------
+
 
 def make_ppo_loss(cfg: PPOConfig, sink: list | None = None):
     """loss_fn(model, batch) -> (policy loss + vf_coef * value loss - entropy_coef * entropy, rows).
@@ -246,9 +278,13 @@ def make_ppo_loss(cfg: PPOConfig, sink: list | None = None):
         loss = policy_loss + cfg.vf_coef * value_loss - cfg.entropy_coef * entropy
         if sink is not None:
             value_error = masked_mean((values.detach().float() - returns) ** 2, mask)
-            sink.append(torch.stack([policy_loss.detach(), value_loss.detach(), clip_fraction, approx_kl,
-                                     entropy.detach(), value_error]).float())
+            sink.append(
+                torch.stack(
+                    [policy_loss.detach(), value_loss.detach(), clip_fraction, approx_kl, entropy.detach(), value_error]
+                ).float()
+            )
         return loss, inputs.shape[0]
+
     return loss_fn
 
 
@@ -257,13 +293,18 @@ LOSS_STATS = ("policy_loss", "value_loss", "clip_fraction", "approx_kl", "entrop
 
 # ---- models and rewards ----------------------------------------------------------------------------
 
+
 def _resolve(recipe, value: str, key: str) -> Path:
     if value == "rm":
         from kiln.pipeline import stage_dir
+
         path = stage_dir(recipe, "rm")
         if not path.exists():
-            raise ConfigError(key, f"'rm' names this run's rm stage, but {path} does not exist (add rm to "
-                                   f"run.stages before ppo, or give a reward-model checkpoint path)")
+            raise ConfigError(
+                key,
+                f"'rm' names this run's rm stage, but {path} does not exist (add rm to "
+                f"run.stages before ppo, or give a reward-model checkpoint path)",
+            )
         return path
     return Path(value)
 
@@ -271,6 +312,7 @@ def _resolve(recipe, value: str, key: str) -> Path:
 def build_critic(recipe, cfg: PPOConfig, init: Path) -> torch.nn.Module:
     from kiln.infer.sample import load_model
     from kiln.post.rm import attach_scalar_head, load_scalar_model
+
     if cfg.critic_init == "policy":
         critic, _ = load_model(init)
         attach_scalar_head(critic)
@@ -284,6 +326,7 @@ def verifier_reward(tokenizer) -> RewardFn:
 
     def reward(examples, prompts, completions):
         return [grade(ex, tokenizer.decode(strip_stop(tokenizer, c))) for ex, c in zip(examples, completions)]
+
     return reward
 
 
@@ -292,6 +335,7 @@ def model_reward(model, tokenizer, batch_size: int = 32) -> RewardFn:
     import torch
 
     from kiln.post.rm import sequence_scores
+
     pad = tokenizer.token_id("<|pad|>")
 
     @_no_grad
@@ -300,30 +344,37 @@ def model_reward(model, tokenizer, batch_size: int = 32) -> RewardFn:
         seqs = [p + c for p, c in zip(prompts, completions)]
         scores = []
         for start in range(0, len(seqs), batch_size):
-            chunk = seqs[start:start + batch_size]
+            chunk = seqs[start : start + batch_size]
             width = max(map(len, chunk))
             ids = torch.tensor([s + [pad] * (width - len(s)) for s in chunk], device=device)
             last = torch.tensor([len(s) - 1 for s in chunk], device=device)
             scores.append(sequence_scores(model, ids, last).cpu())
         return torch.cat(scores)
+
     return reward
 
 
 def _prompts(recipe, cfg: PPOConfig, tokenizer, out: Path) -> tuple[list[dict], list[list[int]]]:
     from kiln.post import stages as S
     from kiln.post.chat import render_prompt
+
     if cfg.files:
         from kiln.post.data import read_prompts
+
         examples, _ = read_prompts(cfg.files, rejected_path=out / "rejected.jsonl")
         if cfg.reward == "verifier" and any(ex.get("answer") is None for ex in examples):
-            raise ConfigError("ppo.reward", "the verifier grades against each prompt's answer; some prompts in "
-                                            "ppo.files have none (give answers or use a reward model)")
+            raise ConfigError(
+                "ppo.reward",
+                "the verifier grades against each prompt's answer; some prompts in "
+                "ppo.files have none (give answers or use a reward model)",
+            )
         return examples, [render_prompt(tokenizer, ex["messages"]) for ex in examples]
     examples = S.train_tasks(recipe.tasks)
     return examples, [render_prompt(tokenizer, [{"role": "user", "content": ex["prompt"]}]) for ex in examples]
 
 
 # ---- the stage -------------------------------------------------------------------------------------
+
 
 class _Cycles:
     """Serves the minibatches of one rollout cycle after another from the OnlineSource's batch
@@ -338,9 +389,10 @@ class _Cycles:
 
     def __call__(self, _seed: int) -> tuple[torch.Tensor, ...]:
         import torch
+
         trainer, cfg = self.trainer, self.cfg
         micro, accum = trainer.cfg.micro_batch_size, trainer.accum_steps
-        per_epoch = cfg.minibatches * accum           # micro-batches in one pass over the buffer
+        per_epoch = cfg.minibatches * accum  # micro-batches in one pass over the buffer
         cycle, position = divmod(self.source.batches, cfg.ppo_epochs * per_epoch)
         if cycle != self.cycle:
             self.flush()
@@ -348,7 +400,7 @@ class _Cycles:
             self.cycle = cycle
         epoch, index = divmod(position, per_epoch)
         g = torch.Generator().manual_seed(self._seed(cycle) + epoch)
-        rows = torch.randperm(self.buffer[0].shape[0], generator=g)[index * micro:(index + 1) * micro]
+        rows = torch.randperm(self.buffer[0].shape[0], generator=g)[index * micro : (index + 1) * micro]
         return tuple(t[rows] for t in self.buffer)
 
     def _seed(self, cycle: int) -> int:
@@ -359,10 +411,19 @@ class _Cycles:
         total = len(self.prompts)
         picked = rng.sample(range(total), n) if n <= total else [rng.randrange(total) for _ in range(n)]
         model = self.trainer.model
-        rollout = make_rollout(model, critic_of(model), self.reference, self.tokenizer,
-                               [self.examples[i] for i in picked], [self.prompts[i] for i in picked],
-                               self.reward_fn, self.cfg, self.trainer.cfg.seq_len, self._seed(cycle),
-                               self.trainer.cfg.precision)
+        rollout = make_rollout(
+            model,
+            critic_of(model),
+            self.reference,
+            self.tokenizer,
+            [self.examples[i] for i in picked],
+            [self.prompts[i] for i in picked],
+            self.reward_fn,
+            self.cfg,
+            self.trainer.cfg.seq_len,
+            self._seed(cycle),
+            self.trainer.cfg.precision,
+        )
         record = {"kind": "rollout", "step": self.trainer.step, "cycle": cycle, **rollout.stats}
         self.history.append(record)
         if self.trainer.metrics:
@@ -374,6 +435,7 @@ class _Cycles:
         if not self.sink:
             return
         import torch
+
         means = torch.stack(self.sink).mean(0).tolist()
         self.sink.clear()
         record = {"kind": "ppo", "step": self.trainer.step, "cycle": self.cycle, **dict(zip(LOSS_STATS, means))}
@@ -381,6 +443,7 @@ class _Cycles:
             self.history[-1].update({k: v for k, v in record.items() if k not in ("kind", "step")})
         if self.trainer.is_main and after_fit:  # fit() has closed its logger: append to the same file
             from kiln.train.metrics import MetricsLogger
+
             logger = MetricsLogger(self.trainer.out_dir)
             logger.log(record)
             logger.close()
@@ -407,8 +470,10 @@ def run_ppo(recipe, out: Path, init: Path, tokenizer, resume: str = "auto", rewa
     examples, prompts = _prompts(recipe, cfg, tokenizer, out)
     longest = max(map(len, prompts))
     if longest + cfg.max_new_tokens > cfg.train.seq_len + 1:
-        raise ConfigError("ppo.train.seq_len", f"the longest prompt ({longest} tokens) + max_new_tokens "
-                                               f"({cfg.max_new_tokens}) must fit in seq_len + 1")
+        raise ConfigError(
+            "ppo.train.seq_len",
+            f"the longest prompt ({longest} tokens) + max_new_tokens ({cfg.max_new_tokens}) must fit in seq_len + 1",
+        )
     reward_name, reward_model = ("custom" if reward_fn is not None else cfg.reward), None
     if reward_fn is None:
         if cfg.reward == "verifier":
@@ -416,8 +481,11 @@ def run_ppo(recipe, out: Path, init: Path, tokenizer, resume: str = "auto", rewa
         else:
             reward_model = load_scalar_model(_resolve(recipe, cfg.reward, "ppo.reward"), "ppo.reward")
             if reward_model.cfg.vocab_size < tokenizer.vocab_size:
-                raise ConfigError("ppo.reward", f"reward model vocabulary {reward_model.cfg.vocab_size} < the "
-                                                f"tokenizer's {tokenizer.vocab_size} (same tokenizer needed)")
+                raise ConfigError(
+                    "ppo.reward",
+                    f"reward model vocabulary {reward_model.cfg.vocab_size} < the "
+                    f"tokenizer's {tokenizer.vocab_size} (same tokenizer needed)",
+                )
             reward_fn = model_reward(reward_model, tokenizer)
     heldout = S.heldout_tasks(recipe.tasks)
     before = _baseline(init, tokenizer, heldout)
@@ -430,21 +498,36 @@ def run_ppo(recipe, out: Path, init: Path, tokenizer, resume: str = "auto", rewa
             peft(model)  # the actor only: the critic, attached after, trains fully
         critic = build_critic(recipe, cfg, init).to(next(model.parameters()).device)
         if critic.cfg.vocab_size < tokenizer.vocab_size:
-            raise ConfigError("ppo.critic_init", f"critic vocabulary {critic.cfg.vocab_size} < the tokenizer's "
-                                                 f"{tokenizer.vocab_size} (same tokenizer needed)")
+            raise ConfigError(
+                "ppo.critic_init",
+                f"critic vocabulary {critic.cfg.vocab_size} < the tokenizer's "
+                f"{tokenizer.vocab_size} (same tokenizer needed)",
+            )
         model.add_module("critic", critic)
 
     sink: list = []
     cycles = _Cycles(recipe, cfg, tokenizer, examples, prompts, reward_fn, reference, sink)
-    sampled = heldout[::max(1, len(heldout) // 64)][:64]  # spread over the families, which come in blocks
-    val_rows, _ = S.sft_rows(tokenizer, [[{"role": "user", "content": ex["prompt"]},
-                                          {"role": "assistant", "content": ex["answer"]}] for ex in sampled],
-                             cfg.train.seq_len, packing=False)
-    val_batches = [tuple(torch.stack(p) for p in zip(*val_rows[i:i + 16])) for i in range(0, len(val_rows), 16)]
+    sampled = heldout[:: max(1, len(heldout) // 64)][:64]  # spread over the families, which come in blocks
+    val_rows, _ = S.sft_rows(
+        tokenizer,
+        [[{"role": "user", "content": ex["prompt"]}, {"role": "assistant", "content": ex["answer"]}] for ex in sampled],
+        cfg.train.seq_len,
+        packing=False,
+    )
+    val_batches = [tuple(torch.stack(p) for p in zip(*val_rows[i : i + 16])) for i in range(0, len(val_rows), 16)]
     source = OnlineSource(cycles, seed=recipe.train.seed, val_batches=val_batches, vocab_size=tokenizer.vocab_size)
     # Validation: the SFT loss of the held-out reference answers, a policy-only measure.
-    trainer = _trainer(recipe, out, cfg, (source, source), make_ppo_loss(cfg, sink), init, resume,
-                       prepare_model=prepare, eval_loss_fn=S.sft_loss)
+    trainer = _trainer(
+        recipe,
+        out,
+        cfg,
+        (source, source),
+        make_ppo_loss(cfg, sink),
+        init,
+        resume,
+        prepare_model=prepare,
+        eval_loss_fn=S.sft_loss,
+    )
     if trainer.world_size > 1:
         raise ConfigError("parallel", "ppo runs in one process: rollouts sample from the whole actor")
     reference.to(trainer.device)
@@ -454,11 +537,22 @@ def run_ppo(recipe, out: Path, init: Path, tokenizer, resume: str = "auto", rewa
     summary = trainer.fit()
     cycles.flush(after_fit=True)
     after = S.task_accuracy(trainer.model, tokenizer, heldout)
-    stats = {"train": summary, "rollouts": cycles.history, "heldout_before": before, "heldout_after": after,
-             "reward": reward_name}
+    stats = {
+        "train": summary,
+        "rollouts": cycles.history,
+        "heldout_before": before,
+        "heldout_after": after,
+        "reward": reward_name,
+    }
     if trainer.is_main:
-        stats["policy"] = str(export_policy(trainer.model, trainer.model_cfg, out / POLICY_DIR,
-                                            {"stage": "ppo", "checkpoint": summary["checkpoint"]}))
+        stats["policy"] = str(
+            export_policy(
+                trainer.model,
+                trainer.model_cfg,
+                out / POLICY_DIR,
+                {"stage": "ppo", "checkpoint": summary["checkpoint"]},
+            )
+        )
         peft_cfg = getattr(recipe, "peft", None)
         if peft_cfg is not None and peft_cfg.method != "none":
             stats["peft"] = export_adapter(trainer.model, trainer.model_cfg, peft_cfg, out / "adapter")
@@ -466,8 +560,10 @@ def run_ppo(recipe, out: Path, init: Path, tokenizer, resume: str = "auto", rewa
         line = f"[{out.name}] held-out task accuracy {before['accuracy']:.3f} -> {after['accuracy']:.3f}"
         if cycles.history:
             first, final = cycles.history[0], cycles.history[-1]
-            line += (f"; rollout score {first['score']:.3f} -> {final['score']:.3f}, "
-                     f"KL {first['kl']:.2e} -> {final['kl']:.2e}")
+            line += (
+                f"; rollout score {first['score']:.3f} -> {final['score']:.3f}, "
+                f"KL {first['kl']:.2e} -> {final['kl']:.2e}"
+            )
         print(line)
     return stats
 
@@ -476,6 +572,7 @@ def export_adapter(model, model_cfg, peft_cfg, folder: Path) -> dict:
     """The actor's small trainable weights: PEFT format for LoRA/QLoRA, Kiln's own for adapters.
     The critic holds no PEFT layers, so neither writer sees it."""
     from kiln.peft.peft_io import save_peft_adapter, save_trainable
+
     if peft_cfg.method in ("lora", "qlora"):
         save_peft_adapter(model, model_cfg, folder, peft_cfg)
     else:
@@ -487,6 +584,7 @@ def export_policy(model, model_cfg, folder: Path, extra: dict) -> Path:
     """The actor alone (no `critic.*`), LoRA merged: a plain checkpoint `load_model` reads."""
     from kiln.peft.peft_io import merged_state_dict
     from kiln.train.checkpoint import save_weights
+
     try:
         state = merged_state_dict(model)
     except ValueError:

@@ -38,12 +38,13 @@ EXPORT_DIR = "reward_model"
 
 @dataclass
 class RMConfig:
-    files: list[str] = field(default_factory=list)   # JSONL preference pairs; empty: pairs from [tasks]
-    heldout_fraction: float = 0.05                    # share of file pairs held out for accuracy
-    margin: float = 0.0                               # chosen must beat rejected by this much (0: none)
-    center_coef: float = 0.0                          # pulls (r_c + r_r) towards 0, keeps scores centred
-    train: StageTrainConfig = field(default_factory=lambda: StageTrainConfig(lr=1e-4, max_steps=100,
-                                                                             micro_batch_size=8))
+    files: list[str] = field(default_factory=list)  # JSONL preference pairs; empty: pairs from [tasks]
+    heldout_fraction: float = 0.05  # share of file pairs held out for accuracy
+    margin: float = 0.0  # chosen must beat rejected by this much (0: none)
+    center_coef: float = 0.0  # pulls (r_c + r_r) towards 0, keeps scores centred
+    train: StageTrainConfig = field(
+        default_factory=lambda: StageTrainConfig(lr=1e-4, max_steps=100, micro_batch_size=8)
+    )
 
     def validate(self) -> None:
         if not 0 < self.heldout_fraction < 0.5:
@@ -60,10 +61,12 @@ class RMConfig:
 
 # ---- the scalar head -------------------------------------------------------------------------------
 
+
 def attach_scalar_head(model: nn.Module) -> nn.Linear:
     """Replace the model's vocabulary head by a fresh `Linear(dim, 1)` (no bias: Bradley-Terry is
     blind to a constant, and without one an untied model keeps its key set). Returns the head."""
     from torch import nn
+
     param = model.tok_embeddings.weight
     head = nn.Linear(model.cfg.dim, 1, bias=False, device=param.device, dtype=param.dtype)
     # Small weights start every reward near 0, so the first pairwise losses are about log 2 and
@@ -95,11 +98,13 @@ def load_scalar_model(path, key: str = "reward_model") -> nn.Module:
     except (ValueError, OSError) as err:  # CheckpointError is a ValueError
         raise ConfigError(key, f"{path}: {err}") from None
     if not has_scalar_head(state, manifest):
-        raise ConfigError(key, f"{path} is a language model, not a reward model (no scalar head); "
-                               f"train one with `kiln rm`")
+        raise ConfigError(
+            key, f"{path} is a language model, not a reward model (no scalar head); train one with `kiln rm`"
+        )
     if any(".lora_" in k or ".adapter." in k for k in state):
-        raise ConfigError(key, f"{path} is a PEFT training checkpoint; use the merged export "
-                               f"<rm stage>/{EXPORT_DIR} instead")
+        raise ConfigError(
+            key, f"{path} is a PEFT training checkpoint; use the merged export <rm stage>/{EXPORT_DIR} instead"
+        )
     model = Transformer(cfg)
     attach_scalar_head(model)
     model.load_state_dict(state)
@@ -115,6 +120,7 @@ def sequence_scores(model: nn.Module, ids: torch.Tensor, last: torch.Tensor) -> 
 
 # ---- data ------------------------------------------------------------------------------------------
 
+
 def rm_rows(tokenizer, pairs: list[tuple[list[dict], str, str]], seq_len: int) -> tuple[list[tuple], int]:
     """(chosen ids [T], chosen last index, rejected ids [T], rejected last index) per pair, each the
     whole rendered conversation (its closing `<|end|>` included), right-padded. Returns the rows
@@ -122,6 +128,7 @@ def rm_rows(tokenizer, pairs: list[tuple[list[dict], str, str]], seq_len: int) -
     import torch
 
     from kiln.post.chat import render_conversation
+
     pad = tokenizer.token_id("<|pad|>")
     rows, cut = [], 0
     for prompt, chosen, rejected in pairs:
@@ -148,25 +155,30 @@ def make_rm_loss(cfg: RMConfig):
         r_chosen, r_rejected = scores.chunk(2)
         loss = bradley_terry_loss(r_chosen, r_rejected, margin=cfg.margin or None, center_coef=cfg.center_coef)
         return loss, chosen.shape[0]
+
     return loss_fn
 
 
 def preference_accuracy(model: nn.Module, rows: list[tuple], batch_size: int = 32) -> dict:
     """Pairwise accuracy (chosen scored strictly higher) and mean score margin over `rows`."""
     import torch
+
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
     margins = []
     with torch.no_grad():
         for start in range(0, len(rows), batch_size):
-            c, cl, r, rl = (torch.stack(p).to(device) for p in zip(*rows[start:start + batch_size]))
+            c, cl, r, rl = (torch.stack(p).to(device) for p in zip(*rows[start : start + batch_size]))
             scores = sequence_scores(model, torch.cat([c, r]), torch.cat([cl, rl]))
             rc, rr = scores.chunk(2)
             margins += (rc - rr).tolist()
     model.train(was_training)
-    return {"accuracy": sum(m > 0 for m in margins) / len(margins),
-            "mean_margin": sum(margins) / len(margins), "pairs": len(margins)}
+    return {
+        "accuracy": sum(m > 0 for m in margins) / len(margins),
+        "mean_margin": sum(margins) / len(margins),
+        "pairs": len(margins),
+    }
 
 
 def _split_file_pairs(pairs: list, fraction: float, seed: int) -> tuple[list, list]:
@@ -174,15 +186,18 @@ def _split_file_pairs(pairs: list, fraction: float, seed: int) -> tuple[list, li
     random.Random(f"kiln-rm-split|{seed}").shuffle(order)
     n_val = max(1, round(len(pairs) * fraction))
     if len(pairs) - n_val < 1:
-        raise ConfigError("rm.files", f"{len(pairs)} preference pair(s) leave none to train on after "
-                                      f"holding out {n_val}")
+        raise ConfigError(
+            "rm.files", f"{len(pairs)} preference pair(s) leave none to train on after holding out {n_val}"
+        )
     return [pairs[i] for i in order[n_val:]], [pairs[i] for i in order[:n_val]]
 
 
 # ---- the stage -------------------------------------------------------------------------------------
 
+
 def _prepare(recipe):
     from kiln.post.run import _peft
+
     peft = _peft(recipe)
 
     def prepare(model):
@@ -191,6 +206,7 @@ def _prepare(recipe):
             peft(model)
             # PEFT freezes every base weight; the new head has nothing to adapt from and trains fully.
             head.weight.requires_grad_(True)
+
     return prepare
 
 
@@ -207,13 +223,17 @@ def run_rm(recipe, out: Path, init: Path, tokenizer, resume: str = "auto") -> di
         raise err.within("rm") from None
     peft = getattr(recipe, "peft", None)
     if peft is not None and peft.method == "adapter":
-        raise ConfigError("peft.method", "a reward model is exported as plain weights, which bottleneck "
-                                         "adapters cannot be folded into; use lora, qlora or none")
+        raise ConfigError(
+            "peft.method",
+            "a reward model is exported as plain weights, which bottleneck "
+            "adapters cannot be folded into; use lora, qlora or none",
+        )
     out = Path(out)
     heldout = S.heldout_tasks(recipe.tasks)
     task_val = task_preference_pairs(heldout, seed=recipe.tasks.seed + 1)
     if cfg.files:
         from kiln.post.data import read_preferences
+
         pairs, read_stats = read_preferences(cfg.files, rejected_path=out / "rejected.jsonl")
         pairs, val_pairs = _split_file_pairs(pairs, cfg.heldout_fraction, recipe.train.seed)
         data = {"files": read_stats}
@@ -227,8 +247,7 @@ def run_rm(recipe, out: Path, init: Path, tokenizer, resume: str = "auto") -> di
     vocab = tokenizer.vocab_size
     train = ExampleSource(rows, cfg.train.micro_batch_size, seed=recipe.train.seed, vocab_size=vocab)
     val = ExampleSource(val_rows, cfg.train.micro_batch_size, shuffle=False, vocab_size=vocab)
-    trainer = _trainer(recipe, out, cfg, (train, val), make_rm_loss(cfg), init, resume,
-                       prepare_model=_prepare(recipe))
+    trainer = _trainer(recipe, out, cfg, (train, val), make_rm_loss(cfg), init, resume, prepare_model=_prepare(recipe))
 
     # The untrained head's accuracy is measured once, on the first run, and kept for resumed runs.
     before_file = out / "rm_before.json"
@@ -242,16 +261,25 @@ def run_rm(recipe, out: Path, init: Path, tokenizer, resume: str = "auto") -> di
     after = {"heldout": preference_accuracy(trainer.model, val_rows)}
     if cfg.files:
         after["heldout_tasks"] = preference_accuracy(trainer.model, task_rows)
-    stats = {"data": {**data, "pairs": len(rows), "heldout_pairs": len(val_rows), "truncated": cut},
-             "train": summary, "before": before, "after": after}
+    stats = {
+        "data": {**data, "pairs": len(rows), "heldout_pairs": len(val_rows), "truncated": cut},
+        "train": summary,
+        "before": before,
+        "after": after,
+    }
     if trainer.is_main:
-        export_reward_model(trainer, out / EXPORT_DIR, {"stage": "rm", "checkpoint": summary["checkpoint"],
-                                                        "heldout_accuracy": after["heldout"]["accuracy"]})
+        export_reward_model(
+            trainer,
+            out / EXPORT_DIR,
+            {"stage": "rm", "checkpoint": summary["checkpoint"], "heldout_accuracy": after["heldout"]["accuracy"]},
+        )
         stats["reward_model"] = str(out / EXPORT_DIR)
         S.write_stats(out, stats)
         start = f"{before['heldout']['accuracy']:.3f}" if before else "?"
-        print(f"[{out.name}] held-out pairwise accuracy {start} -> "
-              f"{after['heldout']['accuracy']:.3f} ({len(val_rows)} pairs)")
+        print(
+            f"[{out.name}] held-out pairwise accuracy {start} -> "
+            f"{after['heldout']['accuracy']:.3f} ({len(val_rows)} pairs)"
+        )
     return stats
 
 
@@ -259,4 +287,5 @@ def export_reward_model(trainer, folder: Path, extra: dict) -> Path:
     """Plain weights (LoRA merged) of the trained reward model, with the head recorded."""
     from kiln.peft.peft_io import merged_state_dict
     from kiln.train.checkpoint import save_weights
+
     return save_weights(folder, trainer.model_cfg, merged_state_dict(trainer.model), {**extra, "head": HEAD})

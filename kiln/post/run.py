@@ -12,8 +12,9 @@ from kiln.post import stages as S
 from kiln.post.sources import ExampleSource, OnlineSource
 
 
-def _trainer(recipe, out: Path, stage_cfg, data, loss_fn, init: Path, resume: str, prepare_model=None,
-             eval_loss_fn=None):
+def _trainer(
+    recipe, out: Path, stage_cfg, data, loss_fn, init: Path, resume: str, prepare_model=None, eval_loss_fn=None
+):
     from kiln.config import recipe_to_dict
     from kiln.train.checkpoint import model_config_from_dict, read_manifest, resolve_checkpoint
     from kiln.train.trainer import Trainer
@@ -22,9 +23,20 @@ def _trainer(recipe, out: Path, stage_cfg, data, loss_fn, init: Path, resume: st
     folder = resolve_checkpoint(init)
     model_cfg = model_config_from_dict(read_manifest(folder)["model_config"], str(folder))
     train_cfg = stage_cfg.train.train_config(recipe.train)
-    return Trainer(model_cfg, train_cfg, None, out, recipe_dict=recipe_to_dict(recipe), resume=resume,
-                   init_from=init, loss_fn=loss_fn, data=data, parallel=recipe.parallel, prepare_model=prepare_model,
-                   eval_loss_fn=eval_loss_fn)
+    return Trainer(
+        model_cfg,
+        train_cfg,
+        None,
+        out,
+        recipe_dict=recipe_to_dict(recipe),
+        resume=resume,
+        init_from=init,
+        loss_fn=loss_fn,
+        data=data,
+        parallel=recipe.parallel,
+        prepare_model=prepare_model,
+        eval_loss_fn=eval_loss_fn,
+    )
 
 
 def _peft(recipe):
@@ -33,6 +45,7 @@ def _peft(recipe):
     if cfg is None or cfg.method == "none":
         return None
     from kiln.peft.config import apply_peft
+
     return lambda model: apply_peft(model, cfg)
 
 
@@ -45,8 +58,10 @@ def _finish(trainer, tokenizer, heldout: list[dict], before: dict, out: Path, ex
         stats["peft"] = _save_peft_outputs(trainer, peft, out)
     if trainer.is_main:
         S.write_stats(out, stats)
-        print(f"[{out.name}] held-out task accuracy {before['accuracy']:.3f} -> {after['accuracy']:.3f} "
-              f"({', '.join(f'{k} {v:.2f}' for k, v in after['per_task'].items())})")
+        print(
+            f"[{out.name}] held-out task accuracy {before['accuracy']:.3f} -> {after['accuracy']:.3f} "
+            f"({', '.join(f'{k} {v:.2f}' for k, v in after['per_task'].items())})"
+        )
     return stats
 
 
@@ -60,16 +75,25 @@ def _save_peft_outputs(trainer, peft, out: Path) -> dict:
     trainable, total = parameter_counts(trainer.model)
     if peft.method in ("lora", "qlora"):
         save_peft_adapter(trainer.model, trainer.model_cfg, out / "adapter", peft)
-        save_weights(out / "merged", trainer.model_cfg, merged_state_dict(trainer.model),
-                     {"step": trainer.step, "peft": peft.method})
+        save_weights(
+            out / "merged",
+            trainer.model_cfg,
+            merged_state_dict(trainer.model),
+            {"step": trainer.step, "peft": peft.method},
+        )
     else:
         save_trainable(trainer.model, peft, out / "adapter")
-    return {"method": peft.method, "trainable_params": trainable, "total_params": total,
-            "adapter": str(out / "adapter")}
+    return {
+        "method": peft.method,
+        "trainable_params": trainable,
+        "total_params": total,
+        "adapter": str(out / "adapter"),
+    }
 
 
 def _baseline(init: Path, tokenizer, heldout: list[dict]) -> dict:
     from kiln.infer.sample import load_model
+
     model, _ = load_model(init)
     return S.task_accuracy(model, tokenizer, heldout)
 
@@ -85,6 +109,7 @@ def run_sft(recipe, out: Path, init: Path, tokenizer, resume: str = "auto") -> d
         sources["tasks"] = len(tasks)
     if cfg.files:
         from kiln.post.data import read_sft
+
         examples, read_stats = read_sft(cfg.files)
         conversations += examples
         sources["files"] = read_stats
@@ -110,12 +135,14 @@ def run_dpo(recipe, out: Path, init: Path, tokenizer, resume: str = "auto") -> d
     pair_stats = {}
     if cfg.files:
         from kiln.post.data import read_preferences
+
         pairs, _ = read_preferences(cfg.files)
     elif cfg.rejected == "policy":
         train_cfg = cfg.train.train_config(recipe.train)
         wanted = train_cfg.max_steps * (train_cfg.global_batch_tokens // train_cfg.seq_len)
-        pairs, pair_stats = policy_pairs(reference, tokenizer, S.train_tasks(recipe.tasks), wanted,
-                                         seed=recipe.tasks.seed)
+        pairs, pair_stats = policy_pairs(
+            reference, tokenizer, S.train_tasks(recipe.tasks), wanted, seed=recipe.tasks.seed
+        )
     else:
         pairs = task_preference_pairs(S.train_tasks(recipe.tasks), seed=recipe.tasks.seed)
     heldout = S.heldout_tasks(recipe.tasks)
@@ -123,15 +150,15 @@ def run_dpo(recipe, out: Path, init: Path, tokenizer, resume: str = "auto") -> d
     to_divergence = cfg.rejected_to_divergence
     rows = S.reference_logprobs(reference, S.pair_rows(tokenizer, pairs, seq_len, to_divergence), precision=precision)
     val_pairs = task_preference_pairs(heldout, seed=recipe.tasks.seed + 1)
-    val_rows = S.reference_logprobs(reference, S.pair_rows(tokenizer, val_pairs, seq_len, to_divergence),
-                                    precision=precision)
+    val_rows = S.reference_logprobs(
+        reference, S.pair_rows(tokenizer, val_pairs, seq_len, to_divergence), precision=precision
+    )
     before = S.task_accuracy(reference, tokenizer, heldout)
     del reference
     vocab = tokenizer.vocab_size
     train = ExampleSource(rows, cfg.train.micro_batch_size, seed=recipe.train.seed, vocab_size=vocab)
     val = ExampleSource(val_rows, cfg.train.micro_batch_size, shuffle=False, vocab_size=vocab)
-    trainer = _trainer(recipe, out, cfg, (train, val), S.make_dpo_loss(cfg), init, resume,
-                       prepare_model=_peft(recipe))
+    trainer = _trainer(recipe, out, cfg, (train, val), S.make_dpo_loss(cfg), init, resume, prepare_model=_peft(recipe))
     stats = _finish(trainer, tokenizer, heldout, before, out, {"pairs": len(rows), **pair_stats}, recipe)
     stats["heldout_preferences"] = preference_stats(trainer.model, val_rows, cfg.beta, precision)
     if trainer.is_main:
@@ -139,8 +166,9 @@ def run_dpo(recipe, out: Path, init: Path, tokenizer, resume: str = "auto") -> d
     return stats
 
 
-def policy_pairs(model, tokenizer, tasks: list[dict], wanted: int, seed: int = 0,
-                 chunk: int = 256) -> tuple[list, dict]:
+def policy_pairs(
+    model, tokenizer, tasks: list[dict], wanted: int, seed: int = 0, chunk: int = 256
+) -> tuple[list, dict]:
     """On-policy preference pairs: chosen = the task's answer, rejected = the model's own greedy
     answer where the grader marks it wrong. Tasks are visited in a seeded order until `wanted` pairs
     exist (one pass of training), so the cost is bounded by what the stage will use. Problems the
@@ -152,7 +180,7 @@ def policy_pairs(model, tokenizer, tasks: list[dict], wanted: int, seed: int = 0
     random.Random(f"kiln-policy-pairs|{seed}").shuffle(order)
     pairs, asked = [], 0
     for start in range(0, len(order), chunk):
-        batch = [tasks[i] for i in order[start:start + chunk]]
+        batch = [tasks[i] for i in order[start : start + chunk]]
         prompts = [render_prompt(tokenizer, to_messages(ex, with_answer=False)) for ex in batch]
         completions = S.complete(model, tokenizer, prompts, max_new_tokens=16)
         asked += len(batch)
@@ -177,7 +205,7 @@ def preference_stats(model, rows: list[tuple], beta: float, precision: str = "fp
     device = next(model.parameters()).device
     correct, margins = 0, []
     for start in range(0, len(rows), 32):
-        parts = [torch.stack(p) for p in zip(*rows[start:start + 32])]
+        parts = [torch.stack(p) for p in zip(*rows[start : start + 32])]
         with S.autocast(precision, device):
             pol_c, pol_r = (x.cpu() for x in S._pair_logprobs(model, *(p.to(device) for p in parts[:4])))
         margin = beta * ((pol_c - parts[4]) - (pol_r - parts[5]))
@@ -210,6 +238,7 @@ def run_grpo(recipe, out: Path, init: Path, tokenizer, resume: str = "auto") -> 
     if cfg.reward_model:
         from kiln.post.ppo import model_reward
         from kiln.post.rm import load_scalar_model
+
         judge = model_reward(load_scalar_model(cfg.reward_model, key="grpo.reward_model"), tokenizer)
 
     def make_batch(seed: int) -> tuple[torch.Tensor, ...]:
@@ -223,23 +252,26 @@ def run_grpo(recipe, out: Path, init: Path, tokenizer, resume: str = "auto") -> 
         expanded = [p for p in prompt_ids for _ in range(cfg.group_size)]
         was_training = model.training
         model.eval()
-        completions = S.complete(model, tokenizer, expanded, cfg.max_new_tokens, temperature=cfg.temperature,
-                                 seed=seed)
+        completions = S.complete(model, tokenizer, expanded, cfg.max_new_tokens, temperature=cfg.temperature, seed=seed)
         model.train(was_training)
         if judge is not None:
-            rewards = torch.as_tensor(judge([picked[i // cfg.group_size] for i in range(len(completions))],
-                                            expanded, completions)).float()
+            rewards = torch.as_tensor(
+                judge([picked[i // cfg.group_size] for i in range(len(completions))], expanded, completions)
+            ).float()
         else:
-            rewards = torch.tensor([grade(picked[i // cfg.group_size],
-                                          tokenizer.decode(S.strip_stop(tokenizer, c)))
-                                    for i, c in enumerate(completions)])
+            rewards = torch.tensor(
+                [
+                    grade(picked[i // cfg.group_size], tokenizer.decode(S.strip_stop(tokenizer, c)))
+                    for i, c in enumerate(completions)
+                ]
+            )
         rollout_stats["rollouts"] += len(completions)
         rollout_stats["reward_sum"] += float(rewards.sum())
         advantages = group_advantages(rewards, cfg.group_size)
         seq_len = cfg.train.seq_len
         inputs, targets = [], []
         for p, c in zip(expanded, completions):
-            ids = (p + c)[:seq_len + 1]  # c ends with <|end|> when the policy stopped by itself
+            ids = (p + c)[: seq_len + 1]  # c ends with <|end|> when the policy stopped by itself
             target = [S.IGNORE if i < len(p) - 1 else t for i, t in enumerate(ids[1:])]
             inputs.append(S._pad(ids[:-1], seq_len, pad))
             targets.append(S._pad(target, seq_len, S.IGNORE))
@@ -247,28 +279,34 @@ def run_grpo(recipe, out: Path, init: Path, tokenizer, resume: str = "auto") -> 
 
     def loss_fn(model, batch):
         from kiln.post.losses import grpo_loss, token_logprobs
+
         inputs, targets, advantages = batch
         logits = model(inputs)
         logp = token_logprobs(logits, targets, temperature=cfg.temperature)  # as the rollouts were sampled
         mask = targets != S.IGNORE
         # One optimisation pass per rollout batch: the sampling policy is the current one, so the
         # old log-probs are the current ones detached (ratio 1, the clip inactive but kept general).
-        loss, _ = grpo_loss(logp, logp.detach(), advantages, mask, eps=cfg.clip_eps, beta=0.0,
-                            loss_type=cfg.loss_type)
+        loss, _ = grpo_loss(logp, logp.detach(), advantages, mask, eps=cfg.clip_eps, beta=0.0, loss_type=cfg.loss_type)
         return loss, inputs.shape[0]
 
-    val_rows = [S.sft_rows(tokenizer, [[{"role": "user", "content": ex["prompt"]},
-                                        {"role": "assistant", "content": ex["answer"]}]], cfg.train.seq_len,
-                           False)[0][0] for ex in heldout[:64]]
-    val_batches = [tuple(torch.stack(p) for p in zip(*val_rows[i:i + 16])) for i in range(0, len(val_rows), 16)]
+    val_rows = [
+        S.sft_rows(
+            tokenizer,
+            [[{"role": "user", "content": ex["prompt"]}, {"role": "assistant", "content": ex["answer"]}]],
+            cfg.train.seq_len,
+            False,
+        )[0][0]
+        for ex in heldout[:64]
+    ]
+    val_batches = [tuple(torch.stack(p) for p in zip(*val_rows[i : i + 16])) for i in range(0, len(val_rows), 16)]
 
     source = OnlineSource(make_batch, seed=recipe.train.seed, val_batches=val_batches, vocab_size=tokenizer.vocab_size)
-    trainer = _trainer(recipe, out, cfg, (source, source), loss_fn, init, resume, prepare_model=_peft(recipe),
-                       eval_loss_fn=S.sft_loss)  # validation: the SFT loss of the reference answers
+    trainer = _trainer(
+        recipe, out, cfg, (source, source), loss_fn, init, resume, prepare_model=_peft(recipe), eval_loss_fn=S.sft_loss
+    )  # validation: the SFT loss of the reference answers
     holder["model"] = trainer.model
     stats = _finish(trainer, tokenizer, heldout, before, out, {"rollout": rollout_stats}, recipe)
     return stats
-
 
 
 # The other stages live in their own modules; the pipeline finds every stage's run_<name> here.

@@ -14,8 +14,16 @@ import torch
 
 
 class ExampleSource:
-    def __init__(self, rows: list[tuple[torch.Tensor, ...]], batch_size: int, rank: int = 0, world_size: int = 1,
-                 seed: int = 0, shuffle: bool = True, vocab_size: int = 0):
+    def __init__(
+        self,
+        rows: list[tuple[torch.Tensor, ...]],
+        batch_size: int,
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int = 0,
+        shuffle: bool = True,
+        vocab_size: int = 0,
+    ):
         if not rows:
             raise ValueError("no examples to train on")
         self.rows, self.batch_size, self.rank, self.world_size = rows, batch_size, rank, world_size
@@ -35,7 +43,7 @@ class ExampleSource:
         # A global batch is global_batch consecutive examples of the epoch's order; rank r takes its
         # slice, so every rank advances the same state and resume works on any world size.
         start = index * self.global_batch + self.rank * self.batch_size
-        picked = [self.rows[int(i)] for i in order[start:start + self.batch_size]]
+        picked = [self.rows[int(i)] for i in order[start : start + self.batch_size]]
         return tuple(torch.stack(parts) for parts in zip(*picked))
 
     def __iter__(self):
@@ -57,16 +65,23 @@ class ExampleSource:
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("examples") != len(self.rows) or state.get("seed") != self.seed:
-            raise ValueError(f"source state is for {state.get('examples')} examples with seed {state.get('seed')}, "
-                             f"this source has {len(self.rows)} with seed {self.seed}")
+            raise ValueError(
+                f"source state is for {state.get('examples')} examples with seed {state.get('seed')}, "
+                f"this source has {len(self.rows)} with seed {self.seed}"
+            )
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
 
 
 class OnlineSource:
     """Each batch comes from make_batch(step_seed); the step counter is the whole state."""
 
-    def __init__(self, make_batch: Callable[[int], tuple[torch.Tensor, ...]], seed: int = 0,
-                 val_batches: list | None = None, vocab_size: int = 0):
+    def __init__(
+        self,
+        make_batch: Callable[[int], tuple[torch.Tensor, ...]],
+        seed: int = 0,
+        val_batches: list | None = None,
+        vocab_size: int = 0,
+    ):
         self.make_batch, self.seed, self.vocab_size = make_batch, seed, vocab_size
         self.val = val_batches or []
         self.bytes_per_token = None

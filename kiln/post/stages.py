@@ -22,29 +22,43 @@ IGNORE = -100
 
 # ---- held-out accuracy ---------------------------------------------------------------------------
 
+
 def heldout_tasks(cfg: TaskConfig) -> list[dict]:
     from kiln.post.tasks import generate_tasks
-    return [ex for i, family in enumerate(cfg.families)
-            for ex in generate_tasks(family, cfg.heldout_per_family, split="heldout", difficulty=cfg.difficulty,
-                                     seed=cfg.seed + 7919 * (i + 1))]
+
+    return [
+        ex
+        for i, family in enumerate(cfg.families)
+        for ex in generate_tasks(
+            family, cfg.heldout_per_family, split="heldout", difficulty=cfg.difficulty, seed=cfg.seed + 7919 * (i + 1)
+        )
+    ]
 
 
 def train_tasks(cfg: TaskConfig) -> list[dict]:
     from kiln.post.tasks import generate_tasks
-    return [ex for i, family in enumerate(cfg.families)
-            for ex in generate_tasks(family, cfg.train_per_family, split="train", difficulty=cfg.difficulty,
-                                     seed=cfg.seed + 104729 * (i + 1))]
+
+    return [
+        ex
+        for i, family in enumerate(cfg.families)
+        for ex in generate_tasks(
+            family, cfg.train_per_family, split="train", difficulty=cfg.difficulty, seed=cfg.seed + 104729 * (i + 1)
+        )
+    ]
 
 
 @torch.no_grad()
-def complete(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
-             seed: int = 0) -> list[list[int]]:
+def complete(
+    model, tokenizer, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0, seed: int = 0
+) -> list[list[int]]:
     """Completion ids of each prompt from the KV-cache engine; a completion that ended at a stop
     token (`<|end|>` or `<|endoftext|>`) keeps it, since RL trains on emitting it."""
     from kiln.infer.engine import Engine
+
     stop = (tokenizer.token_id("<|end|>"), tokenizer.eot_id)
-    outs = Engine(model).generate(prompts, max_new_tokens=max_new_tokens, temperature=temperature,
-                                  stop_token_ids=stop, seed=seed)
+    outs = Engine(model).generate(
+        prompts, max_new_tokens=max_new_tokens, temperature=temperature, stop_token_ids=stop, seed=seed
+    )
     return [list(o.ids) for o in outs]
 
 
@@ -67,11 +81,15 @@ def task_accuracy(model, tokenizer, examples: list[dict], max_new_tokens: int = 
     for ex, ids in zip(examples, completions):
         scores.setdefault(ex["task"], []).append(grade(ex, tokenizer.decode(strip_stop(tokenizer, ids))))
     flat = [s for v in scores.values() for s in v]
-    return {"accuracy": sum(flat) / len(flat), "examples": len(flat),
-            "per_task": {k: sum(v) / len(v) for k, v in sorted(scores.items())}}
+    return {
+        "accuracy": sum(flat) / len(flat),
+        "examples": len(flat),
+        "per_task": {k: sum(v) / len(v) for k, v in sorted(scores.items())},
+    }
 
 
 # ---- objectives ------------------------------------------------------------------------------------
+
 
 def trimmed(targets: torch.Tensor, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Cut [B, T] tensors after the last position that has a target in any row. Attention is causal,
@@ -96,6 +114,7 @@ def sft_loss(model, batch: tuple) -> tuple[torch.Tensor, int]:
 
 def _pair_logprobs(model, chosen, chosen_targets, rejected, rejected_targets):
     from kiln.post.losses import sequence_logprobs
+
     targets, inputs = trimmed(torch.cat([chosen_targets, rejected_targets]), torch.cat([chosen, rejected]))
     logits = model(inputs)
     mask = targets != IGNORE
@@ -118,13 +137,21 @@ def make_dpo_loss(cfg: DPOConfig):
         pol_chosen, pol_rejected = _pair_logprobs(model, chosen, chosen_t, rejected, rejected_t)
         chosen_lengths = (chosen_t != IGNORE).sum(-1)
         # IPO's target margin is per token (TRL's normalisation), so it needs the answer lengths.
-        loss, _, _ = dpo_loss(pol_chosen, pol_rejected, ref_chosen, ref_rejected, beta=cfg.beta,
-                              loss_type=loss_type, label_smoothing=smoothing,
-                              chosen_lengths=chosen_lengths,
-                              rejected_lengths=(rejected_t != IGNORE).sum(-1))
+        loss, _, _ = dpo_loss(
+            pol_chosen,
+            pol_rejected,
+            ref_chosen,
+            ref_rejected,
+            beta=cfg.beta,
+            loss_type=loss_type,
+            label_smoothing=smoothing,
+            chosen_lengths=chosen_lengths,
+            rejected_lengths=(rejected_t != IGNORE).sum(-1),
+        )
         if cfg.nll_weight:
             loss = loss - cfg.nll_weight * pol_chosen.sum() / chosen_lengths.sum().clamp(min=1)
         return loss, chosen.shape[0]
+
     return loss_fn
 
 
@@ -133,12 +160,14 @@ def autocast(precision: str, device: torch.device | str = "cpu"):
     policy's at step 0, so DPO's margin starts at exactly zero (fp32 references under a bf16 policy
     would start it at the rounding difference)."""
     from kiln.train.trainer import PRECISION_DTYPES
+
     if precision == "fp32":
         return nullcontext()
     return torch.autocast(torch.device(device).type, dtype=PRECISION_DTYPES[precision])
 
 
 # ---- data ------------------------------------------------------------------------------------------
+
 
 def _pad(ids: list[int], length: int, value: int) -> list[int]:
     return (ids + [value] * length)[:length]
@@ -152,22 +181,39 @@ def sft_rows(tokenizer, conversations: list[list[dict]], seq_len: int, packing: 
     pad = tokenizer.token_id("<|pad|>")
     if packing:
         packed = pack_sft(tokenized, seq_len, pad_id=pad)
-        rows = [(torch.as_tensor(r.inputs), torch.as_tensor(r.targets), torch.as_tensor(r.position_ids),
-                 torch.as_tensor(r.document_ids)) for r in packed]
+        rows = [
+            (
+                torch.as_tensor(r.inputs),
+                torch.as_tensor(r.targets),
+                torch.as_tensor(r.position_ids),
+                torch.as_tensor(r.document_ids),
+            )
+            for r in packed
+        ]
     else:
         rows = []
         for ids, mask in tokenized:
-            ids, mask = ids[:seq_len + 1], mask[:seq_len + 1]
+            ids, mask = ids[: seq_len + 1], mask[: seq_len + 1]
             targets = [t if m else IGNORE for t, m in zip(ids[1:], mask[1:])]
             n = len(ids) - 1
-            rows.append((torch.tensor(_pad(ids[:-1], seq_len, pad)), torch.tensor(_pad(targets, seq_len, IGNORE)),
-                         torch.tensor(_pad(list(range(n)), seq_len, 0)), torch.tensor([0] * n + [1] * (seq_len - n))[:seq_len]))
-    return rows, {"conversations": len(tokenized), "rows": len(rows),
-                  "assistant_tokens": sum(sum(m) for _, m in tokenized)}
+            rows.append(
+                (
+                    torch.tensor(_pad(ids[:-1], seq_len, pad)),
+                    torch.tensor(_pad(targets, seq_len, IGNORE)),
+                    torch.tensor(_pad(list(range(n)), seq_len, 0)),
+                    torch.tensor([0] * n + [1] * (seq_len - n))[:seq_len],
+                )
+            )
+    return rows, {
+        "conversations": len(tokenized),
+        "rows": len(rows),
+        "assistant_tokens": sum(sum(m) for _, m in tokenized),
+    }
 
 
-def pair_rows(tokenizer, pairs: list[tuple[list[dict], str, str]], seq_len: int,
-              rejected_to_divergence: bool = False) -> list[tuple]:
+def pair_rows(
+    tokenizer, pairs: list[tuple[list[dict], str, str]], seq_len: int, rejected_to_divergence: bool = False
+) -> list[tuple]:
     """(chosen ids, chosen targets, rejected ids, rejected targets) with loss on the answers only.
 
     `rejected_to_divergence` scores the rejected answer only up to its first token that differs
@@ -176,13 +222,14 @@ def pair_rows(tokenizer, pairs: list[tuple[list[dict], str, str]], seq_len: int,
     unlearns the skill the chosen answer uses (measured: held-out accuracy fell). The shared prefix
     scores the same in both sequences, so it cancels in the margin."""
     from kiln.post.chat import render_conversation
+
     pad = tokenizer.token_id("<|pad|>")
     rows = []
     for prompt, chosen, rejected in pairs:
         row, rendered = [], []
         for answer in (chosen, rejected):
             ids, mask = render_conversation(tokenizer, [*prompt, {"role": "assistant", "content": answer}])
-            ids, mask = ids[:seq_len + 1], mask[:seq_len + 1]
+            ids, mask = ids[: seq_len + 1], mask[: seq_len + 1]
             rendered.append(ids)
             targets = [t if m else IGNORE for t, m in zip(ids[1:], mask[1:])]
             if rejected_to_divergence and len(rendered) == 2:
@@ -204,7 +251,7 @@ def reference_logprobs(model, rows: list[tuple], batch_size: int = 32, precision
     device = next(model.parameters()).device
     out = []
     for start in range(0, len(rows), batch_size):
-        chunk = rows[start:start + batch_size]
+        chunk = rows[start : start + batch_size]
         parts = [torch.stack(p).to(device) for p in zip(*chunk)]
         with autocast(precision, device):
             ref_c, ref_r = _pair_logprobs(model, *parts)
@@ -216,4 +263,3 @@ def reference_logprobs(model, rows: list[tuple], batch_size: int = 32, precision
 
 def write_stats(out: Path, stats: dict) -> None:
     (Path(out) / "stats.json").write_text(json.dumps(stats, indent=2, default=str))
-

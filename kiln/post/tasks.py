@@ -40,35 +40,163 @@ FAMILIES = ("arithmetic", "sort", "reverse", "convert", "word_problem")
 SPLITS = ("train", "heldout")
 LEVELS = (1, 2, 3)
 HELDOUT_FRACTION = 0.2
-ANSWER_KIND = {"arithmetic": "number", "sort": "list", "reverse": "list", "convert": "number",
-               "word_problem": "number"}
+ANSWER_KIND = {"arithmetic": "number", "sort": "list", "reverse": "list", "convert": "number", "word_problem": "number"}
 STOP_STRINGS = ("<|end|>", "<|endoftext|>")
 
-WORDS = ("ant", "bee", "cat", "dog", "elk", "fox", "gnu", "hen", "owl", "pig", "ram", "yak",
-         "apple", "bread", "cheese", "grape", "lemon", "mango", "olive", "pear", "plum", "rice",
-         "blue", "gold", "green", "pink", "red", "gray", "black", "white",
-         "sun", "moon", "star", "rain", "snow", "wind", "cloud", "storm", "river", "hill",
-         "book", "cup", "door", "key", "lamp", "pen", "ring", "shoe", "box", "hat",
-         "kiln", "clay", "fire", "glass", "stone", "wood", "iron", "salt", "milk", "tea")
+WORDS = (
+    "ant",
+    "bee",
+    "cat",
+    "dog",
+    "elk",
+    "fox",
+    "gnu",
+    "hen",
+    "owl",
+    "pig",
+    "ram",
+    "yak",
+    "apple",
+    "bread",
+    "cheese",
+    "grape",
+    "lemon",
+    "mango",
+    "olive",
+    "pear",
+    "plum",
+    "rice",
+    "blue",
+    "gold",
+    "green",
+    "pink",
+    "red",
+    "gray",
+    "black",
+    "white",
+    "sun",
+    "moon",
+    "star",
+    "rain",
+    "snow",
+    "wind",
+    "cloud",
+    "storm",
+    "river",
+    "hill",
+    "book",
+    "cup",
+    "door",
+    "key",
+    "lamp",
+    "pen",
+    "ring",
+    "shoe",
+    "box",
+    "hat",
+    "kiln",
+    "clay",
+    "fire",
+    "glass",
+    "stone",
+    "wood",
+    "iron",
+    "salt",
+    "milk",
+    "tea",
+)
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
-NAMES = ("Ann", "Ben", "Cara", "Dev", "Eli", "Fay", "Gus", "Hana", "Ivan", "Jo", "Kai", "Lena",
-         "Max", "Nia", "Omar", "Pia", "Raj", "Sara", "Tom", "Uma", "Vic", "Wes", "Yara", "Zoe")
-ITEMS = ("apples", "pens", "books", "coins", "cards", "eggs", "stamps", "marbles", "cookies",
-         "shells", "stickers", "balloons")
+NAMES = (
+    "Ann",
+    "Ben",
+    "Cara",
+    "Dev",
+    "Eli",
+    "Fay",
+    "Gus",
+    "Hana",
+    "Ivan",
+    "Jo",
+    "Kai",
+    "Lena",
+    "Max",
+    "Nia",
+    "Omar",
+    "Pia",
+    "Raj",
+    "Sara",
+    "Tom",
+    "Uma",
+    "Vic",
+    "Wes",
+    "Yara",
+    "Zoe",
+)
+ITEMS = (
+    "apples",
+    "pens",
+    "books",
+    "coins",
+    "cards",
+    "eggs",
+    "stamps",
+    "marbles",
+    "cookies",
+    "shells",
+    "stickers",
+    "balloons",
+)
 
 # (big unit, small unit, small units per big unit); units are (singular, plural).
 _U = {name: (name, name) for name in ("km", "m", "cm", "mm", "kg", "g", "mg", "L", "mL")}
-_U.update({p: (s, p) for s, p in (("tonne", "tonnes"), ("dollar", "dollars"), ("cent", "cents"),
-                                  ("hour", "hours"), ("minute", "minutes"), ("second", "seconds"),
-                                  ("day", "days"), ("week", "weeks"), ("year", "years"),
-                                  ("month", "months"), ("foot", "feet"), ("inch", "inches"),
-                                  ("yard", "yards"))})
-DECIMAL_UNITS = (("km", "m", 1000), ("m", "cm", 100), ("cm", "mm", 10), ("m", "mm", 1000), ("kg", "g", 1000),
-                 ("g", "mg", 1000), ("L", "mL", 1000), ("dollars", "cents", 100), ("tonnes", "kg", 1000))
-OTHER_UNITS = (("hours", "minutes", 60), ("minutes", "seconds", 60), ("days", "hours", 24), ("weeks", "days", 7),
-               ("years", "months", 12), ("feet", "inches", 12), ("yards", "feet", 3))
-TWO_STEP_UNITS = (("hours", "seconds", 3600), ("days", "minutes", 1440), ("weeks", "hours", 168),
-                  ("km", "cm", 100000), ("yards", "inches", 36), ("kg", "mg", 1000000))
+_U.update(
+    {
+        p: (s, p)
+        for s, p in (
+            ("tonne", "tonnes"),
+            ("dollar", "dollars"),
+            ("cent", "cents"),
+            ("hour", "hours"),
+            ("minute", "minutes"),
+            ("second", "seconds"),
+            ("day", "days"),
+            ("week", "weeks"),
+            ("year", "years"),
+            ("month", "months"),
+            ("foot", "feet"),
+            ("inch", "inches"),
+            ("yard", "yards"),
+        )
+    }
+)
+DECIMAL_UNITS = (
+    ("km", "m", 1000),
+    ("m", "cm", 100),
+    ("cm", "mm", 10),
+    ("m", "mm", 1000),
+    ("kg", "g", 1000),
+    ("g", "mg", 1000),
+    ("L", "mL", 1000),
+    ("dollars", "cents", 100),
+    ("tonnes", "kg", 1000),
+)
+OTHER_UNITS = (
+    ("hours", "minutes", 60),
+    ("minutes", "seconds", 60),
+    ("days", "hours", 24),
+    ("weeks", "days", 7),
+    ("years", "months", 12),
+    ("feet", "inches", 12),
+    ("yards", "feet", 3),
+)
+TWO_STEP_UNITS = (
+    ("hours", "seconds", 3600),
+    ("days", "minutes", 1440),
+    ("weeks", "hours", 168),
+    ("km", "cm", 100000),
+    ("yards", "inches", 36),
+    ("kg", "mg", 1000000),
+)
 
 
 def _unit(name: str, value: int) -> str:
@@ -90,6 +218,7 @@ def _no_carry_sum(a: int, b: int) -> int:
 
 
 # ---- generators: rng, level -> (canonical key, prompt, answer, distractors) -----------------------------
+
 
 def _arithmetic(rng: random.Random, level: int):
     op = rng.choices("+-*", weights=(2, 2, 1))[0]
@@ -169,7 +298,7 @@ def _convert(rng: random.Random, level: int):
     if rng.random() < 0.5:  # big -> small: multiply
         given, answer, src, dst = value, value * factor, big, small
         wrong = _near_misses(answer, given, answer * 10, answer + factor)
-    else:                   # small -> big: an exact division
+    else:  # small -> big: an exact division
         given, answer, src, dst = value * factor, value, small, big
         wrong = _near_misses(answer, given, given * factor, answer * 10)
     key = f"{value}|{big}|{small}|{'down' if src == big else 'up'}"
@@ -222,11 +351,17 @@ def _word_problem(rng: random.Random, level: int):
     return key, prompt, str(value), [str(w) for w in wrong]
 
 
-GENERATORS = {"arithmetic": _arithmetic, "sort": _sort, "reverse": _reverse, "convert": _convert,
-              "word_problem": _word_problem}
+GENERATORS = {
+    "arithmetic": _arithmetic,
+    "sort": _sort,
+    "reverse": _reverse,
+    "convert": _convert,
+    "word_problem": _word_problem,
+}
 
 
 # ---- splits and generation -------------------------------------------------------------------------
+
 
 def _digest(family: str, key: str) -> bytes:
     return hashlib.sha256(f"{family}|{key}".encode()).digest()
@@ -234,7 +369,7 @@ def _digest(family: str, key: str) -> bytes:
 
 def split_of(family: str, key: str) -> str:
     """The split a problem belongs to, from its canonical key alone."""
-    return "heldout" if int.from_bytes(_digest(family, key)[:8], "big") < HELDOUT_FRACTION * 2 ** 64 else "train"
+    return "heldout" if int.from_bytes(_digest(family, key)[:8], "big") < HELDOUT_FRACTION * 2**64 else "train"
 
 
 def _check(family: str, n: int, split: str, difficulty: int) -> None:
@@ -248,8 +383,9 @@ def _check(family: str, n: int, split: str, difficulty: int) -> None:
         raise ConfigError("n", f"must be a non-negative integer, got {n!r}")
 
 
-def generate_tasks(family: str, n: int, split: str = "train", difficulty: int = 1, seed: int = 0,
-                   unique: bool = True) -> list[dict]:
+def generate_tasks(
+    family: str, n: int, split: str = "train", difficulty: int = 1, seed: int = 0, unique: bool = True
+) -> list[dict]:
     """n problems of one family from one split. The same arguments always give the same list.
 
     unique=True never repeats a problem (same canonical key); a request larger than the split's
@@ -267,13 +403,24 @@ def generate_tasks(family: str, n: int, split: str = "train", difficulty: int = 
         if split_of(family, key) != split or (unique and key in seen):
             misses += 1
             if misses > 20_000 + 20 * n:
-                raise ConfigError("n", f"found only {len(out)} distinct {split} {family} problems at difficulty "
-                                       f"{difficulty} (asked for {n}); ask for fewer, or pass unique=False")
+                raise ConfigError(
+                    "n",
+                    f"found only {len(out)} distinct {split} {family} problems at difficulty "
+                    f"{difficulty} (asked for {n}); ask for fewer, or pass unique=False",
+                )
             continue
         seen.add(key)
         distractors = list(dict.fromkeys(w for w in wrong if w != answer and not _matches(family, answer, w)))
-        out.append({"id": f"{family}-{digest.hex()[:12]}", "task": family, "difficulty": difficulty,
-                    "prompt": prompt, "answer": answer, "distractors": distractors})
+        out.append(
+            {
+                "id": f"{family}-{digest.hex()[:12]}",
+                "task": family,
+                "difficulty": difficulty,
+                "prompt": prompt,
+                "answer": answer,
+                "distractors": distractors,
+            }
+        )
     return out
 
 
@@ -348,6 +495,7 @@ def grade(example: dict, completion: str) -> float:
 
 
 # ---- training views --------------------------------------------------------------------------------
+
 
 def to_messages(example: dict, with_answer: bool = True) -> list[dict]:
     messages = [{"role": "user", "content": example["prompt"]}]

@@ -26,10 +26,21 @@ from kiln.errors import ConfigError, DataError
 from kiln.infer.engine import SamplingParams
 from kiln.post.chat import CHAT_TEMPLATE, PAD, ChatTokens, render_prompt
 from kiln.serve.chat_page import chat_page
-from kiln.serve.protocol import (ERROR_STATUSES, APIError, ChatRequest, CompletionRequest, DetokenizeRequest,
-                                 ErrorResponse, TokenizeRequest,
-                                 TokenText, chat_logprob_entry, completion_logprobs, messages_to_dicts,
-                                 stop_strings, usage)
+from kiln.serve.protocol import (
+    ERROR_STATUSES,
+    APIError,
+    ChatRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ErrorResponse,
+    TokenizeRequest,
+    TokenText,
+    chat_logprob_entry,
+    completion_logprobs,
+    messages_to_dicts,
+    stop_strings,
+    usage,
+)
 from kiln.serve.scheduler import Busy, GenerationRequest, PromptScores, Scheduler, SchedulerError, TokenEvent
 
 
@@ -43,8 +54,9 @@ class BodyLimit:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        too_large = APIError(413, f"request body is larger than the server's limit of {self.max_bytes} bytes",
-                             code="request_too_large")
+        too_large = APIError(
+            413, f"request body is larger than the server's limit of {self.max_bytes} bytes", code="request_too_large"
+        )
         length = dict(scope.get("headers", [])).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
             return await JSONResponse(too_large.body(), 413)(scope, receive, send)
@@ -71,9 +83,18 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-def create_app(model, tokenizer, *, model_name: str = "kiln", api_keys: Sequence[str] = (),
-               max_body_bytes: int = 1 << 20, max_tokens_limit: int | None = None, max_batch: int = 32,
-               max_waiting: int = 256, max_prefill_tokens: int = 8192) -> FastAPI:
+def create_app(
+    model,
+    tokenizer,
+    *,
+    model_name: str = "kiln",
+    api_keys: Sequence[str] = (),
+    max_body_bytes: int = 1 << 20,
+    max_tokens_limit: int | None = None,
+    max_batch: int = 32,
+    max_waiting: int = 256,
+    max_prefill_tokens: int = 8192,
+) -> FastAPI:
     """The app for one model. api_keys: when given, /v1/* and the tokenizer endpoints need
     `Authorization: Bearer <key>`. max_tokens_limit (default: the model's context) caps a request's
     max_tokens; max_batch rows decode together and max_waiting more requests queue (then 429)."""
@@ -99,8 +120,9 @@ def create_app(model, tokenizer, *, model_name: str = "kiln", api_keys: Sequence
 
     # Every route declares the error answers, so clients and schema-driven tests know their shape.
     errors = {status: {"model": ErrorResponse, "description": text} for status, text in ERROR_STATUSES.items()}
-    app = FastAPI(title="Kiln", summary="OpenAI-compatible server for a Kiln model", lifespan=lifespan,
-                  responses=errors)
+    app = FastAPI(
+        title="Kiln", summary="OpenAI-compatible server for a Kiln model", lifespan=lifespan, responses=errors
+    )
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
 
     @app.exception_handler(APIError)
@@ -138,15 +160,20 @@ def create_app(model, tokenizer, *, model_name: str = "kiln", api_keys: Sequence
         for key in keys:
             matched |= hmac.compare_digest(given, key)
         if scheme.lower() != "bearer" or not matched:
-            raise APIError(401, "invalid or missing API key: send the header 'Authorization: Bearer <key>'",
-                           code="invalid_api_key")
+            raise APIError(
+                401, "invalid or missing API key: send the header 'Authorization: Bearer <key>'", code="invalid_api_key"
+            )
 
     authed = [Depends(check_key)]
 
     def check_model(name: str | None) -> None:
         if name not in (None, model_name):
-            raise APIError(404, f"the model '{name}' does not exist; this server serves '{model_name}'",
-                           param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"the model '{name}' does not exist; this server serves '{model_name}'",
+                param="model",
+                code="model_not_found",
+            )
 
     def check_common(body) -> None:
         check_model(body.model)
@@ -179,13 +206,15 @@ def create_app(model, tokenizer, *, model_name: str = "kiln", api_keys: Sequence
         if not scheduler.alive:
             raise APIError(503, "the model is not running", type="server_error")
         if len(requests) > max_batch + max_waiting:
-            raise APIError(400, f"{len(requests)} choices in one request exceed this server's "
-                           f"{max_batch + max_waiting}", param="n")
+            raise APIError(
+                400, f"{len(requests)} choices in one request exceed this server's {max_batch + max_waiting}", param="n"
+            )
         try:
             return scheduler.submit(requests, loop=asyncio.get_running_loop())
         except ConfigError as err:
-            raise APIError(400, f"{rename.get(err.key, err.key)}: {err.message}",
-                           param=rename.get(err.key, err.key)) from None
+            raise APIError(
+                400, f"{rename.get(err.key, err.key)}: {err.message}", param=rename.get(err.key, err.key)
+            ) from None
         except Busy as err:
             raise APIError(429, f"server busy: {err}", type="rate_limit_error", code="rate_limit_exceeded") from None
 
@@ -250,8 +279,9 @@ def create_app(model, tokenizer, *, model_name: str = "kiln", api_keys: Sequence
                 yield _sse(APIError(500, str(err), type="server_error").body())
             yield "data: [DONE]\n\n"
 
-        return StreamingResponse(body(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return StreamingResponse(
+            body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        )
 
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
     async def index():
@@ -259,8 +289,10 @@ def create_app(model, tokenizer, *, model_name: str = "kiln", api_keys: Sequence
 
     down = {"type": "object", "properties": {"status": {"type": "string", "enum": ["down"]}}, "required": ["status"]}
 
-    @app.get("/health", responses={503: {"description": "the model is not running",
-                                         "content": {"application/json": {"schema": down}}}})
+    @app.get(
+        "/health",
+        responses={503: {"description": "the model is not running", "content": {"application/json": {"schema": down}}}},
+    )
     async def health():
         scheduler = getattr(app.state, "scheduler", None)
         if scheduler is None or not scheduler.alive:
@@ -270,14 +302,30 @@ def create_app(model, tokenizer, *, model_name: str = "kiln", api_keys: Sequence
 
     @app.get("/v1/models", dependencies=authed)
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "kiln",
-                                            "root": model_name, "max_model_len": cfg.max_seq_len}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": model_name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "kiln",
+                    "root": model_name,
+                    "max_model_len": cfg.max_seq_len,
+                }
+            ],
+        }
 
     @app.get("/tokenizer_info", dependencies=authed)
     async def tokenizer_info():
-        return {"eos_token": tokenizer.decode([tokenizer.eot_id]), "bos_token": None, "pad_token": PAD,
-                "chat_template": CHAT_TEMPLATE, "model_max_length": cfg.max_seq_len,
-                "tokenizer_class": "PreTrainedTokenizerFast"}
+        return {
+            "eos_token": tokenizer.decode([tokenizer.eot_id]),
+            "bos_token": None,
+            "pad_token": PAD,
+            "chat_template": CHAT_TEMPLATE,
+            "model_max_length": cfg.max_seq_len,
+            "tokenizer_class": "PreTrainedTokenizerFast",
+        }
 
     @app.post("/tokenize", dependencies=authed)
     async def tokenize(body: TokenizeRequest):
@@ -321,17 +369,26 @@ def create_app(model, tokenizer, *, model_name: str = "kiln", api_keys: Sequence
         check_common(body)
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
         if max_tokens < 0 or (max_tokens == 0 and not body.echo):
-            raise APIError(400, "max_tokens must be >= 1 (0 only with echo, to score the prompt)",
-                           param="max_tokens")
+            raise APIError(400, "max_tokens must be >= 1 (0 only with echo, to score the prompt)", param="max_tokens")
         check_max_tokens(max_tokens, "max_tokens")
         prompts = encode_prompts(body.prompt)
         stop_ids = ([] if body.ignore_eos else [tokenizer.eot_id]) + list(body.stop_token_ids or [])
         params, stops = sampling(body), stop_strings(body.stop)
-        requests = [GenerationRequest(ids, max_tokens, params, stop_ids, stops,
-                                      None if body.seed is None else body.seed + j, body.logprobs,
-                                      prompt_logprobs=body.echo and body.logprobs is not None,
-                                      skip_special_tokens=body.skip_special_tokens)
-                    for ids, _ in prompts for j in range(body.n)]
+        requests = [
+            GenerationRequest(
+                ids,
+                max_tokens,
+                params,
+                stop_ids,
+                stops,
+                None if body.seed is None else body.seed + j,
+                body.logprobs,
+                prompt_logprobs=body.echo and body.logprobs is not None,
+                skip_special_tokens=body.skip_special_tokens,
+            )
+            for ids, _ in prompts
+            for j in range(body.n)
+        ]
         handles = submit(requests, {})
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         prompt_tokens = sum(len(ids) for ids, _ in prompts)
@@ -341,8 +398,7 @@ def create_app(model, tokenizer, *, model_name: str = "kiln", api_keys: Sequence
             return text, ids, [], []
 
         def head(choices: list) -> dict:
-            return {"id": rid, "object": "text_completion", "created": created, "model": model_name,
-                    "choices": choices}
+            return {"id": rid, "object": "text_completion", "created": created, "model": model_name, "choices": choices}
 
         if not body.stream:
             results = await collect_all(handles)
@@ -353,10 +409,12 @@ def create_app(model, tokenizer, *, model_name: str = "kiln", api_keys: Sequence
                 if body.logprobs is not None:
                     if out["scores"] is not None:
                         lps, tops = out["scores"].logprobs, out["scores"].top
-                    logprobs = completion_logprobs(token_text, ids + out["ids"], lps + out["logprobs"],
-                                                   tops + out["tops"])
-                choices.append({"index": i, "text": prefix + out["text"], "logprobs": logprobs,
-                                "finish_reason": out["finish"]})
+                    logprobs = completion_logprobs(
+                        token_text, ids + out["ids"], lps + out["logprobs"], tops + out["tops"]
+                    )
+                choices.append(
+                    {"index": i, "text": prefix + out["text"], "logprobs": logprobs, "finish_reason": out["finish"]}
+                )
             completion_tokens = sum(len(out["ids"]) for out in results)
             return {**head(choices), "usage": usage(prompt_tokens, completion_tokens)}
 
@@ -364,8 +422,7 @@ def create_app(model, tokenizer, *, model_name: str = "kiln", api_keys: Sequence
 
         def chunk(i: int, text: str, logprobs, finish) -> str:
             extra = {"usage": None} if include_usage else {}
-            return _sse({**head([{"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish}]),
-                         **extra})
+            return _sse({**head([{"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish}]), **extra})
 
         async def chunks():
             offsets = [0] * len(handles)
@@ -398,8 +455,11 @@ def create_app(model, tokenizer, *, model_name: str = "kiln", api_keys: Sequence
     async def chat_completions(body: ChatRequest):
         check_common(body)
         if chat_tokens is None:
-            raise APIError(400, "this model's tokenizer has no chat tokens (<|user|>, <|assistant|>, <|end|>); "
-                           "use /v1/completions", param="messages")
+            raise APIError(
+                400,
+                "this model's tokenizer has no chat tokens (<|user|>, <|assistant|>, <|end|>); use /v1/completions",
+                param="messages",
+            )
         try:
             prompt = render_prompt(tokenizer, messages_to_dicts(body.messages))
         except DataError as err:
@@ -416,9 +476,19 @@ def create_app(model, tokenizer, *, model_name: str = "kiln", api_keys: Sequence
         k = (body.top_logprobs or 0) if body.logprobs else None
         stop_ids = ([] if body.ignore_eos else list(chat_tokens.stop)) + list(body.stop_token_ids or [])
         params, stops = sampling(body), stop_strings(body.stop)
-        requests = [GenerationRequest(prompt, max_tokens, params, stop_ids, stops,
-                                      None if body.seed is None else body.seed + j, k,
-                                      skip_special_tokens=body.skip_special_tokens) for j in range(body.n)]
+        requests = [
+            GenerationRequest(
+                prompt,
+                max_tokens,
+                params,
+                stop_ids,
+                stops,
+                None if body.seed is None else body.seed + j,
+                k,
+                skip_special_tokens=body.skip_special_tokens,
+            )
+            for j in range(body.n)
+        ]
         handles = submit(requests, {"prompt": "messages", "logprobs": "top_logprobs"})
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         stop_set = set(stop_ids)
@@ -437,8 +507,14 @@ def create_app(model, tokenizer, *, model_name: str = "kiln", api_keys: Sequence
                 logprobs = None
                 if k is not None:
                     logprobs = {"content": entries(list(zip(out["ids"], out["logprobs"], out["tops"])))}
-                choices.append({"index": i, "message": {"role": "assistant", "content": out["text"]},
-                                "logprobs": logprobs, "finish_reason": out["finish"]})
+                choices.append(
+                    {
+                        "index": i,
+                        "message": {"role": "assistant", "content": out["text"]},
+                        "logprobs": logprobs,
+                        "finish_reason": out["finish"],
+                    }
+                )
             completion_tokens = sum(len(out["ids"]) for out in results)
             return {**head(choices, "chat.completion"), "usage": usage(len(prompt), completion_tokens)}
 
@@ -446,8 +522,15 @@ def create_app(model, tokenizer, *, model_name: str = "kiln", api_keys: Sequence
 
         def chunk(i: int, delta: dict, logprobs, finish) -> str:
             extra = {"usage": None} if include_usage else {}
-            return _sse({**head([{"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
-                                "chat.completion.chunk"), **extra})
+            return _sse(
+                {
+                    **head(
+                        [{"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
+                        "chat.completion.chunk",
+                    ),
+                    **extra,
+                }
+            )
 
         async def chunks():
             counts = [0] * len(handles)

@@ -18,12 +18,22 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 def add_inference_args(p: argparse.ArgumentParser) -> None:
     """--device, --dtype, --quant and --group-size, shared with `kiln generate`."""
     p.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda, cuda:1, ...")
-    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
-                   help="auto: bfloat16 on a GPU or with --quant, float32 otherwise")
-    p.add_argument("--quant", choices=("int8", "int4", "nf4"),
-                   help="weight-only quantisation of the linear layers (docs/inference.md#quantisation)")
-    p.add_argument("--group-size", type=int, help="int4: 32, 64, 128 or 256 inputs per scale (default 64); "
-                   "nf4: block size (default 64)")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", "float32", "bfloat16", "float16"),
+        help="auto: bfloat16 on a GPU or with --quant, float32 otherwise",
+    )
+    p.add_argument(
+        "--quant",
+        choices=("int8", "int4", "nf4"),
+        help="weight-only quantisation of the linear layers (docs/inference.md#quantisation)",
+    )
+    p.add_argument(
+        "--group-size",
+        type=int,
+        help="int4: 32, 64, 128 or 256 inputs per scale (default 64); nf4: block size (default 64)",
+    )
 
 
 def add_serve_parsers(verbs) -> None:
@@ -32,8 +42,12 @@ def add_serve_parsers(verbs) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: all interfaces)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", help="the model id clients send (default: the checkpoint path as given)")
-    p.add_argument("--api-key", action="append", default=[],
-                   help="require 'Authorization: Bearer KEY' (repeatable; also $KILN_API_KEY)")
+    p.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        help="require 'Authorization: Bearer KEY' (repeatable; also $KILN_API_KEY)",
+    )
     p.add_argument("--max-batch", type=int, default=32, help="requests decoded together (continuous batching)")
     p.add_argument("--max-waiting", type=int, default=256, help="requests queued behind them before 429")
     p.add_argument("--max-tokens-limit", type=int, help="largest max_tokens a request may ask (default: context)")
@@ -54,8 +68,12 @@ def add_serve_parsers(verbs) -> None:
 def inference_options(args: argparse.Namespace):
     from kiln.infer.load import InferenceOptions
 
-    return InferenceOptions(device=getattr(args, "device", "auto"), dtype=getattr(args, "dtype", "auto"),
-                            quant=getattr(args, "quant", None), group_size=getattr(args, "group_size", None))
+    return InferenceOptions(
+        device=getattr(args, "device", "auto"),
+        dtype=getattr(args, "dtype", "auto"),
+        quant=getattr(args, "quant", None),
+        group_size=getattr(args, "group_size", None),
+    )
 
 
 def load_for_inference(args: argparse.Namespace):
@@ -81,12 +99,24 @@ def run_serve(args: argparse.Namespace) -> int:
     if os.environ.get("KILN_API_KEY"):
         keys.append(os.environ["KILN_API_KEY"])
     name = args.served_model_name or args.checkpoint
-    app = create_app(model, tokenizer, model_name=name, api_keys=keys, max_body_bytes=args.max_body_bytes,
-                     max_tokens_limit=args.max_tokens_limit, max_batch=args.max_batch, max_waiting=args.max_waiting,
-                     max_prefill_tokens=args.max_prefill_tokens)
-    print(f"kiln serve: {name} on http://{args.host}:{args.port} (chat page at /, API at /v1, docs at /docs"
-          f"{', API key required' if keys else ''}; {next(model.parameters()).dtype}"
-          f"{', weights ' + args.quant if args.quant else ''})", file=sys.stderr, flush=True)
+    app = create_app(
+        model,
+        tokenizer,
+        model_name=name,
+        api_keys=keys,
+        max_body_bytes=args.max_body_bytes,
+        max_tokens_limit=args.max_tokens_limit,
+        max_batch=args.max_batch,
+        max_waiting=args.max_waiting,
+        max_prefill_tokens=args.max_prefill_tokens,
+    )
+    print(
+        f"kiln serve: {name} on http://{args.host}:{args.port} (chat page at /, API at /v1, docs at /docs"
+        f"{', API key required' if keys else ''}; {next(model.parameters()).dtype}"
+        f"{', weights ' + args.quant if args.quant else ''})",
+        file=sys.stderr,
+        flush=True,
+    )
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 
@@ -102,7 +132,7 @@ def _fit(tokenizer, history: list[dict], want: int, max_seq_len: int, err) -> li
         if max_seq_len - len(prompt) >= want or len(history) - start <= 1:
             break
         dropped = 2 if len(history) - start > 2 else 1
-        del history[start:start + dropped]
+        del history[start : start + dropped]
         print("(the oldest exchange was dropped to fit the model's context)", file=err, flush=True)
     return prompt if len(prompt) < max_seq_len else None
 
@@ -152,9 +182,15 @@ def run_chat(args: argparse.Namespace, stdin=None, stdout=None, stderr=None) -> 
         reply = ""
         seed = None if args.seed is None else args.seed + turn
         try:
-            for token in engine.stream(prompt, min(args.max_new_tokens, max_seq_len - len(prompt)),
-                                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                                       stop_token_ids=stop, seed=seed):
+            for token in engine.stream(
+                prompt,
+                min(args.max_new_tokens, max_seq_len - len(prompt)),
+                temperature=args.temperature,
+                top_k=args.top_k,
+                top_p=args.top_p,
+                stop_token_ids=stop,
+                seed=seed,
+            ):
                 reply += token.text
                 stdout.write(token.text)
                 stdout.flush()

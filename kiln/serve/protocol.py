@@ -17,8 +17,14 @@ from pydantic import BaseModel, ConfigDict, Field
 class APIError(Exception):
     """Answered as an OpenAI error body: {"error": {"message", "type", "param", "code"}}."""
 
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
 
@@ -35,12 +41,19 @@ class ErrorDetail(BaseModel):
 
 class ErrorResponse(BaseModel):
     """The body of every error answer, as APIError.body() writes it (declared in the OpenAPI schema)."""
+
     error: ErrorDetail
 
 
-ERROR_STATUSES = {400: "invalid request", 401: "missing or wrong API key", 404: "unknown model",
-                  413: "request body too large", 429: "server busy", 500: "generation failed",
-                  503: "the model is not running"}
+ERROR_STATUSES = {
+    400: "invalid request",
+    401: "missing or wrong API key",
+    404: "unknown model",
+    413: "request body too large",
+    429: "server busy",
+    500: "generation failed",
+    503: "the model is not running",
+}
 
 
 class _Body(BaseModel):
@@ -60,8 +73,7 @@ class _Common(_Body):
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     # torch seeds are 64-bit; the range is vLLM's (a signed long), so seed + i still fits.
-    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1,
-                             description="choice i of a prompt samples with seed + i")
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1, description="choice i of a prompt samples with seed + i")
     # Accepted at their neutral value only.
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -75,8 +87,11 @@ class _Common(_Body):
     repetition_penalty: float = Field(1.0, ge=1e-6, le=1e6, description="1: off (CTRL's penalty, as transformers)")
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    skip_special_tokens: bool = Field(True, description="leave special tokens (<|user|>, ...) out of the text, "
-                                                        "as vLLM and transformers' decode do by default")
+    skip_special_tokens: bool = Field(
+        True,
+        description="leave special tokens (<|user|>, ...) out of the text, "
+        "as vLLM and transformers' decode do by default",
+    )
 
     def unsupported(self) -> list[tuple[str, Any]]:
         out = []
@@ -90,7 +105,8 @@ class _Common(_Body):
 
 class CompletionRequest(_Common):
     prompt: str | list[int] | list[str] | list[list[int]] = Field(
-        description="text, token ids, or a list of either (one choice group per prompt)")
+        description="text, token ids, or a list of either (one choice group per prompt)"
+    )
     max_tokens: int | None = Field(16, description="0 is allowed with echo (score the prompt only)")
     logprobs: int | None = Field(None, description="chosen token's logprob plus the top k (k <= 20)")
     echo: bool = False
@@ -164,8 +180,11 @@ def messages_to_dicts(messages: list[ChatMessage]) -> list[dict]:
             texts = []
             for part in content:
                 if part.type != "text" or part.text is None:
-                    raise APIError(400, f"messages[{i}]: content part of type {part.type!r} is not supported "
-                                   "(text only)", param="messages")
+                    raise APIError(
+                        400,
+                        f"messages[{i}]: content part of type {part.type!r} is not supported (text only)",
+                        param="messages",
+                    )
                 texts.append(part.text)
             content = "".join(texts)
         out.append({"role": role, "content": content})
@@ -179,8 +198,11 @@ def stop_strings(stop: str | list[str] | None) -> list[str]:
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 class TokenText:
@@ -209,8 +231,13 @@ class TokenText:
         return out
 
 
-def completion_logprobs(token_text: TokenText, ids: list[int], logprobs: list[float | None],
-                        tops: list[list[tuple[int, float]] | None], text_start: int = 0) -> dict:
+def completion_logprobs(
+    token_text: TokenText,
+    ids: list[int],
+    logprobs: list[float | None],
+    tops: list[list[tuple[int, float]] | None],
+    text_start: int = 0,
+) -> dict:
     """The legacy completions logprobs object. Each top_logprobs dict holds the top k tokens and
     always the chosen one (up to k + 1 entries, as OpenAI documents); None where logprob is None."""
     top_dicts = []
@@ -221,15 +248,22 @@ def completion_logprobs(token_text: TokenText, ids: list[int], logprobs: list[fl
         entry = {token_text(t): v for t, v in (top or [])}
         entry.setdefault(token_text(token), lp)
         top_dicts.append(entry)
-    return {"tokens": [token_text(t) for t in ids], "token_logprobs": list(logprobs), "top_logprobs": top_dicts,
-            "text_offset": token_text.offsets(ids, text_start)}
+    return {
+        "tokens": [token_text(t) for t in ids],
+        "token_logprobs": list(logprobs),
+        "top_logprobs": top_dicts,
+        "text_offset": token_text.offsets(ids, text_start),
+    }
 
 
-def chat_logprob_entry(token_text: TokenText, token: int, logprob: float, top: list[tuple[int, float]] | None,
-                       ) -> dict:
+def chat_logprob_entry(
+    token_text: TokenText,
+    token: int,
+    logprob: float,
+    top: list[tuple[int, float]] | None,
+) -> dict:
     def one(t: int, lp: float) -> dict:
         text = token_text(t)
         return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
 
     return {**one(token, logprob), "top_logprobs": [one(t, v) for t, v in (top or [])]}
-

@@ -37,13 +37,13 @@ MAX_LOGPROBS = 20  # as vLLM's default max_logprobs: more top tokens per positio
 @dataclass
 class GenerationRequest:
     prompt: list[int]
-    max_tokens: int                   # 0: no generation, only the prompt's log-probabilities
+    max_tokens: int  # 0: no generation, only the prompt's log-probabilities
     params: SamplingParams = field(default_factory=SamplingParams)
     stop_token_ids: Sequence[int] = ()
     stop_strings: Sequence[str] = ()
-    seed: int | None = None           # None: drawn from torch's global generator
-    logprobs: int | None = None       # None: none; k: the chosen token's and the k most likely ones'
-    prompt_logprobs: bool = False     # log-probabilities of the prompt tokens (echo)
+    seed: int | None = None  # None: drawn from torch's global generator
+    logprobs: int | None = None  # None: none; k: the chosen token's and the k most likely ones'
+    prompt_logprobs: bool = False  # log-probabilities of the prompt tokens (echo)
     skip_special_tokens: bool = False  # leave special tokens out of the text (vLLM's default; Engine keeps them)
 
 
@@ -51,6 +51,7 @@ class GenerationRequest:
 class PromptScores:
     """First event of a request with prompt_logprobs: per prompt token, its log-probability given
     the tokens before it and the top-k alternatives there (None for the first token)."""
+
     logprobs: list[float | None]
     top: list[list[tuple[int, float]] | None]
 
@@ -58,10 +59,10 @@ class PromptScores:
 @dataclass
 class TokenEvent:
     id: int
-    text: str                          # new text; "" while a character or a possible stop string is held back
-    logprob: float                     # log-softmax of the model's logits (temperature 1, no filters)
+    text: str  # new text; "" while a character or a possible stop string is held back
+    logprob: float  # log-softmax of the model's logits (temperature 1, no filters)
     top: list[tuple[int, float]] | None = None  # (id, logprob) of the most likely tokens, with logprobs=k
-    finish_reason: str | None = None   # "stop" | "length" on the request's last token
+    finish_reason: str | None = None  # "stop" | "length" on the request's last token
 
 
 class Busy(RuntimeError):
@@ -141,8 +142,9 @@ class Scheduler:
     requests queued behind them before submit raises Busy; max_prefill_tokens: padded prompt
     tokens prefilled in one forward (at least one request is always admitted)."""
 
-    def __init__(self, model, tokenizer=None, max_batch: int = 32, max_waiting: int = 256,
-                 max_prefill_tokens: int = 8192):
+    def __init__(
+        self, model, tokenizer=None, max_batch: int = 32, max_waiting: int = 256, max_prefill_tokens: int = 8192
+    ):
         for key, value in (("max_batch", max_batch), ("max_prefill_tokens", max_prefill_tokens)):
             if value < 1:
                 raise ConfigError(key, f"must be >= 1, got {value}")
@@ -182,15 +184,21 @@ class Scheduler:
             raise ConfigError("prompt", f"has token ids outside 0..{cfg.vocab_size - 1}")
         room = cfg.max_seq_len - (1 if request.max_tokens > 0 else 0)
         if len(request.prompt) > room:
-            raise ConfigError("prompt", f"has {len(request.prompt)} tokens; this model's context is {cfg.max_seq_len} "
-                              "tokens and generation needs at least one more")
+            raise ConfigError(
+                "prompt",
+                f"has {len(request.prompt)} tokens; this model's context is {cfg.max_seq_len} "
+                "tokens and generation needs at least one more",
+            )
         if request.logprobs is not None and not 0 <= request.logprobs <= MAX_LOGPROBS:
             raise ConfigError("logprobs", f"must be in 0..{MAX_LOGPROBS}, got {request.logprobs}")
         if request.stop_strings and self.tokenizer is None:
             raise ConfigError("stop", "stop strings need a tokenizer")
 
-    def submit(self, requests: Sequence[GenerationRequest], loop: asyncio.AbstractEventLoop | None = None,
-               ) -> list[Handle]:
+    def submit(
+        self,
+        requests: Sequence[GenerationRequest],
+        loop: asyncio.AbstractEventLoop | None = None,
+    ) -> list[Handle]:
         """Queue requests together (all or none); their handles, in order. Raises ConfigError for a
         bad request and Busy when the queue has no room for all of them."""
         for request in requests:
@@ -301,21 +309,22 @@ class Scheduler:
         cache = KVCache.for_model(self.model, len(requests), max(longest, need))
         tokens = torch.zeros(len(requests), longest, dtype=torch.long, device=self.device)
         for i, r in enumerate(requests):
-            tokens[i, :lengths[i]] = torch.tensor(r.prompt, device=self.device)
+            tokens[i, : lengths[i]] = torch.tensor(r.prompt, device=self.device)
         all_logits = self.model(tokens, kv_cache=cache)
         cache.set_lengths(lengths)
         self.stats["prefills"] += 1
         for i, handle in enumerate(handles):
             if handle.request.prompt_logprobs:
-                handle._put(self._prompt_scores(all_logits[i, :lengths[i]], handle.request))
+                handle._put(self._prompt_scores(all_logits[i, : lengths[i]], handle.request))
         going = [i for i, r in enumerate(requests) if r.max_tokens > 0]
         for i, handle in enumerate(handles):
             if requests[i].max_tokens == 0:
                 handle._put(_DONE)
         if not going:
             return [], None, None
-        last = all_logits[torch.tensor(going, device=self.device),
-                          torch.tensor([lengths[i] - 1 for i in going], device=self.device)].float()
+        last = all_logits[
+            torch.tensor(going, device=self.device), torch.tensor([lengths[i] - 1 for i in going], device=self.device)
+        ].float()
         if len(going) < len(requests):
             cache.keep(going)
         vocab = self.model.cfg.vocab_size
@@ -365,8 +374,9 @@ class Scheduler:
             elif row.text is not None:
                 piece, stop = row.text.push(token)
                 finish = "stop" if stop is not None else None
-            if finish is None and (row.generated == request.max_tokens
-                                   or len(request.prompt) + row.generated >= max_seq_len):
+            if finish is None and (
+                row.generated == request.max_tokens or len(request.prompt) + row.generated >= max_seq_len
+            ):
                 finish = "length"
             if finish is not None and row.text is not None:
                 piece += row.text.finish()

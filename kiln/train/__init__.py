@@ -10,10 +10,19 @@ from importlib import import_module
 from kiln.train.config import TrainConfig
 
 _LOCATIONS = {
-    "CheckpointError": "checkpoint", "CheckpointManager": "checkpoint", "load_weights": "checkpoint",
-    "save_weights": "checkpoint", "Lion": "optim", "build_optimizer": "optim", "lr_at": "schedule",
-    "Trainer": "trainer", "next_token_loss": "objective",
-    "GuardConfig": "guard", "TrainingDiverged": "guard", "Watchdog": "watchdog", "WATCHDOG_EXIT_CODE": "watchdog",
+    "CheckpointError": "checkpoint",
+    "CheckpointManager": "checkpoint",
+    "load_weights": "checkpoint",
+    "save_weights": "checkpoint",
+    "Lion": "optim",
+    "build_optimizer": "optim",
+    "lr_at": "schedule",
+    "Trainer": "trainer",
+    "next_token_loss": "objective",
+    "GuardConfig": "guard",
+    "TrainingDiverged": "guard",
+    "Watchdog": "watchdog",
+    "WATCHDOG_EXIT_CODE": "watchdog",
 }
 
 

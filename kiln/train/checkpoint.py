@@ -84,12 +84,18 @@ def _write_text_atomic(path: Path, text: str) -> None:
 
 # ---- model weights -------------------------------------------------------------------------------
 
+
 def _dedupe_tied(state_dict: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """safetensors refuses tensors that share memory (tied embedding and head): keep one name."""
     tensors, tied, owner = {}, {}, {}
     for name, tensor in state_dict.items():
-        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape),
-               tuple(tensor.stride()), tensor.device.type)
+        key = (
+            tensor.untyped_storage().data_ptr(),
+            tensor.storage_offset(),
+            tuple(tensor.shape),
+            tuple(tensor.stride()),
+            tensor.device.type,
+        )
         if key in owner and tensor.numel() > 0:
             tied[name] = owner[key]
             continue
@@ -106,8 +112,9 @@ def model_config_from_dict(d: dict, where: str) -> ModelConfig:
     return ModelConfig(**d)
 
 
-def _write_files(folder: Path, model_cfg: ModelConfig, state_dict: dict, manifest_extra: dict | None,
-                 train_state: dict | None) -> dict:
+def _write_files(
+    folder: Path, model_cfg: ModelConfig, state_dict: dict, manifest_extra: dict | None, train_state: dict | None
+) -> dict:
     tensors, tied = _dedupe_tied(state_dict)
     save_file(tensors, str(folder / MODEL_FILE), metadata={"format": "pt"})
     names = [MODEL_FILE]
@@ -131,9 +138,15 @@ def write_manifest(folder: Path, model_cfg: ModelConfig, names: list[str], manif
     for name in names:
         _fsync(folder / name)
         files[name] = {"sha256": sha256_file(folder / name), "bytes": (folder / name).stat().st_size}
-    manifest = {"format": FORMAT_VERSION, "weights_layout": WEIGHTS_LAYOUT, **manifest_extra,
-                "model_config": dataclasses.asdict(model_cfg), "files": files,
-                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "torch_version": torch.__version__}
+    manifest = {
+        "format": FORMAT_VERSION,
+        "weights_layout": WEIGHTS_LAYOUT,
+        **manifest_extra,
+        "model_config": dataclasses.asdict(model_cfg),
+        "files": files,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "torch_version": torch.__version__,
+    }
     # The checksum is taken over the manifest as it will read back (tuples become lists, integer
     # keys strings), so the reader recomputes exactly the same digest. A flipped bit that keeps
     # the JSON valid (a digit of the loader position or of an RNG state) would otherwise resume a
@@ -191,9 +204,17 @@ _DCP_DIR = "sharded"
 # torch.Size, dtypes and layouts, paths. Anything else (os.system, builtins.eval...) means the
 # file was crafted, and loading it would run code.
 _DCP_CLASS_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
-_DCP_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
-                ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"),
-                ("pathlib", "PureWindowsPath"), ("pathlib._local", "PosixPath"), ("pathlib._local", "WindowsPath")}
+_DCP_GLOBALS = {
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("collections", "OrderedDict"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"),
+    ("pathlib._local", "PosixPath"),
+    ("pathlib._local", "WindowsPath"),
+}
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -209,8 +230,10 @@ class _MetadataUnpickler(pickle.Unpickler):
             obj = getattr(importlib.import_module(module), name, None)
             allowed = isinstance(obj, type) and obj.__module__ == module
         if not allowed:
-            raise CheckpointError(f"{self.where}: refers to {module}.{name}, which a checkpoint never holds; "
-                                  f"refusing to unpickle it (the file may have been crafted to run code)")
+            raise CheckpointError(
+                f"{self.where}: refers to {module}.{name}, which a checkpoint never holds; "
+                f"refusing to unpickle it (the file may have been crafted to run code)"
+            )
         return super().find_class(module, name)
 
 
@@ -252,8 +275,10 @@ def check_sharded_pickles(folder: Path, manifest: dict) -> None:
         try:
             torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         except Exception as e:
-            raise CheckpointError(f"{folder / _DCP_DIR / relative}: entry {key!r} is not plain data; refusing "
-                                  f"to unpickle it ({type(e).__name__}: {str(e).splitlines()[0]})") from None
+            raise CheckpointError(
+                f"{folder / _DCP_DIR / relative}: entry {key!r} is not plain data; refusing "
+                f"to unpickle it ({type(e).__name__}: {str(e).splitlines()[0]})"
+            ) from None
 
 
 def complete_checkpoints(root: Path) -> list[Path]:
@@ -265,7 +290,7 @@ def complete_checkpoints(root: Path) -> list[Path]:
     for p in root.iterdir():
         if p.is_dir() and p.name.startswith("step-") and (p / MANIFEST_FILE).is_file():
             try:
-                found.append((int(p.name[len("step-"):]), p))
+                found.append((int(p.name[len("step-") :]), p))
             except ValueError:
                 continue
     return [p for _, p in sorted(found)]
@@ -277,9 +302,11 @@ def resolve_checkpoint(path) -> Path:
     if p.is_file() and p.name in (MANIFEST_FILE, MODEL_FILE):
         p = p.parent
     elif p.is_file() and p.suffix.lower() in (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle"):
-        raise CheckpointError(f"{path}: a pickled file, which Kiln does not load (unpickling can run code); "
-                              f"a Kiln checkpoint is a folder with {MODEL_FILE} and {MANIFEST_FILE}. "
-                              f"Import Hugging Face safetensors weights with `kiln import hf`")
+        raise CheckpointError(
+            f"{path}: a pickled file, which Kiln does not load (unpickling can run code); "
+            f"a Kiln checkpoint is a folder with {MODEL_FILE} and {MANIFEST_FILE}. "
+            f"Import Hugging Face safetensors weights with `kiln import hf`"
+        )
     if not p.exists():
         raise CheckpointError(f"{path}: no such checkpoint")
     if (p / MANIFEST_FILE).is_file():
@@ -295,12 +322,16 @@ def resolve_checkpoint(path) -> Path:
         # leaves it naming a folder that is gone; the newest complete one is what it would name.
         if not found:
             raise CheckpointError(f"{p / 'latest'}: names {name!r}, which is not a complete checkpoint")
-        warnings.warn(f"{p / 'latest'} names {name!r}, which is not a complete checkpoint; "
-                      f"using the newest complete one, {found[-1].name}", stacklevel=2)
+        warnings.warn(
+            f"{p / 'latest'} names {name!r}, which is not a complete checkpoint; "
+            f"using the newest complete one, {found[-1].name}",
+            stacklevel=2,
+        )
     if found:
         return found[-1]
-    raise CheckpointError(f"{path}: not a checkpoint folder, a checkpoints root, "
-                          f"or a stage folder containing checkpoints/")
+    raise CheckpointError(
+        f"{path}: not a checkpoint folder, a checkpoints root, or a stage folder containing checkpoints/"
+    )
 
 
 def upgrade_layout(state: dict, model_cfg: ModelConfig, manifest: dict) -> dict:
@@ -308,6 +339,7 @@ def upgrade_layout(state: dict, model_cfg: ModelConfig, manifest: dict) -> dict:
     if manifest.get("weights_layout", 1) >= WEIGHTS_LAYOUT:
         return state
     from kiln.model.transformer import fuse_gate_up, fuse_qkv
+
     q_rows, kv_rows = model_cfg.n_heads * model_cfg.head_dim, model_cfg.kv_heads * model_cfg.head_dim
     for i in range(model_cfg.n_layers):
         for suffix in ("weight", "bias"):
@@ -335,6 +367,7 @@ def load_weights(path) -> tuple[ModelConfig, dict[str, torch.Tensor], dict]:
     cfg = model_config_from_dict(manifest["model_config"], str(folder / MANIFEST_FILE))
     if manifest.get("layout") == "sharded":
         from kiln.parallel.checkpoint import load_sharded_weights
+
         verify(folder, manifest)
         check_sharded_pickles(folder, manifest)
         return cfg, load_sharded_weights(folder), manifest
@@ -344,6 +377,7 @@ def load_weights(path) -> tuple[ModelConfig, dict[str, torch.Tensor], dict]:
 
 
 # ---- RNG state as JSON ---------------------------------------------------------------------------
+
 
 def capture_rng_state() -> dict:
     """Every RNG the process uses, JSON-serialisable (byte states as base64)."""
@@ -366,11 +400,13 @@ def restore_rng_state(state: dict) -> None:
     version, internal, gauss_next = state["python"]
     random.setstate((version, tuple(internal), gauss_next))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
-                                      for s in state["cuda"]])
+        torch.cuda.set_rng_state_all(
+            [torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8) for s in state["cuda"]]
+        )
 
 
 # ---- training checkpoints ------------------------------------------------------------------------
+
 
 class CheckpointManager:
     """Saves, finds, verifies and prunes the step folders of one run's checkpoints root."""
@@ -392,8 +428,15 @@ class CheckpointManager:
     def latest_name(self) -> str | None:
         return self._pointer("latest")
 
-    def save(self, step: int, model_cfg: ModelConfig, model_state: dict, train_state: dict,
-             manifest_extra: dict, is_best: bool = False) -> Path:
+    def save(
+        self,
+        step: int,
+        model_cfg: ModelConfig,
+        model_state: dict,
+        train_state: dict,
+        manifest_extra: dict,
+        is_best: bool = False,
+    ) -> Path:
         tmp = self.begin(step)
         _write_files(tmp, model_cfg, model_state, {"step": step, **manifest_extra}, train_state)
         return self.commit(tmp, step, is_best)
@@ -432,8 +475,9 @@ class CheckpointManager:
             check_sharded_pickles(folder, manifest)
             return manifest, None, self._load_train_state(folder)
         if TRAIN_STATE_FILE not in manifest["files"]:
-            raise CheckpointError(f"{folder}: weights-only checkpoint (no {TRAIN_STATE_FILE}); "
-                                  f"use init_from to start a new run from it")
+            raise CheckpointError(
+                f"{folder}: weights-only checkpoint (no {TRAIN_STATE_FILE}); use init_from to start a new run from it"
+            )
         model_state = _restore_tied(load_file(str(folder / MODEL_FILE)), manifest.get("tied", {}), folder)
         cfg = model_config_from_dict(manifest["model_config"], str(folder / MANIFEST_FILE))
         return manifest, upgrade_layout(model_state, cfg, manifest), self._load_train_state(folder)
@@ -451,8 +495,7 @@ class CheckpointManager:
             try:
                 return (folder, *self.load(folder))
             except CheckpointError as e:
-                warnings.warn(f"skipping checkpoint {folder.name}: {e}; falling back to an older one",
-                              stacklevel=2)
+                warnings.warn(f"skipping checkpoint {folder.name}: {e}; falling back to an older one", stacklevel=2)
         return None
 
     def rewind(self, step: int, best_step: int = -1) -> None:
@@ -460,13 +503,12 @@ class CheckpointManager:
         the future of a run resumed from an older checkpoint) are renamed `abandoned-step-*`, kept
         for inspection but no longer candidates, and `latest`/`best` are pointed back."""
         for folder in complete_checkpoints(self.root):
-            if int(folder.name[len("step-"):]) > step:
+            if int(folder.name[len("step-") :]) > step:
                 target = self.root / f"abandoned-{folder.name}"
                 if target.exists():
                     shutil.rmtree(target)
                 os.replace(folder, target)
-                warnings.warn(f"{folder} is newer than the resumed step {step}; renamed to {target.name}",
-                              stacklevel=2)
+                warnings.warn(f"{folder} is newer than the resumed step {step}; renamed to {target.name}", stacklevel=2)
         _write_text_atomic(self.root / "latest", step_dirname(step) + "\n")
         best = self.best_name
         if best is not None and not (self.root / best / MANIFEST_FILE).is_file():
@@ -491,7 +533,7 @@ class CheckpointManager:
 
     def _prune(self) -> None:
         folders = complete_checkpoints(self.root)
-        keep = {p.name for p in folders[-self.keep_last:]}
+        keep = {p.name for p in folders[-self.keep_last :]}
         if self.keep_best and self.best_name:
             keep.add(self.best_name)
         for folder in folders:

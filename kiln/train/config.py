@@ -14,20 +14,20 @@ LOGGERS = ("tensorboard", "wandb", "mlflow")
 class TrainConfig:
     seq_len: int = 256
     micro_batch_size: int = 8
-    global_batch_tokens: int = 16384     # tokens per optimizer step, across ranks and accumulation
+    global_batch_tokens: int = 16384  # tokens per optimizer step, across ranks and accumulation
     max_steps: int = 300
-    optimizer: str = "adamw"             # adamw | lion | adafactor
+    optimizer: str = "adamw"  # adamw | lion | adafactor
     lr: float = 3e-3
-    min_lr_ratio: float = 0.1            # final lr = lr * min_lr_ratio
+    min_lr_ratio: float = 0.1  # final lr = lr * min_lr_ratio
     warmup_steps: int = 30
-    schedule: str = "cosine"             # cosine | wsd | constant
-    decay_fraction: float = 0.2          # wsd: share of steps spent decaying at the end
+    schedule: str = "cosine"  # cosine | wsd | constant
+    decay_fraction: float = 0.2  # wsd: share of steps spent decaying at the end
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
-    weight_decay: float = 0.1            # applied to matrices only
-    grad_clip: float = 1.0               # 0: off
-    precision: str = "bf16"              # fp32 | bf16 | fp16
+    weight_decay: float = 0.1  # applied to matrices only
+    grad_clip: float = 1.0  # 0: off
+    precision: str = "bf16"  # fp32 | bf16 | fp16
     activation_checkpointing: bool = False
     compile: bool = False
     seed: int = 1337
@@ -37,26 +37,40 @@ class TrainConfig:
     ckpt_every: int = 100
     keep_last: int = 2
     keep_best: bool = True
-    early_stop_patience: int = 0         # evaluations without improvement before stopping; 0: off
-    peak_flops: float = 0.0              # per device, for MFU; 0: detect (measured matmul on CPU)
-    threads: int = 0                     # torch intra-op threads; 0: leave torch's default
+    early_stop_patience: int = 0  # evaluations without improvement before stopping; 0: off
+    peak_flops: float = 0.0  # per device, for MFU; 0: detect (measured matmul on CPU)
+    threads: int = 0  # torch intra-op threads; 0: leave torch's default
     loggers: list[str] = field(default_factory=list)  # besides metrics.jsonl: tensorboard, wandb, mlflow
-    watchdog_s: float = 0.0              # exit (code 3) if a step or checkpoint save takes longer; 0: off
-    batch_ramp_steps: int = 0            # grow the global batch linearly over this many first steps; 0: off
-    batch_ramp_start_tokens: int = 0     # global batch of the first step while ramping
+    watchdog_s: float = 0.0  # exit (code 3) if a step or checkpoint save takes longer; 0: off
+    batch_ramp_steps: int = 0  # grow the global batch linearly over this many first steps; 0: off
+    batch_ramp_start_tokens: int = 0  # global batch of the first step while ramping
     guard: GuardConfig = field(default_factory=GuardConfig)  # [train.guard]: loss-spike and NaN guard
 
     def validate(self) -> None:
-        for key in ("seq_len", "micro_batch_size", "global_batch_tokens", "max_steps", "log_every",
-                    "eval_every", "eval_batches", "ckpt_every", "keep_last"):
+        for key in (
+            "seq_len",
+            "micro_batch_size",
+            "global_batch_tokens",
+            "max_steps",
+            "log_every",
+            "eval_every",
+            "eval_batches",
+            "ckpt_every",
+            "keep_last",
+        ):
             if getattr(self, key) <= 0:
                 raise ConfigError(key, f"must be positive, got {getattr(self, key)}")
         if self.global_batch_tokens % (self.seq_len * self.micro_batch_size):
-            raise ConfigError("global_batch_tokens",
-                              f"must be a multiple of seq_len*micro_batch_size="
-                              f"{self.seq_len * self.micro_batch_size}, got {self.global_batch_tokens}")
-        choices = {"optimizer": ("adamw", "lion", "adafactor"), "schedule": ("cosine", "wsd", "constant"),
-                   "precision": ("fp32", "bf16", "fp16")}
+            raise ConfigError(
+                "global_batch_tokens",
+                f"must be a multiple of seq_len*micro_batch_size="
+                f"{self.seq_len * self.micro_batch_size}, got {self.global_batch_tokens}",
+            )
+        choices = {
+            "optimizer": ("adamw", "lion", "adafactor"),
+            "schedule": ("cosine", "wsd", "constant"),
+            "precision": ("fp32", "bf16", "fp16"),
+        }
         for key, allowed in choices.items():
             if getattr(self, key) not in allowed:
                 raise ConfigError(key, f"must be one of {', '.join(allowed)}, got {getattr(self, key)!r}")
@@ -71,28 +85,41 @@ class TrainConfig:
         for key in ("beta1", "beta2"):
             if not 0 <= getattr(self, key) < 1:
                 raise ConfigError(key, f"must be in [0, 1), got {getattr(self, key)}")
-        for key in ("weight_decay", "grad_clip", "peak_flops", "early_stop_patience", "threads", "watchdog_s",
-                    "batch_ramp_steps", "batch_ramp_start_tokens"):
+        for key in (
+            "weight_decay",
+            "grad_clip",
+            "peak_flops",
+            "early_stop_patience",
+            "threads",
+            "watchdog_s",
+            "batch_ramp_steps",
+            "batch_ramp_start_tokens",
+        ):
             if not getattr(self, key) >= 0:  # also refuses NaN
                 raise ConfigError(key, f"must be >= 0, got {getattr(self, key)}")
         if self.watchdog_s == float("inf"):
             raise ConfigError("watchdog_s", "must be finite (0 turns the watchdog off)")
         for name in self.loggers:
             if name not in LOGGERS:
-                raise ConfigError("loggers", f"unknown logger {name!r}; known: {', '.join(LOGGERS)} "
-                                             f"(metrics.jsonl is always written)")
+                raise ConfigError(
+                    "loggers", f"unknown logger {name!r}; known: {', '.join(LOGGERS)} (metrics.jsonl is always written)"
+                )
         if len(set(self.loggers)) != len(self.loggers):
             raise ConfigError("loggers", f"names a logger twice: {self.loggers}")
         if self.batch_ramp_steps > 0:
             micro = self.seq_len * self.micro_batch_size
             if not 0 < self.batch_ramp_start_tokens <= self.global_batch_tokens:
-                raise ConfigError("batch_ramp_start_tokens",
-                                  f"must be in (0, global_batch_tokens={self.global_batch_tokens}] when "
-                                  f"batch_ramp_steps > 0, got {self.batch_ramp_start_tokens}")
+                raise ConfigError(
+                    "batch_ramp_start_tokens",
+                    f"must be in (0, global_batch_tokens={self.global_batch_tokens}] when "
+                    f"batch_ramp_steps > 0, got {self.batch_ramp_start_tokens}",
+                )
             if self.batch_ramp_start_tokens % micro:
-                raise ConfigError("batch_ramp_start_tokens",
-                                  f"must be a multiple of seq_len*micro_batch_size={micro} (the batch grows "
-                                  f"in whole micro-batches), got {self.batch_ramp_start_tokens}")
+                raise ConfigError(
+                    "batch_ramp_start_tokens",
+                    f"must be a multiple of seq_len*micro_batch_size={micro} (the batch grows "
+                    f"in whole micro-batches), got {self.batch_ramp_start_tokens}",
+                )
         try:
             self.guard.validate()
         except ConfigError as err:

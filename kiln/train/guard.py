@@ -34,13 +34,13 @@ class TrainingDiverged(RuntimeError):
 
 @dataclass
 class GuardConfig:
-    action: str = "skip"            # off | skip | rollback
-    spike_sigma: float = 6.0        # a spike is a loss above mean + spike_sigma * std; 0: only NaN/inf
-    spike_min_rise: float = 0.1     # ... and above mean + this (nats), so a flat curve's noise is no spike
-    window: int = 100               # accepted steps in the rolling mean and std
-    min_history: int = 50           # accepted steps before spikes are looked for
-    lr_factor: float = 1.0          # rollback: multiply the learning rate by this after each rollback
-    max_events: int = 100           # flagged steps allowed in the run; one more stops it; 0: no limit
+    action: str = "skip"  # off | skip | rollback
+    spike_sigma: float = 6.0  # a spike is a loss above mean + spike_sigma * std; 0: only NaN/inf
+    spike_min_rise: float = 0.1  # ... and above mean + this (nats), so a flat curve's noise is no spike
+    window: int = 100  # accepted steps in the rolling mean and std
+    min_history: int = 50  # accepted steps before spikes are looked for
+    lr_factor: float = 1.0  # rollback: multiply the learning rate by this after each rollback
+    max_events: int = 100  # flagged steps allowed in the run; one more stops it; 0: no limit
 
     def validate(self) -> None:
         if self.action not in ACTIONS:
@@ -49,8 +49,9 @@ class GuardConfig:
             if not getattr(self, key) >= 0:  # also refuses NaN
                 raise ConfigError(key, f"must be >= 0, got {getattr(self, key)}")
         if self.window < 2:
-            raise ConfigError("window", f"must be at least 2 (a standard deviation needs two losses), "
-                                        f"got {self.window}")
+            raise ConfigError(
+                "window", f"must be at least 2 (a standard deviation needs two losses), got {self.window}"
+            )
         if not 2 <= self.min_history <= self.window:
             raise ConfigError("min_history", f"must be in [2, window={self.window}], got {self.min_history}")
         if not 0 < self.lr_factor <= 1:
@@ -59,8 +60,8 @@ class GuardConfig:
 
 @dataclass
 class GuardEvent:
-    type: str       # "nan" | "spike"
-    details: dict   # loss, grad_norm, and for a spike the rolling mean and std it was compared with
+    type: str  # "nan" | "spike"
+    details: dict  # loss, grad_norm, and for a spike the rolling mean and std it was compared with
 
 
 class LossGuard:
@@ -125,6 +126,7 @@ class LossGuard:
 
 # ---- the loop's response (kiln.train.trainer.Trainer calls these) ----------------------------------
 
+
 def respond(trainer, event: GuardEvent) -> None:
     """The guard flagged the step the trainer just took (its update was not applied): log it, then
     skip or roll back; stop the run once more steps were flagged than max_events allows."""
@@ -134,7 +136,8 @@ def respond(trainer, event: GuardEvent) -> None:
         raise TrainingDiverged(
             f"step {trainer.step}: the loss guard flagged {trainer.guard.events} steps, more than "
             f"train.guard.max_events={cfg.max_events}; the run is diverging. Lower train.lr, look at the "
-            f"data around this step, or resume from an earlier checkpoint")
+            f"data around this step, or resume from an earlier checkpoint"
+        )
     if cfg.action == "rollback":
         rolled = rollback(trainer)
         if rolled is not None:
@@ -160,6 +163,7 @@ def rollback(trainer) -> dict | None:
     folder, manifest, model_state, train_state = found
     if model_state is None:  # sharded: every rank reads its shards
         from kiln.parallel.checkpoint import load_sharded
+
         load_sharded(folder, trainer.model, trainer.optimizer)
     else:
         trainer.model.load_state_dict(model_state)
@@ -168,8 +172,13 @@ def rollback(trainer) -> dict | None:
         trainer.scaler.load_state_dict(train_state["scaler"])
     ckpt_step = int(manifest["step"])
     skipped = sum(trainer.accum_at(t) for t in range(ckpt_step, trainer.step))
-    return {"checkpoint": folder.name, "checkpoint_step": ckpt_step, "skipped_steps": trainer.step - ckpt_step,
-            "skipped_micro_batches": skipped, "skipped_tokens": skipped * trainer.tokens_per_micro_step}
+    return {
+        "checkpoint": folder.name,
+        "checkpoint_step": ckpt_step,
+        "skipped_steps": trainer.step - ckpt_step,
+        "skipped_micro_batches": skipped,
+        "skipped_tokens": skipped * trainer.tokens_per_micro_step,
+    }
 
 
 # ---- gradient norms per layer group (logged with the guard's statistics) ------------------------
@@ -199,6 +208,7 @@ def grad_group(name: str) -> str:
 def group_grad_norms(model, groups: list[str], layout, device):
     """The 2-norm of the gradients of each group in `groups`, as one tensor (no device sync)."""
     import torch
+
     members = {g: [] for g in groups}
     for name, p in model.named_parameters():
         if p.grad is not None:
@@ -210,11 +220,13 @@ def group_grad_norms(model, groups: list[str], layout, device):
             squares.append(torch.zeros((), device=device))
         elif layout.sharded:  # DTensor gradients: the norm reduces over their mesh
             from kiln.parallel.grad import total_grad_norm
+
             squares.append(total_grad_norm(params).float().square().to(device))
         else:
             squares.append(torch.nn.utils.get_total_norm([p.grad for p in params]).float().square().to(device))
     squares = torch.stack(squares)
     if layout.pp_mesh is not None:  # pipeline stages hold disjoint layers
         import torch.distributed as dist
+
         dist.all_reduce(squares, group=layout.pp_mesh.get_group())
     return squares.sqrt()

@@ -22,11 +22,27 @@ from kiln.errors import ConfigError
 # Dense (non-sparse) bf16 tensor-core peaks from the vendors' data sheets, FLOP/s per device.
 # Matched by substring of torch.cuda.get_device_name(), most specific first.
 CUDA_BF16_PEAKS = [
-    ("GB200", 2.5e15), ("B200", 2.25e15), ("B100", 1.75e15),
-    ("H200", 989e12), ("H100 PCIe", 756e12), ("H100", 989e12), ("H800", 989e12), ("GH200", 989e12),
-    ("A100", 312e12), ("A800", 312e12), ("A10G", 70e12), ("A6000", 155e12), ("L40S", 362e12),
-    ("L40", 181e12), ("L4", 121e12), ("4090", 165e12), ("3090", 71e12), ("V100", 125e12), ("T4", 65e12),
-    ("MI300X", 1.307e15), ("MI250X", 383e12),
+    ("GB200", 2.5e15),
+    ("B200", 2.25e15),
+    ("B100", 1.75e15),
+    ("H200", 989e12),
+    ("H100 PCIe", 756e12),
+    ("H100", 989e12),
+    ("H800", 989e12),
+    ("GH200", 989e12),
+    ("A100", 312e12),
+    ("A800", 312e12),
+    ("A10G", 70e12),
+    ("A6000", 155e12),
+    ("L40S", 362e12),
+    ("L40", 181e12),
+    ("L4", 121e12),
+    ("4090", 165e12),
+    ("3090", 71e12),
+    ("V100", 125e12),
+    ("T4", 65e12),
+    ("MI300X", 1.307e15),
+    ("MI250X", 383e12),
 ]
 
 LOGGERS_KEY = "train.loggers"
@@ -137,8 +153,14 @@ class WandbBackend:
         # records already carry Kiln's sys/ metrics, so wandb's sampling process is not needed.
         settings = wandb.Settings(mode="offline", console="off", x_disable_stats=True, silent=True)
         self.wandb = wandb
-        self.run = wandb.init(dir=str(out_dir), project=os.environ.get("WANDB_PROJECT", "kiln"), name=run_name,
-                              config=_jsonable(config), settings=settings, reinit="create_new")
+        self.run = wandb.init(
+            dir=str(out_dir),
+            project=os.environ.get("WANDB_PROJECT", "kiln"),
+            name=run_name,
+            config=_jsonable(config),
+            settings=settings,
+            reinit="create_new",
+        )
         WandbBackend.live += 1
 
     def log(self, step: int, values: dict[str, float]) -> None:
@@ -169,7 +191,7 @@ def mlflow_key(key: str) -> str:
 class MlflowBackend:
     """One MLflow run in a local file store at <out>/mlruns; view with `mlflow ui --backend-store-uri`."""
 
-    PARAM_BATCH = 100   # MLflow's limit on params per log_batch call
+    PARAM_BATCH = 100  # MLflow's limit on params per log_batch call
     PARAM_CHARS = 6000  # and on one param value's length
 
     def __init__(self, out_dir: Path, run_name: str | None, config: dict | None):
@@ -189,11 +211,15 @@ class MlflowBackend:
         experiment = self.client.get_experiment_by_name(name)
         experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(name)
         self.run_id = self.client.create_run(experiment_id, run_name=run_name).info.run_id
-        params = [Param(mlflow_key(k), json.dumps(v, default=str)[:self.PARAM_CHARS] if not isinstance(v, str)
-                        else v[:self.PARAM_CHARS])
-                  for k, v in flatten_config(_jsonable(config)).items()]
+        params = [
+            Param(
+                mlflow_key(k),
+                json.dumps(v, default=str)[: self.PARAM_CHARS] if not isinstance(v, str) else v[: self.PARAM_CHARS],
+            )
+            for k, v in flatten_config(_jsonable(config)).items()
+        ]
         for start in range(0, len(params), self.PARAM_BATCH):
-            self.client.log_batch(self.run_id, params=params[start:start + self.PARAM_BATCH])
+            self.client.log_batch(self.run_id, params=params[start : start + self.PARAM_BATCH])
         self.events: list[str] = []
 
     def log(self, step: int, values: dict[str, float]) -> None:
@@ -225,8 +251,10 @@ class MetricsLogger:
         names = list(dict.fromkeys(loggers))  # a name given twice gets one backend
         for name in names:
             if name not in BACKENDS:
-                raise ConfigError(LOGGERS_KEY, f"unknown logger {name!r}; known: {', '.join(BACKENDS)} "
-                                               f"(metrics.jsonl is always written)")
+                raise ConfigError(
+                    LOGGERS_KEY,
+                    f"unknown logger {name!r}; known: {', '.join(BACKENDS)} (metrics.jsonl is always written)",
+                )
         out_dir = Path(out_dir)
         self.path = out_dir / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -291,8 +319,9 @@ def truncate_metrics(path, last_step: int) -> None:
             record = json.loads(line)
         except json.JSONDecodeError:
             continue
-        if isinstance(record, dict) and (record.get("step", 0) <= last_step or (
-                record.get("kind") == "event" and record.get("type") == "watchdog")):
+        if isinstance(record, dict) and (
+            record.get("step", 0) <= last_step or (record.get("kind") == "event" and record.get("type") == "watchdog")
+        ):
             kept.append(line)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(line + "\n" for line in kept))
@@ -332,8 +361,11 @@ def detect_peak_flops(device: torch.device, dtype: torch.dtype, override: float 
                 # fp32 without TF32 runs on CUDA cores at a small fraction of the tensor-core peak;
                 # fp16 tensor-core peaks equal bf16 on these parts.
                 return peak if dtype in (torch.bfloat16, torch.float16) else peak / 16
-        warnings.warn(f"unknown GPU {name!r}: MFU is reported against a measured matmul peak; "
-                      f"set train.peak_flops for the data-sheet value", stacklevel=2)
+        warnings.warn(
+            f"unknown GPU {name!r}: MFU is reported against a measured matmul peak; "
+            f"set train.peak_flops for the data-sheet value",
+            stacklevel=2,
+        )
         a = torch.ones(4096, 4096, device=device, dtype=dtype)
         torch.cuda.synchronize(device)
         start = time.perf_counter()
@@ -352,8 +384,9 @@ def peak_memory_mb(device: torch.device) -> float:
     return rss / 2**20 if sys.platform == "darwin" else rss / 2**10  # bytes on macOS, KiB on Linux
 
 
-def model_flops_utilization(flops_per_token: float, tokens_per_s: float, peak_flops: float,
-                            world_size: int = 1) -> float:
+def model_flops_utilization(
+    flops_per_token: float, tokens_per_s: float, peak_flops: float, world_size: int = 1
+) -> float:
     """MFU: model FLOPs actually done per second over what the devices could do at peak."""
     if peak_flops <= 0:
         return 0.0

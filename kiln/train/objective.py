@@ -38,6 +38,8 @@ def apply_activation_checkpointing(model: torch.nn.Module) -> None:
     arguments and inputs that do not require grad.
     """
     for block in model.layers:
+
         def forward(*args, _block_forward=block.forward, **kwargs):
             return checkpoint(_block_forward, *args, use_reentrant=False, **kwargs)
+
         block.forward = forward

@@ -31,8 +31,7 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
             decay.append(p)
         else:
             no_decay.append(p)
-    groups = [{"params": decay, "weight_decay": weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return [g for g in groups if g["params"]]
 
 
@@ -52,8 +51,7 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer
         # bit-equality with torch's reference), and the optimizer step is a small share of a step.
         devices = {p.device.type for g in groups for p in g["params"]}
         foreach = devices <= {"cpu", "cuda"}
-        return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                                 foreach=foreach)
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=foreach)
     if cfg.optimizer == "lion":
         return Lion(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
     if cfg.optimizer == "adafactor":
@@ -74,8 +72,7 @@ class Lion(torch.optim.Optimizer):
     than AdamW's and a weight decay 3-10x larger to keep lr * weight_decay similar (paper, sec. 5).
     """
 
-    def __init__(self, params, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99),
-                 weight_decay: float = 0.0):
+    def __init__(self, params, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99), weight_decay: float = 0.0):
         if lr <= 0:
             raise ValueError(f"Lion: lr must be positive, got {lr}")
         if not all(0 <= b < 1 for b in betas):

@@ -18,6 +18,7 @@ _process = None  # one psutil.Process, reused: cpu_percent measures since the pr
 
 def _psutil():
     import psutil
+
     global _process
     if _process is None:
         _process = psutil.Process()
@@ -59,6 +60,7 @@ def system_metrics(device=None) -> dict:
 
 def _cuda_metrics(device) -> dict:
     import torch
+
     device = torch.device(device)
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -101,9 +103,18 @@ def progress_visible() -> bool:
 def progress(iterable=None, *, total=None, desc: str | None = None, unit: str = "it", **kwargs):
     """A tqdm bar on stderr with rate and ETA, following progress_enabled()."""
     from tqdm import tqdm
+
     enabled = progress_enabled()
-    return tqdm(iterable, total=total, desc=desc, unit=unit, file=sys.stderr, dynamic_ncols=True,
-                disable=None if enabled is None else not enabled, **kwargs)
+    return tqdm(
+        iterable,
+        total=total,
+        desc=desc,
+        unit=unit,
+        file=sys.stderr,
+        dynamic_ncols=True,
+        disable=None if enabled is None else not enabled,
+        **kwargs,
+    )
 
 
 __all__ = ["system_metrics", "is_rank_zero", "progress_enabled", "progress_visible", "progress", "PROGRESS_ENV"]

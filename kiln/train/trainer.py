@@ -24,13 +24,24 @@ from kiln.errors import ConfigError
 from kiln.model import ModelConfig, build_model, count_params, flops_per_token
 from kiln.parallel.config import ParallelConfig
 from kiln.parallel.layout import Layout
-from kiln.train.checkpoint import (CheckpointManager, capture_rng_state, complete_checkpoints,
-                                   load_weights, resolve_checkpoint, restore_rng_state)
+from kiln.train.checkpoint import (
+    CheckpointManager,
+    capture_rng_state,
+    complete_checkpoints,
+    load_weights,
+    resolve_checkpoint,
+    restore_rng_state,
+)
 from kiln.train.config import TrainConfig
 from kiln.train.guard import GRAD_GROUPS, LossGuard, grad_group, group_grad_norms, respond
+from kiln.train.metrics import (
+    MetricsLogger,
+    detect_peak_flops,
+    model_flops_utilization,
+    peak_memory_mb,
+    truncate_metrics,
+)
 from kiln.train.objective import LossFn, apply_activation_checkpointing, next_token_loss
-from kiln.train.metrics import (MetricsLogger, detect_peak_flops, model_flops_utilization, peak_memory_mb,
-                                truncate_metrics)
 from kiln.train.optim import build_optimizer
 from kiln.train.schedule import lr_at
 from kiln.train.system import progress_enabled, system_metrics
@@ -53,12 +64,22 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 class Trainer:
-    def __init__(self, model_cfg: ModelConfig, train_cfg: TrainConfig, pack_dir, out_dir,
-                 recipe_dict: dict | None = None, resume: str = "auto", init_from=None,
-                 loss_fn: LossFn | None = None, device: str | None = None,
-                 parallel: ParallelConfig | None = None, data: tuple | None = None,
-                 prepare_model: Callable[[torch.nn.Module], object] | None = None,
-                 eval_loss_fn: LossFn | None = None):
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        train_cfg: TrainConfig,
+        pack_dir,
+        out_dir,
+        recipe_dict: dict | None = None,
+        resume: str = "auto",
+        init_from=None,
+        loss_fn: LossFn | None = None,
+        device: str | None = None,
+        parallel: ParallelConfig | None = None,
+        data: tuple | None = None,
+        prepare_model: Callable[[torch.nn.Module], object] | None = None,
+        eval_loss_fn: LossFn | None = None,
+    ):
         train_cfg.validate()
         cfg = self.cfg = train_cfg
         self.pack_dir = Path(pack_dir) if pack_dir is not None else None
@@ -78,21 +99,34 @@ class Trainer:
         # Only data-parallel ranks read different data; TP/CP/PP ranks of one replica share a batch.
         tokens_per_micro_step = cfg.seq_len * cfg.micro_batch_size * self.layout.dp_size
         if cfg.global_batch_tokens % tokens_per_micro_step:
-            raise ConfigError("global_batch_tokens", f"must be a multiple of seq_len*micro_batch_size*dp ranks="
-                                                     f"{tokens_per_micro_step}, got {cfg.global_batch_tokens}")
+            raise ConfigError(
+                "global_batch_tokens",
+                f"must be a multiple of seq_len*micro_batch_size*dp ranks="
+                f"{tokens_per_micro_step}, got {cfg.global_batch_tokens}",
+            )
         self.accum_steps = cfg.global_batch_tokens // tokens_per_micro_step
         self.tokens_per_micro_step = tokens_per_micro_step
         self.ramp_start_accum = self.accum_steps
         if cfg.batch_ramp_steps > 0:
             if cfg.batch_ramp_start_tokens % tokens_per_micro_step:
-                raise ConfigError("batch_ramp_start_tokens",
-                                  f"must be a multiple of seq_len*micro_batch_size*dp ranks={tokens_per_micro_step}, "
-                                  f"got {cfg.batch_ramp_start_tokens}")
+                raise ConfigError(
+                    "batch_ramp_start_tokens",
+                    f"must be a multiple of seq_len*micro_batch_size*dp ranks={tokens_per_micro_step}, "
+                    f"got {cfg.batch_ramp_start_tokens}",
+                )
             self.ramp_start_accum = cfg.batch_ramp_start_tokens // tokens_per_micro_step
 
         def make_loader(split: str):
-            return TokenLoader(self.pack_dir, split=split, seq_len=cfg.seq_len, batch_size=cfg.micro_batch_size,
-                               rank=self.layout.dp_rank, world_size=self.layout.dp_size, seed=cfg.seed)
+            return TokenLoader(
+                self.pack_dir,
+                split=split,
+                seq_len=cfg.seq_len,
+                batch_size=cfg.micro_batch_size,
+                rank=self.layout.dp_rank,
+                world_size=self.layout.dp_size,
+                seed=cfg.seed,
+            )
+
         if data is not None:
             # A post-training stage brings its own (train, val) sources with the TokenLoader interface:
             # iteration, state_dict/load_state_dict, iter_batches(n), vocab_size, bytes_per_token.
@@ -105,8 +139,11 @@ class Trainer:
         if model_cfg.vocab_size == 0:
             model_cfg = dataclasses.replace(model_cfg, vocab_size=self.train_loader.vocab_size)
         if model_cfg.vocab_size < self.train_loader.vocab_size:
-            raise ConfigError("vocab_size", f"model has {model_cfg.vocab_size} token ids but the pack "
-                                            f"{self.pack_dir} uses {self.train_loader.vocab_size}")
+            raise ConfigError(
+                "vocab_size",
+                f"model has {model_cfg.vocab_size} token ids but the pack "
+                f"{self.pack_dir} uses {self.train_loader.vocab_size}",
+            )
         if cfg.seq_len > model_cfg.max_seq_len:
             raise ConfigError("seq_len", f"{cfg.seq_len} exceeds the model's max_seq_len={model_cfg.max_seq_len}")
         self.model_cfg = model_cfg
@@ -124,6 +161,7 @@ class Trainer:
         self.sharded_saver = None
         if self.layout.sharded:
             from kiln.parallel.checkpoint import ShardedSaver
+
             self.sharded_saver = ShardedSaver(self.ckpt, self.layout.cfg.async_checkpoint)
         # Dynamic loss scaling keeps small fp16 gradients from flushing to zero; bf16 has fp32's
         # exponent range and needs none. A disabled scaler passes everything through unchanged.
@@ -170,16 +208,20 @@ class Trainer:
         # read from self.model, whose parameter names no wrapper prefixes.
         if self.layout.pipelined and loss_fn is not None:
             raise ConfigError("parallel.pp", "pipeline parallelism runs the pretraining loss only")
-        self.model, self.forward_model = self.layout.parallelize(self.model, self.compute_dtype,
-                                                                 cfg.activation_checkpointing, compile_blocks=cfg.compile)
+        self.model, self.forward_model = self.layout.parallelize(
+            self.model, self.compute_dtype, cfg.activation_checkpointing, compile_blocks=cfg.compile
+        )
         self.optimizer = build_optimizer(self.model, cfg)
         self.resumed_from = self._resume(found, init_from) if found is not None else None
         self.metrics = None
         if self.is_main:
             run_name = f"{self.out_dir.absolute().parent.name}/{self.out_dir.absolute().name}"
-            self.metrics = MetricsLogger(self.out_dir, loggers=cfg.loggers, run_name=run_name,
-                                         config=recipe_dict if recipe_dict is not None else
-                                         {"train": dataclasses.asdict(cfg)})
+            self.metrics = MetricsLogger(
+                self.out_dir,
+                loggers=cfg.loggers,
+                run_name=run_name,
+                config=recipe_dict if recipe_dict is not None else {"train": dataclasses.asdict(cfg)},
+            )
 
     # ---- setup -----------------------------------------------------------------------------------
 
@@ -188,8 +230,11 @@ class Trainer:
         root = self.ckpt.root
         if resume == "none":
             if complete_checkpoints(root):
-                raise ConfigError("resume", f"{root} holds checkpoints of an earlier run; "
-                                            f"use resume=auto to continue it, or remove that folder")
+                raise ConfigError(
+                    "resume",
+                    f"{root} holds checkpoints of an earlier run; "
+                    f"use resume=auto to continue it, or remove that folder",
+                )
             found = None
         elif resume == "auto":
             found = self.ckpt.load_newest_valid()
@@ -214,6 +259,7 @@ class Trainer:
             warnings.warn(f"resuming from {folder}; init_from={init_from} is ignored", stacklevel=3)
         if model_state is None:
             from kiln.parallel.checkpoint import load_sharded
+
             load_sharded(folder, self.model, self.optimizer)
         else:
             self.layout.load_full_optimizer_state(self.model, self.optimizer, train_state["optimizer"])
@@ -237,9 +283,12 @@ class Trainer:
             self.model.load_state_dict(state)
         except RuntimeError as e:
             first = str(e).strip().splitlines()
-            raise ConfigError("init_from", f"{path}: weights do not fit the model "
-                                           f"({first[1].strip() if len(first) > 1 else first[0]}); "
-                                           f"checkpoint model is {init_cfg}") from None
+            raise ConfigError(
+                "init_from",
+                f"{path}: weights do not fit the model "
+                f"({first[1].strip() if len(first) > 1 else first[0]}); "
+                f"checkpoint model is {init_cfg}",
+            ) from None
 
     def _autocast(self):
         if self.cfg.precision == "fp32":
@@ -358,26 +407,42 @@ class Trainer:
     def save_checkpoint(self, is_best: bool = False, val_loss: float | None = None) -> None:
         if not self.is_main and self.sharded_saver is None:
             return
-        loop = {"step": self.step, "tokens_seen": self.tokens_seen, "best_val_loss": self.best_val_loss,
-                "best_val_bpb": self.best_val_bpb, "best_step": self.best_step,
-                "evals_since_best": self.evals_since_best, "last_val_loss": self.last_val_loss,
-                "last_val_bpb": self.last_val_bpb, "stopped_early": self.stopped_early,
-                "lr_scale": self.lr_scale, "guard": self.guard.state_dict()}
+        loop = {
+            "step": self.step,
+            "tokens_seen": self.tokens_seen,
+            "best_val_loss": self.best_val_loss,
+            "best_val_bpb": self.best_val_bpb,
+            "best_step": self.best_step,
+            "evals_since_best": self.evals_since_best,
+            "last_val_loss": self.last_val_loss,
+            "last_val_bpb": self.last_val_bpb,
+            "stopped_early": self.stopped_early,
+            "lr_scale": self.lr_scale,
+            "guard": self.guard.state_dict(),
+        }
         train_state = {"scaler": self.scaler.state_dict(), "loop": loop}
-        manifest_extra = {"tokens_seen": self.tokens_seen, "val_loss": val_loss,
-                          "train_config": dataclasses.asdict(self.cfg), "recipe": self.recipe_dict,
-                          "loader": self.train_loader.state_dict(), "rng": capture_rng_state(),
-                          # The schedule is a pure function of the step (kiln.train.schedule), so the
-                          # step is the whole scheduler state.
-                          "schedule": {"step": self.step, "lr_scale": self.lr_scale,
-                                       "lr": lr_at(max(self.step - 1, 0), self.cfg) * self.lr_scale}}
+        manifest_extra = {
+            "tokens_seen": self.tokens_seen,
+            "val_loss": val_loss,
+            "train_config": dataclasses.asdict(self.cfg),
+            "recipe": self.recipe_dict,
+            "loader": self.train_loader.state_dict(),
+            "rng": capture_rng_state(),
+            # The schedule is a pure function of the step (kiln.train.schedule), so the
+            # step is the whole scheduler state.
+            "schedule": {
+                "step": self.step,
+                "lr_scale": self.lr_scale,
+                "lr": lr_at(max(self.step - 1, 0), self.cfg) * self.lr_scale,
+            },
+        }
         if self.sharded_saver is not None:  # every rank writes its shards
-            self.sharded_saver.save(self.step, self.model_cfg, self.model, self.optimizer, train_state,
-                                    manifest_extra, is_best=is_best)
+            self.sharded_saver.save(
+                self.step, self.model_cfg, self.model, self.optimizer, train_state, manifest_extra, is_best=is_best
+            )
             return
         train_state["optimizer"] = self.optimizer.state_dict()
-        self.ckpt.save(self.step, self.model_cfg, self.model.state_dict(), train_state, manifest_extra,
-                       is_best=is_best)
+        self.ckpt.save(self.step, self.model_cfg, self.model.state_dict(), train_state, manifest_extra, is_best=is_best)
 
     # ---- the loop --------------------------------------------------------------------------------
 
@@ -403,15 +468,25 @@ class Trainer:
         start_wall = time.perf_counter()
         train_time, train_tokens = 0.0, 0
         window_time, window_tokens = 0.0, 0
-        bar = tqdm(total=cfg.max_steps, initial=self.step, file=sys.stderr,
-                   disable=not self.is_main or progress_enabled() is False,
-                   desc=self.out_dir.name or "train", unit="step", dynamic_ncols=True)
+        bar = tqdm(
+            total=cfg.max_steps,
+            initial=self.step,
+            file=sys.stderr,
+            disable=not self.is_main or progress_enabled() is False,
+            desc=self.out_dir.name or "train",
+            unit="step",
+            dynamic_ncols=True,
+        )
         batches = iter(self.train_loader)
         evaluated_at = None
         first_timeout = cfg.watchdog_s * FIRST_STEP_WATCHDOG_FACTOR
         if cfg.batch_ramp_steps and self.step == 0:
-            self._event("batch_ramp", start_tokens=self.accum_at(0) * self.tokens_per_micro_step,
-                        full_tokens=self.accum_steps * self.tokens_per_micro_step, ramp_steps=cfg.batch_ramp_steps)
+            self._event(
+                "batch_ramp",
+                start_tokens=self.accum_at(0) * self.tokens_per_micro_step,
+                full_tokens=self.accum_steps * self.tokens_per_micro_step,
+                ramp_steps=cfg.batch_ramp_steps,
+            )
         while self.step < cfg.max_steps and not self.stopped_early:
             started = time.perf_counter()
             step = self.step + 1
@@ -433,11 +508,19 @@ class Trainer:
             if log_now:
                 tokens_per_s = window_tokens / window_time if window_time > 0 else 0.0
                 mfu = model_flops_utilization(self.flops_per_token, tokens_per_s, self.peak_flops, self.world_size)
-                record = {"kind": "train", "step": self.step, "loss": loss, "lr": stats["lr"],
-                          "grad_norm": grad_norm, "tokens_per_s": tokens_per_s, "mfu": mfu,
-                          "hfu": mfu * self.recompute_factor,
-                          "peak_mem_mb": peak_memory_mb(self.device), "tokens_seen": self.tokens_seen,
-                          "batch_tokens": batch_tokens}
+                record = {
+                    "kind": "train",
+                    "step": self.step,
+                    "loss": loss,
+                    "lr": stats["lr"],
+                    "grad_norm": grad_norm,
+                    "tokens_per_s": tokens_per_s,
+                    "mfu": mfu,
+                    "hfu": mfu * self.recompute_factor,
+                    "peak_mem_mb": peak_memory_mb(self.device),
+                    "tokens_seen": self.tokens_seen,
+                    "batch_tokens": batch_tokens,
+                }
                 record.update({f"grad_norm/{g}": v for g, v in zip(self.grad_groups, stats["group_norms"].tolist())})
                 if self.metrics:
                     record.update(system_metrics(self.device))
@@ -455,8 +538,9 @@ class Trainer:
                 evaluated_at = self.step
             if self.step % cfg.ckpt_every == 0 or last or self.stopped_early or (improved and cfg.keep_best):
                 with self.watchdog.watch(f"saving the checkpoint of step {self.step}", self.step):
-                    self.save_checkpoint(is_best=improved,
-                                         val_loss=self.last_val_loss if evaluated_at == self.step else None)
+                    self.save_checkpoint(
+                        is_best=improved, val_loss=self.last_val_loss if evaluated_at == self.step else None
+                    )
         bar.close()
         if self.sharded_saver is not None:
             with self.watchdog.watch(f"finishing the checkpoint of step {self.step}", self.step):
@@ -464,21 +548,35 @@ class Trainer:
         tokens_per_s = train_tokens / train_time if train_time > 0 else 0.0
         mfu = model_flops_utilization(self.flops_per_token, tokens_per_s, self.peak_flops, self.world_size)
         summary = {
-            "steps": self.step, "tokens_seen": self.tokens_seen, "stopped_early": self.stopped_early,
-            "final_val_loss": self.last_val_loss, "final_val_bpb": self.last_val_bpb,
+            "steps": self.step,
+            "tokens_seen": self.tokens_seen,
+            "stopped_early": self.stopped_early,
+            "final_val_loss": self.last_val_loss,
+            "final_val_bpb": self.last_val_bpb,
             "best_val_loss": self.best_val_loss if self.best_step >= 0 else None,
-            "best_val_bpb": self.best_val_bpb if self.best_step >= 0 else None, "best_step": self.best_step,
-            "tokens_per_s": tokens_per_s, "mfu": mfu, "hfu": mfu * self.recompute_factor, "peak_flops": self.peak_flops, "flops_per_token": self.flops_per_token,
-            "peak_mem_mb": peak_memory_mb(self.device), "params": count_params(self.model_cfg),
+            "best_val_bpb": self.best_val_bpb if self.best_step >= 0 else None,
+            "best_step": self.best_step,
+            "tokens_per_s": tokens_per_s,
+            "mfu": mfu,
+            "hfu": mfu * self.recompute_factor,
+            "peak_flops": self.peak_flops,
+            "flops_per_token": self.flops_per_token,
+            "peak_mem_mb": peak_memory_mb(self.device),
+            "params": count_params(self.model_cfg),
             "non_embedding_params": count_params(self.model_cfg, non_embedding=True),
-            "accum_steps": self.accum_steps, "pipeline_bubble": self.layout.bubble_fraction(),
-            "precision": self.cfg.precision, "device": str(self.device), "guard_events": self.guard.events,
+            "accum_steps": self.accum_steps,
+            "pipeline_bubble": self.layout.bubble_fraction(),
+            "precision": self.cfg.precision,
+            "device": str(self.device),
+            "guard_events": self.guard.events,
             "lr_scale": self.lr_scale,
             "resumed_from": self.resumed_from,
             # What kiln.cost bills: devices x the time spent training.
-            "world_size": self.world_size, "train_s": train_time,
+            "world_size": self.world_size,
+            "train_s": train_time,
             "threads": torch.get_num_threads() if self.device.type == "cpu" else None,
-            "device_name": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None, "wall_s": time.perf_counter() - start_wall,
+            "device_name": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None,
+            "wall_s": time.perf_counter() - start_wall,
             "checkpoint": str(self.ckpt.root / self.ckpt.latest_name) if self.ckpt.latest_name else None,
         }
         if self.is_main:
@@ -509,9 +607,19 @@ class Trainer:
             if self.cfg.early_stop_patience and self.evals_since_best >= self.cfg.early_stop_patience:
                 self.stopped_early = True
         if self.metrics:
-            self.metrics.log({"kind": "val", "step": self.step, "val_loss": val_loss, "val_bpb": val_bpb,
-                              "tokens_seen": self.tokens_seen})
+            self.metrics.log(
+                {
+                    "kind": "val",
+                    "step": self.step,
+                    "val_loss": val_loss,
+                    "val_bpb": val_bpb,
+                    "tokens_seen": self.tokens_seen,
+                }
+            )
         if self.is_main:
-            tqdm.write(f"step {self.step} | val loss {val_loss:.4f} | val bpb {val_bpb:.4f}"
-                       + (" | early stop" if self.stopped_early else ""), file=sys.stdout)
+            tqdm.write(
+                f"step {self.step} | val loss {val_loss:.4f} | val bpb {val_bpb:.4f}"
+                + (" | early stop" if self.stopped_early else ""),
+                file=sys.stdout,
+            )
         return improved

@@ -29,8 +29,14 @@ WATCHDOG_EXIT_CODE = 3
 
 
 class Watchdog:
-    def __init__(self, timeout_s: float, out_dir, rank: int = 0, log_metrics: bool = True,
-                 on_timeout: Callable[[str], None] | None = None):
+    def __init__(
+        self,
+        timeout_s: float,
+        out_dir,
+        rank: int = 0,
+        log_metrics: bool = True,
+        on_timeout: Callable[[str], None] | None = None,
+    ):
         """timeout_s <= 0 disables it (no thread). After the diagnostic is written, `on_timeout(text)`
         runs in the watchdog thread; the default exits the process with WATCHDOG_EXIT_CODE."""
         self.timeout_s = timeout_s
@@ -108,11 +114,13 @@ class Watchdog:
             self.on_timeout(text)
 
     def diagnostic(self, what: str, step: int, armed_for: float) -> str:
-        header = (f"kiln watchdog: no progress for {armed_for:g} s\n"
-                  f"stage: {self.out_dir.resolve()}\nrank: {self.rank}\npid: {os.getpid()}\n"
-                  f"step: {step}\nwhat: {what}\ntime: {time.strftime('%Y-%m-%dT%H:%M:%S%z')}\n"
-                  f"exit code: {WATCHDOG_EXIT_CODE} (the launcher should restart the job; it resumes from "
-                  f"the last complete checkpoint)\n\nstacks of every thread, most recent call first:\n")
+        header = (
+            f"kiln watchdog: no progress for {armed_for:g} s\n"
+            f"stage: {self.out_dir.resolve()}\nrank: {self.rank}\npid: {os.getpid()}\n"
+            f"step: {step}\nwhat: {what}\ntime: {time.strftime('%Y-%m-%dT%H:%M:%S%z')}\n"
+            f"exit code: {WATCHDOG_EXIT_CODE} (the launcher should restart the job; it resumes from "
+            f"the last complete checkpoint)\n\nstacks of every thread, most recent call first:\n"
+        )
         # faulthandler walks every thread's frames, including those of a thread blocked inside C
         # code (a collective, a read), and writes them unbuffered to a file descriptor.
         with tempfile.TemporaryFile("w+") as f:
@@ -126,8 +134,14 @@ class Watchdog:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
         if self.log_metrics:
-            record = {"kind": "event", "step": step, "type": "watchdog", "what": what, "timeout_s": armed_for,
-                      "diagnostic": str(path)}
+            record = {
+                "kind": "event",
+                "step": step,
+                "type": "watchdog",
+                "what": what,
+                "timeout_s": armed_for,
+                "diagnostic": str(path),
+            }
             # One write on an O_APPEND descriptor: the metrics logger of the hung main thread
             # flushes whole lines, so the record lands after its last complete one.
             fd = os.open(self.out_dir / "metrics.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)

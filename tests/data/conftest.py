@@ -14,7 +14,7 @@ def _stdlib_chunks(n: int, words: int = 300, reverse: bool = False) -> list[str]
     for path in paths[::-1] if reverse else paths:
         toks = path.read_text(encoding="utf-8", errors="replace").split()
         for i in range(0, len(toks) - words, words):
-            docs.append(" ".join(toks[i:i + words]))
+            docs.append(" ".join(toks[i : i + words]))
             if len(docs) == n:
                 return docs
     return docs

@@ -7,16 +7,28 @@ import re
 import numpy as np
 import pytest
 
-from kiln.data.classifier import (FeatureConfig, QualityClassifier, featurize, feature_strings, roc_auc,
-                                  train_from_files, train_quality_classifier)
+from kiln.data.classifier import (
+    FeatureConfig,
+    QualityClassifier,
+    feature_strings,
+    featurize,
+    roc_auc,
+    train_from_files,
+    train_quality_classifier,
+)
 from kiln.data.executor import run_pipeline
 from kiln.data.steps.base import build_step
 from kiln.data.steps.classifier import QualityClassifierFilter
 from kiln.errors import ConfigError, DataError
 
-BOILERPLATE = ["Home | About | Contact", "Click here to subscribe to our newsletter!",
-               "Copyright 2024 All rights reserved.", "Login  Register  Cart (0)",
-               "Share on Facebook Twitter Pinterest", "Accept cookies to continue"]
+BOILERPLATE = [
+    "Home | About | Contact",
+    "Click here to subscribe to our newsletter!",
+    "Copyright 2024 All rights reserved.",
+    "Login  Register  Cart (0)",
+    "Share on Facebook Twitter Pinterest",
+    "Accept cookies to continue",
+]
 
 
 def reference_paragraphs() -> list[str]:
@@ -24,8 +36,12 @@ def reference_paragraphs() -> list[str]:
     nobody here wrote. Indented blocks are code examples and grammar, not prose; they are left out."""
     import pydoc_data.topics
 
-    return [p.strip() for page in pydoc_data.topics.topics.values() for p in re.split(r"\n\s*\n", page)
-            if len(p.split()) >= 20 and not p.startswith(" ")]
+    return [
+        p.strip()
+        for page in pydoc_data.topics.topics.values()
+        for p in re.split(r"\n\s*\n", page)
+        if len(p.split()) >= 20 and not p.startswith(" ")
+    ]
 
 
 def junk(n: int, vocab: list[str], seed: int = 0) -> list[str]:
@@ -121,7 +137,7 @@ def test_save_load_round_trip(model, model_file, corpus):
     pos, neg = corpus
     sidecar = model_file.with_suffix(".json")
     meta = json.loads(sidecar.read_text())
-    assert meta["features"] == {"buckets": 2 ** 18, "word_ngrams": 2, "cjk_char_ngram": 3}
+    assert meta["features"] == {"buckets": 2**18, "word_ngrams": 2, "cjk_char_ngram": 3}
     loaded = QualityClassifier.load(model_file)
     texts = pos[:50] + neg[:50]
     assert np.array_equal(loaded.score(texts), model.score(texts))
@@ -143,11 +159,11 @@ def test_load_errors_name_the_file(tmp_path, model_file):
 
 def test_train_from_files_skips_rejections(tmp_path, corpus):
     pos, neg = corpus
-    (tmp_path / "ref.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in pos[:100])
-                                        + "{broken json\n")
+    (tmp_path / "ref.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in pos[:100]) + "{broken json\n")
     (tmp_path / "raw").mkdir()
-    (tmp_path / "raw" / "raw.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in neg[:100])
-                                                + json.dumps({"text": ""}) + "\n")
+    (tmp_path / "raw" / "raw.jsonl").write_text(
+        "".join(json.dumps({"text": t}) + "\n" for t in neg[:100]) + json.dumps({"text": ""}) + "\n"
+    )
     out = tmp_path / "m" / "clf.safetensors"
     stats = train_from_files(tmp_path / "ref.jsonl", [tmp_path / "raw"], out, epochs=2)
     assert stats["positive"] == 100 and stats["negative"] == 100
@@ -160,8 +176,9 @@ def _write_inputs(tmp_path, texts: list[str], shards: int = 2):
     paths = []
     for s in range(shards):
         path = tmp_path / f"in-{s}.jsonl"
-        path.write_text("".join(json.dumps({"id": f"d{i}", "text": t}) + "\n"
-                                for i, t in enumerate(texts) if i % shards == s))
+        path.write_text(
+            "".join(json.dumps({"id": f"d{i}", "text": t}) + "\n" for i, t in enumerate(texts) if i % shards == s)
+        )
         paths.append(path)
     return paths
 

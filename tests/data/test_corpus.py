@@ -17,12 +17,14 @@ def fake_debian(tmp_path, monkeypatch):
     root = tmp_path / "doc"
     files = {
         "alpha/copyright": COPYRIGHT.encode(),
-        "alpha/changelog.Debian.gz": gzip.compress(("alpha (1.0) unstable; urgency=low\n\n  * Initial.\n" * 10).encode()),
-        "alpha/style.css": b"body { color: red; }" * 20,               # not prose: never read
+        "alpha/changelog.Debian.gz": gzip.compress(
+            ("alpha (1.0) unstable; urgency=low\n\n  * Initial.\n" * 10).encode()
+        ),
+        "alpha/style.css": b"body { color: red; }" * 20,  # not prose: never read
         "beta/README": "Caf\xe9 cr\xe8me, encoded as latin-1\n".encode("latin-1") * 10,
         "beta/changelog.gz": b"\x1f\x8b this is not really gzip",
         "beta/notes.txt": b"binary\x00data" * 20,
-        "gamma/copyright": COPYRIGHT.encode(),                        # identical to alpha's
+        "gamma/copyright": COPYRIGHT.encode(),  # identical to alpha's
         "gamma/NEWS": b"short",
         "delta/README.md": "".join(f"line {i} of a long readme with some words\n" for i in range(100)).encode(),
     }
@@ -70,8 +72,13 @@ def test_debian_files_are_kept_split_or_rejected_with_reasons(tmp_path, fake_deb
     assert "alpha (1.0)" in by_path[str(fake_debian / "alpha/changelog.Debian.gz")][0]["text"]
 
     source = stats["sources"]["debian_docs"]
-    assert source["dropped"] == {"not UTF-8": 1, "bad gzip": 1, "binary": 1, "exact duplicate": 1,
-                                 "shorter than min_chars": 1}
+    assert source["dropped"] == {
+        "not UTF-8": 1,
+        "bad gzip": 1,
+        "binary": 1,
+        "exact duplicate": 1,
+        "shorter than min_chars": 1,
+    }
     rejected = [json.loads(line) for line in (tmp_path / "out/rejected/rejected.jsonl").read_text().splitlines()]
     reasons = {r["path"].split("/doc/")[1]: r["reason"] for r in rejected}
     assert reasons["beta/README"].startswith("not UTF-8")
@@ -125,9 +132,11 @@ def test_python_sources_are_real_and_skip_test_suites(tmp_path):
 
 def test_module_docstrings_are_read_without_importing(tmp_path):
     module = tmp_path / "m.py"
-    module.write_text('"""Module doc."""\nraise SystemExit("imported!")\n'
-                      'class Thing:\n    """A thing."""\n    def go(self, n=1):\n        """Go n times."""\n'
-                      'def _private():\n    """hidden"""\n')
+    module.write_text(
+        '"""Module doc."""\nraise SystemExit("imported!")\n'
+        'class Thing:\n    """A thing."""\n    def go(self, n=1):\n        """Go n times."""\n'
+        'def _private():\n    """hidden"""\n'
+    )
     text = corpus.module_docstrings(module, "m")
     assert "Module m\n\nModule doc." in text and "class m.Thing\nA thing." in text
     assert "m.Thing.go(self, n=1)\nGo n times." in text and "hidden" not in text
@@ -139,7 +148,9 @@ def test_stable_unit_and_split_ids(tmp_path):
     assert all(0 <= v < 1 for v in values) and 0.4 < sum(values) / len(values) < 0.6
     folder = tmp_path / "c"
     folder.mkdir()
-    docs = [{"id": f"s/{i}", "text": "t", "source": "s"} for i in range(3)] + [{"id": "lone", "text": "t", "source": "z"}]
+    docs = [{"id": f"s/{i}", "text": "t", "source": "s"} for i in range(3)] + [
+        {"id": "lone", "text": "t", "source": "z"}
+    ]
     (folder / "docs.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
     chosen = choose_split_ids(folder, 1e-9)
     assert chosen == {min((d["id"] for d in docs[:3]), key=stable_unit)}  # lone source has < 2 docs

@@ -26,7 +26,7 @@ class Upper(Mapper):
 class DropShort(Filter):
     name = "test_drop_short"
     min_chars: int = 5
-    explode_on: str = ""   # raise on this id, standing in for a crash mid-run
+    explode_on: str = ""  # raise on this id, standing in for a crash mid-run
 
     def reason(self, doc):
         if doc["id"] == self.explode_on:
@@ -37,6 +37,7 @@ class DropShort(Filter):
 @dataclass
 class ExactText(Deduplicator):
     """Keeps the first document (lowest id) of each distinct text, across all tasks."""
+
     name = "test_exact"
 
     def index(self, docs: Iterable[dict], workdir: Path, task: int) -> None:
@@ -101,7 +102,10 @@ def test_pipeline_counts_everything_and_drops_nothing_silently(tmp_path, workers
     # Every input is either in the output or rejected with its step and reason.
     assert len(docs) + len(rejected) == 104
     assert {(r["step"], r["reason"]) for r in rejected} == {
-        ("read", "bad_json"), ("test_drop_short", "too_short"), ("test_exact", "duplicate")}
+        ("read", "bad_json"),
+        ("test_drop_short", "too_short"),
+        ("test_exact", "duplicate"),
+    }
     assert len({d["text"] for d in docs}) == len(docs)  # duplicates across tasks were removed
     assert all(d["text"].isupper() or not d["text"].isalpha() for d in docs)
     assert by_step["test_exact"]["counters"]["dropped"] == by_step["test_exact"]["reasons"]["duplicate"]

@@ -13,8 +13,14 @@ T = 8
 
 
 def header(source, dtype="uint16", vocab=2000, sha=SHA, nbytes=None, documents=1):
-    return {"dtype": dtype, "vocab_size": vocab, "tokenizer_sha256": sha, "documents": documents,
-            "bytes": nbytes or 0, "source": source}
+    return {
+        "dtype": dtype,
+        "vocab_size": vocab,
+        "tokenizer_sha256": sha,
+        "documents": documents,
+        "bytes": nbytes or 0,
+        "source": source,
+    }
 
 
 def make_pack(root, train=None, val=None, weights=None, dtype="uint16", vocab=2000):
@@ -26,11 +32,13 @@ def make_pack(root, train=None, val=None, weights=None, dtype="uint16", vocab=20
         (root / split).mkdir(parents=True, exist_ok=True)
         for name, shards in sources.items():
             for k, tokens in enumerate(shards):
-                write_shard(root / split / f"{name}-{k:05d}.bin", tokens,
-                            header(name, dtype, vocab, nbytes=3 * len(tokens)))
+                write_shard(
+                    root / split / f"{name}-{k:05d}.bin", tokens, header(name, dtype, vocab, nbytes=3 * len(tokens))
+                )
     if weights is not None:
-        (root / "mixture.json").write_text(json.dumps({"vocab_size": vocab, "tokenizer_sha256": SHA,
-                                                       "weights": weights}))
+        (root / "mixture.json").write_text(
+            json.dumps({"vocab_size": vocab, "tokenizer_sha256": SHA, "weights": weights})
+        )
     return root
 
 
@@ -45,9 +53,9 @@ def test_one_epoch_visits_every_window_once_and_windows_share_one_token(tmp_path
     batches = take(loader, 2 * per_shard // 4 + 1)  # 124 windows = one epoch, then one more batch
     starts = [int(x[i, 0]) for x, _ in batches for i in range(4)]
     expected = sorted([i * T for i in range(per_shard)] + [500 + i * T for i in range(per_shard)])
-    assert sorted(starts[:2 * per_shard]) == expected
-    assert starts[:2 * per_shard] != expected  # shuffled, not sequential
-    assert sorted(starts[2 * per_shard:]) != sorted(starts[:4])  # epoch 2 has its own order
+    assert sorted(starts[: 2 * per_shard]) == expected
+    assert starts[: 2 * per_shard] != expected  # shuffled, not sequential
+    assert sorted(starts[2 * per_shard :]) != sorted(starts[:4])  # epoch 2 has its own order
     for x, y in batches:
         assert x.dtype == torch.int64 and x.shape == (4, T)
         assert torch.equal(y, x + 1)  # y is x shifted by one; tokens are consecutive integers
@@ -142,8 +150,10 @@ def test_val_is_sequential_interleaved_and_repeatable(tmp_path):
 def test_val_rank_slices_partition_the_global_batch(tmp_path):
     pack = make_pack(tmp_path)
     single = list(TokenLoader(pack, split="val", seq_len=T, batch_size=4).iter_batches(3))
-    parts = [list(TokenLoader(pack, split="val", seq_len=T, batch_size=2, rank=r, world_size=2).iter_batches(3))
-             for r in range(2)]
+    parts = [
+        list(TokenLoader(pack, split="val", seq_len=T, batch_size=2, rank=r, world_size=2).iter_batches(3))
+        for r in range(2)
+    ]
     for step, (x, _) in enumerate(single):
         assert torch.equal(torch.cat([parts[0][step][0], parts[1][step][0]]), x)
 

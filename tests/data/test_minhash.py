@@ -27,7 +27,7 @@ def test_vectorised_token_hashes_match_the_token_rule(stdlib_chunks):
     for i, text in enumerate(texts):
         toks = M.tokens(text)
         assert offsets[i + 1] - offsets[i] == len(toks)
-        for tok, h in zip(toks, hashes[offsets[i]:offsets[i + 1]].tolist()):
+        for tok, h in zip(toks, hashes[offsets[i] : offsets[i + 1]].tolist()):
             assert seen.setdefault(tok, h) == h  # same token, same hash wherever it occurs
     assert len(set(seen.values())) == len(seen)  # and no two tokens collide
 
@@ -37,7 +37,7 @@ def test_shingles_are_the_exact_shingle_sets(stdlib_chunks):
     for ngram in (1, 3, 5):
         shingles, offsets = M.shingle_hashes(texts, ngram)
         for i, text in enumerate(texts):
-            assert len(set(shingles[offsets[i]:offsets[i + 1]].tolist())) == len(M.shingle_set(text, ngram))
+            assert len(set(shingles[offsets[i] : offsets[i + 1]].tolist())) == len(M.shingle_set(text, ngram))
 
 
 @pytest.mark.parametrize("num_perm,seed", [(112, 1), (64, 7)])
@@ -48,7 +48,7 @@ def test_signatures_bit_identical_to_datasketch(num_perm, seed, stdlib_chunks):
     sigs = M.signatures(h32, offsets, num_perm, seed)
     for i in range(len(texts)):
         reference = MinHash(num_perm=num_perm, seed=seed, hashfunc=lambda h: h)
-        segment = h32[offsets[i]:offsets[i + 1]]
+        segment = h32[offsets[i] : offsets[i + 1]]
         if segment.size:
             reference.update_batch(segment.tolist())
         np.testing.assert_array_equal(sigs[i], reference.hashvalues)
@@ -76,8 +76,8 @@ def planted_pair(similarity: float, size: int, rng: np.random.Generator) -> tupl
     unique = round(size * (1 - similarity) / (1 + similarity))
     shared = size - unique
     values = rng.choice(2**32, shared + 2 * unique, replace=False).astype(np.uint32)
-    a = values[:shared + unique]
-    b = np.concatenate((values[:shared], values[shared + unique:]))
+    a = values[: shared + unique]
+    b = np.concatenate((values[:shared], values[shared + unique :]))
     return a, b
 
 

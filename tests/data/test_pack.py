@@ -71,8 +71,11 @@ def test_shards_hold_each_document_then_eot_in_corpus_order(packed):
     mixture = json.loads((root / "pack" / "mixture.json").read_text())
     for source in ("prose", "code"):
         for split in ("train", "val"):
-            docs = [r for r in records if r["source"] == source
-                    and (stable_unit(r["id"]) < cfg.val_fraction) == (split == "val")]
+            docs = [
+                r
+                for r in records
+                if r["source"] == source and (stable_unit(r["id"]) < cfg.val_fraction) == (split == "val")
+            ]
             stream, headers, _ = read_stream(root / "pack" / split, source)
             ends = np.flatnonzero(stream == tok.eot_id)
             starts = np.concatenate([[0], ends[:-1] + 1])
@@ -142,7 +145,9 @@ def test_real_sources_end_to_end(tmp_path):
     tok_stats = train_tokenizer_from_corpus(tmp_path / "corpus", TokenizerConfig(vocab_size=512), tmp_path / "tok")
     assert tok_stats["bytes_per_token"] > 1.5
     stats = pack(tmp_path / "corpus", tmp_path / "tok", PackConfig(val_fraction=0.05), tmp_path / "pack")
-    assert stats["train"]["documents"] + stats["val"]["documents"] == sum(1 for _ in iter_documents(tmp_path / "corpus"))
+    assert stats["train"]["documents"] + stats["val"]["documents"] == sum(
+        1 for _ in iter_documents(tmp_path / "corpus")
+    )
     loader = TokenLoader(tmp_path / "pack", seq_len=64, batch_size=4)
     x, y = next(loader)
     assert x.shape == y.shape == (4, 64) and int(x.max()) < loader.vocab_size

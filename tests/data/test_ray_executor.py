@@ -19,6 +19,7 @@ from kiln.data.ray_executor import PROBE, _checked_run_task, run_pipeline_ray  #
 @dataclass
 class Explode(Filter):
     """Keeps everything, but raises on one id: a crash planted in the phase after deduplication."""
+
     name = "test_explode"
     explode_on: str = ""
 
@@ -45,8 +46,9 @@ def make_inputs(root: Path, files: int = 4, docs: int = 20) -> list[Path]:
     for f in range(files):
         lines = []
         for d in range(docs):
-            text = (f"Report number {d % 9}.\x07  Call (415) 555-{2600 + d % 9} "
-                    f"or mail desk{d % 9}@example.org.  \n\n\n\n")
+            text = (
+                f"Report number {d % 9}.\x07  Call (415) 555-{2600 + d % 9} or mail desk{d % 9}@example.org.  \n\n\n\n"
+            )
             if d % 3 == 0:
                 text += f"Unique note {f}-{d}."
             lines.append(json.dumps({"id": f"{f}-{d:02d}", "text": text, "source": "web", "meta": {}}))
@@ -58,8 +60,12 @@ def make_inputs(root: Path, files: int = 4, docs: int = 20) -> list[Path]:
 
 
 def steps(explode_on=""):
-    return [build_step("normalize", {}, "normalize"), build_step("exact_dedup", {}, "exact_dedup"),
-            Explode(explode_on=explode_on), build_step("pii", {}, "pii")]
+    return [
+        build_step("normalize", {}, "normalize"),
+        build_step("exact_dedup", {}, "exact_dedup"),
+        Explode(explode_on=explode_on),
+        build_step("pii", {}, "pii"),
+    ]
 
 
 def read_folder(folder: Path) -> dict[str, list[dict]]:
@@ -67,8 +73,10 @@ def read_folder(folder: Path) -> dict[str, list[dict]]:
 
 
 def without_seconds(stats: dict) -> dict:
-    return {**{k: v for k, v in stats.items() if k != "seconds"},
-            "steps": [{k: v for k, v in s.items() if k != "seconds"} for s in stats["steps"]]}
+    return {
+        **{k: v for k, v in stats.items() if k != "seconds"},
+        "steps": [{k: v for k, v in s.items() if k != "seconds"} for s in stats["steps"]],
+    }
 
 
 def test_ray_matches_local_executor(tmp_path):
@@ -102,8 +110,12 @@ def test_rerun_after_crash_resumes_from_markers(tmp_path):
     assert sorted(p.name for p in (work / "phase-0").glob("done-*")) == ["done-00000", "done-00001", "done-00002"]
     # The other tasks of the failing phase still finished, so the rerun has only task 1 left.
     assert sorted(p.name for p in (work / "phase-1").glob("done-*")) == ["done-00000", "done-00002"]
-    kept = [*(work / "phase-0").glob("part-*.jsonl"), work / "phase-0" / "dedup" / "resolved.json",
-            out / "docs" / "part-00000.jsonl", out / "docs" / "part-00002.jsonl"]
+    kept = [
+        *(work / "phase-0").glob("part-*.jsonl"),
+        work / "phase-0" / "dedup" / "resolved.json",
+        out / "docs" / "part-00000.jsonl",
+        out / "docs" / "part-00002.jsonl",
+    ]
     mtimes = {p: p.stat().st_mtime_ns for p in kept}
 
     resumed = run_pipeline_ray(inputs, steps(), out, tasks=3)

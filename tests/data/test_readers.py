@@ -5,8 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from kiln.data.readers import (file_stem, input_format, list_inputs, read_documents, read_inputs,
-                               RAW_CHARS)
+from kiln.data.readers import RAW_CHARS, file_stem, input_format, list_inputs, read_documents, read_inputs
 from kiln.errors import DataError
 
 
@@ -33,8 +32,17 @@ MIXED_LINES = [
     json.dumps({"id": "f", "text": "x", "meta": "notadict"}).encode(),
     json.dumps({"id": "g", "text": "emoji \ud83d\ude00 pair is fine", "meta": None}).encode(),
 ]
-EXPECTED_REASONS = {2: None, 4: "bad_json", 5: "bad_utf8", 6: "missing_text", 7: "empty_text",
-                    8: "text_not_string", 9: "not_an_object", 10: "bad_utf8", 12: "bad_meta"}
+EXPECTED_REASONS = {
+    2: None,
+    4: "bad_json",
+    5: "bad_utf8",
+    6: "missing_text",
+    7: "empty_text",
+    8: "text_not_string",
+    9: "not_an_object",
+    10: "bad_utf8",
+    12: "bad_meta",
+}
 
 
 def check_mixed(records, path: Path, name: str):
@@ -43,13 +51,21 @@ def check_mixed(records, path: Path, name: str):
     assert docs[0] == {"id": "a", "text": "first document", "source": "web", "meta": {"k": 1}}
     # Missing source falls back to the file stem; extra fields move into meta.
     assert docs[1]["source"] == "mixed" and docs[1]["meta"] == {"url": "http://x"}
-    assert docs[3]["text"] == "emoji \U0001F600 pair is fine" and docs[3]["meta"] == {}
+    assert docs[3]["text"] == "emoji \U0001f600 pair is fine" and docs[3]["meta"] == {}
     got = {r["line"]: r["reason"] for r in rejected}
     assert got == {k: v for k, v in EXPECTED_REASONS.items() if v}
     assert all(r["file"] == str(path) for r in rejected)
     assert Counter(r["reason"] for r in rejected) == Counter(
-        {"bad_json": 1, "bad_utf8": 2, "missing_text": 1, "empty_text": 1, "text_not_string": 1,
-         "not_an_object": 1, "bad_meta": 1})
+        {
+            "bad_json": 1,
+            "bad_utf8": 2,
+            "missing_text": 1,
+            "empty_text": 1,
+            "text_not_string": 1,
+            "not_an_object": 1,
+            "bad_meta": 1,
+        }
+    )
 
 
 def test_jsonl_plain_gz_zst_agree(tmp_path):
@@ -114,9 +130,13 @@ def test_text_folder(tmp_path):
     assert [p.relative_to(root).as_posix() for p in files] == ["a.md", "b.txt", "empty.txt", "sub/c.txt"]
     docs, rejected = split(list(read_inputs(root)))
     assert [(d["id"], d["source"], d["text"]) for d in docs] == [
-        ("notes/a.md", "notes", "# first\n"), ("notes/b.txt", "notes", "second file\n")]
+        ("notes/a.md", "notes", "# first\n"),
+        ("notes/b.txt", "notes", "second file\n"),
+    ]
     assert [(Path(r["file"]).name, r["line"], r["reason"]) for r in rejected] == [
-        ("empty.txt", 1, "empty_text"), ("c.txt", 2, "bad_utf8")]
+        ("empty.txt", 1, "empty_text"),
+        ("c.txt", 2, "bad_utf8"),
+    ]
 
 
 def test_list_inputs_globs_and_errors(tmp_path):
@@ -146,12 +166,14 @@ def test_format_and_stem():
 def test_parquet(tmp_path):
     pa = pytest.importorskip("pyarrow")
     pq = pytest.importorskip("pyarrow.parquet")
-    table = pa.table({
-        "id": ["p1", None, "p3", "p4"],
-        "text": ["parquet text", "second row", None, ""],
-        "meta": ['{"lang": "en"}', None, None, None],
-        "url": ["u1", "u2", "u3", "u4"],
-    })
+    table = pa.table(
+        {
+            "id": ["p1", None, "p3", "p4"],
+            "text": ["parquet text", "second row", None, ""],
+            "meta": ['{"lang": "en"}', None, None, None],
+            "url": ["u1", "u2", "u3", "u4"],
+        }
+    )
     path = tmp_path / "shard.parquet"
     pq.write_table(table, path, row_group_size=2)
     docs, rejected = split(list(read_documents(path)))
@@ -175,6 +197,7 @@ def test_parquet(tmp_path):
 def test_real_text_round_trip(tmp_path):
     # Real documentation text nobody here wrote, through every container format.
     from pydoc_data.topics import topics
+
     records = [{"id": k, "text": v} for k, v in sorted(topics.items())[:40]]
     payload = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode()
     gz = tmp_path / "topics.jsonl.gz"

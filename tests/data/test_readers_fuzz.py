@@ -18,13 +18,27 @@ from hypothesis import strategies as st  # noqa: E402
 from kiln.data.readers import RAW_CHARS, has_lone_surrogate, read_documents  # noqa: E402
 
 EXAMPLES = int(os.environ.get("KILN_FUZZ_EXAMPLES", "100"))
-FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
-                                       HealthCheck.data_too_large])
+FUZZ = settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture, HealthCheck.data_too_large],
+)
 HEAVY = settings(FUZZ, max_examples=EXAMPLES * 10)
 HANG_S = 30  # far above any single read here; only an endless loop reaches it
-REASONS = {"bad_utf8", "bad_json", "not_an_object", "missing_text", "text_not_string", "empty_text", "bad_id",
-           "bad_source", "bad_meta", "corrupt_file"}
+REASONS = {
+    "bad_utf8",
+    "bad_json",
+    "not_an_object",
+    "missing_text",
+    "text_not_string",
+    "empty_text",
+    "bad_id",
+    "bad_source",
+    "bad_meta",
+    "corrupt_file",
+}
 
 
 class Hang(Exception):
@@ -78,22 +92,50 @@ def read_all(path, **kwargs) -> tuple[list[dict], list[dict]]:
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
-    max_leaves=6)
-records = st.fixed_dictionaries({}, optional={
-    "text": st.text(max_size=40) | json_values, "id": st.text(max_size=8) | json_values,
-    "source": st.text(max_size=8) | json_values,
-    "meta": st.dictionaries(st.text(max_size=5), json_values) | json_values,
-    "url": json_values})
+    max_leaves=6,
+)
+records = st.fixed_dictionaries(
+    {},
+    optional={
+        "text": st.text(max_size=40) | json_values,
+        "id": st.text(max_size=8) | json_values,
+        "source": st.text(max_size=8) | json_values,
+        "meta": st.dictionaries(st.text(max_size=5), json_values) | json_values,
+        "url": json_values,
+    },
+)
 record_lines = records.map(lambda r: json.dumps(r, ensure_ascii=False).encode("utf-8", "surrogatepass"))
 escaped_lines = records.map(lambda r: json.dumps(r).encode("ascii"))  # \ud800-style escapes
-odd_lines = st.sampled_from([
-    b"", b"   ", b"\r", b"\x0b\x0c", b"{", b"}", b"[]", b"null", b"NaN", b'{"text": NaN}', b'{"text": "a"} x',
-    b'{"text": "a", "text": 5}', b"\xef\xbb\xbf{\"text\": \"bom\"}", b'{"text": "\\ud800"}',
-    b'{"text": "\\udfff\\ud800"}',
-    b'{"text": "ok", "id": 1e999}', b'{"text": "ok", "id": -0}', b'{"text": "ok", "id": true}',
-    b"[" * 3000 + b"]" * 3000, b'{"text": "x", "meta": ' + b"{\"a\":" * 3000 + b"1" + b"}" * 3000 + b"}",
-    b'{"text": "x", "id": ' + b"9" * 4400 + b"}", b'{"text": "x", "id": 1e' + b"9" * 400 + b"}",
-    b'{"text": "\xff"}', b'{"text": "\xed\xa0\x80"}', b"\x00" * 10, b'{"text":"tab\there"}'])
+odd_lines = st.sampled_from(
+    [
+        b"",
+        b"   ",
+        b"\r",
+        b"\x0b\x0c",
+        b"{",
+        b"}",
+        b"[]",
+        b"null",
+        b"NaN",
+        b'{"text": NaN}',
+        b'{"text": "a"} x',
+        b'{"text": "a", "text": 5}',
+        b'\xef\xbb\xbf{"text": "bom"}',
+        b'{"text": "\\ud800"}',
+        b'{"text": "\\udfff\\ud800"}',
+        b'{"text": "ok", "id": 1e999}',
+        b'{"text": "ok", "id": -0}',
+        b'{"text": "ok", "id": true}',
+        b"[" * 3000 + b"]" * 3000,
+        b'{"text": "x", "meta": ' + b'{"a":' * 3000 + b"1" + b"}" * 3000 + b"}",
+        b'{"text": "x", "id": ' + b"9" * 4400 + b"}",
+        b'{"text": "x", "id": 1e' + b"9" * 400 + b"}",
+        b'{"text": "\xff"}',
+        b'{"text": "\xed\xa0\x80"}',
+        b"\x00" * 10,
+        b'{"text":"tab\there"}',
+    ]
+)
 lines = st.lists(record_lines | escaped_lines | odd_lines | st.binary(max_size=60), max_size=12)
 
 
@@ -146,7 +188,8 @@ def test_compressed_jsonl_reads_as_plain(tmp_path, parts, codec):
     docs, rejected = read_all(packed, name="shard")
     assert docs == expected[0]
     assert [(r["line"], r["reason"], r["raw"]) for r in rejected] == [
-        (r["line"], r["reason"], r["raw"]) for r in expected[1]]
+        (r["line"], r["reason"], r["raw"]) for r in expected[1]
+    ]
 
 
 def compress(data: bytes, codec: str) -> bytes:
@@ -157,8 +200,12 @@ def compress(data: bytes, codec: str) -> bytes:
 
 
 @FUZZ
-@given(parts=lines, codec=st.sampled_from(["gz", "zst"]), cut=st.floats(0, 1), flips=st.lists(
-    st.tuples(st.floats(0, 1), st.integers(1, 255)), max_size=3))
+@given(
+    parts=lines,
+    codec=st.sampled_from(["gz", "zst"]),
+    cut=st.floats(0, 1),
+    flips=st.lists(st.tuples(st.floats(0, 1), st.integers(1, 255)), max_size=3),
+)
 @example(parts=[b'{"text": "hello"}'] * 50, codec="gz", cut=1.0, flips=[(0.5, 0x55)])
 @example(parts=[b'{"text": "hello"}'] * 50, codec="zst", cut=1.0, flips=[(0.5, 0x55)])
 def test_damaged_compressed_files(tmp_path, parts, codec, cut, flips):
@@ -197,15 +244,19 @@ def test_text_file_is_one_document_or_one_rejection(tmp_path, data):
 
 # ---- Parquet --------------------------------------------------------------------------------------
 
-columns = st.fixed_dictionaries({}, optional={
-    "text": st.lists(st.none() | st.text(max_size=20), min_size=3, max_size=3)
-    | st.lists(st.integers(-5, 5), min_size=3, max_size=3),
-    "id": st.lists(st.none() | st.text(max_size=5), min_size=3, max_size=3)
-    | st.lists(st.integers(-(2**63), 2**63 - 1), min_size=3, max_size=3),
-    "source": st.lists(st.none() | st.text(max_size=5), min_size=3, max_size=3),
-    "meta": st.lists(st.none() | st.text(max_size=20) | json_values.map(json.dumps), min_size=3, max_size=3),
-    "url": st.lists(st.text(max_size=5), min_size=3, max_size=3),
-    "score": st.lists(st.floats(), min_size=3, max_size=3)})
+columns = st.fixed_dictionaries(
+    {},
+    optional={
+        "text": st.lists(st.none() | st.text(max_size=20), min_size=3, max_size=3)
+        | st.lists(st.integers(-5, 5), min_size=3, max_size=3),
+        "id": st.lists(st.none() | st.text(max_size=5), min_size=3, max_size=3)
+        | st.lists(st.integers(-(2**63), 2**63 - 1), min_size=3, max_size=3),
+        "source": st.lists(st.none() | st.text(max_size=5), min_size=3, max_size=3),
+        "meta": st.lists(st.none() | st.text(max_size=20) | json_values.map(json.dumps), min_size=3, max_size=3),
+        "url": st.lists(st.text(max_size=5), min_size=3, max_size=3),
+        "score": st.lists(st.floats(), min_size=3, max_size=3),
+    },
+)
 
 
 @FUZZ
@@ -226,8 +277,11 @@ def test_parquet_rows_become_documents_or_rejections(tmp_path, table):
 
 
 @FUZZ
-@given(cut=st.floats(0, 1), flips=st.lists(st.tuples(st.floats(0, 1), st.integers(1, 255)), max_size=4),
-       garbage=st.binary(max_size=64))
+@given(
+    cut=st.floats(0, 1),
+    flips=st.lists(st.tuples(st.floats(0, 1), st.integers(1, 255)), max_size=4),
+    garbage=st.binary(max_size=64),
+)
 def test_damaged_parquet(tmp_path, cut, flips, garbage):
     pa = pytest.importorskip("pyarrow")
     pq = pytest.importorskip("pyarrow.parquet")
@@ -262,11 +316,14 @@ def test_heavy_jsonl_and_damage(tmp_path, parts, codec, cut):
 # ---- regressions the fuzzer found (each raised out of the reader) ------------------------------------
 
 
-@pytest.mark.parametrize("line", [
-    b"[" * 3000 + b"]" * 3000,                                       # RecursionError in json
-    b'{"text": "x", "meta": ' + b'{"a":' * 3000 + b"1" + b"}" * 3000 + b"}",
-    b'{"text": "x", "id": ' + b"9" * 5000 + b"}",                   # ValueError: over 4300 digits
-])
+@pytest.mark.parametrize(
+    "line",
+    [
+        b"[" * 3000 + b"]" * 3000,  # RecursionError in json
+        b'{"text": "x", "meta": ' + b'{"a":' * 3000 + b"1" + b"}" * 3000 + b"}",
+        b'{"text": "x", "id": ' + b"9" * 5000 + b"}",  # ValueError: over 4300 digits
+    ],
+)
 def test_pathological_json_lines_are_bad_json(tmp_path, line):
     path = tmp_path / "shard.jsonl"
     path.write_bytes(b'{"text": "before"}\n' + line + b'\n{"text": "after"}\n')

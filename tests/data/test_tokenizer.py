@@ -27,8 +27,9 @@ def synthetic_texts(n, seed=0):
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     out = tmp_path_factory.mktemp("tok")
-    stats = train_tokenizer(synthetic_texts(200), TokenizerConfig(vocab_size=600), out,
-                            heldout=synthetic_texts(10, seed=1))
+    stats = train_tokenizer(
+        synthetic_texts(200), TokenizerConfig(vocab_size=600), out, heldout=synthetic_texts(10, seed=1)
+    )
     return out, stats
 
 
@@ -42,19 +43,23 @@ def test_special_tokens_come_first_and_vocab_is_exact(trained):
     assert tok.vocab_size == stats["vocab_size"] == 600
     assert tok.sha256 == hashlib.sha256((out / "tokenizer.json").read_bytes()).hexdigest() == stats["tokenizer_sha256"]
     assert stats["heldout_tokens"] > 0 and stats["bytes_per_token"] == pytest.approx(
-        stats["heldout_bytes"] / stats["heldout_tokens"], abs=1e-4)
+        stats["heldout_bytes"] / stats["heldout_tokens"], abs=1e-4
+    )
     assert stats["bytes_per_token"] > 1.5  # merges learned: far fewer tokens than bytes
     with pytest.raises(DataError, match="no token '<|nope|>'"):
         tok.token_id("<|nope|>")
 
 
-@pytest.mark.parametrize("text", [
-    "日本語と中文的文本，混合 English.",
-    "emoji 🎉 flags 🏳️‍🌈 family 👨‍👩‍👧 skin 👍🏽",
-    "tabs\tand\r\nwindows\rlines   trailing   \n\n\n",
-    "\x00 control \x7f chars and 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 astral",
-    "",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "日本語と中文的文本，混合 English.",
+        "emoji 🎉 flags 🏳️‍🌈 family 👨‍👩‍👧 skin 👍🏽",
+        "tabs\tand\r\nwindows\rlines   trailing   \n\n\n",
+        "\x00 control \x7f chars and 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 astral",
+        "",
+    ],
+)
 def test_round_trip_is_exact(trained, text):
     tok = Tokenizer.load(trained[0])
     assert tok.decode(tok.encode(text)) == text
@@ -95,8 +100,9 @@ def test_training_is_deterministic_and_respects_max_train_bytes(tmp_path, traine
     again = train_tokenizer(texts, TokenizerConfig(vocab_size=600), tmp_path / "again", heldout=[])
     assert again["tokenizer_sha256"] == trained[1]["tokenizer_sha256"]
     limit = 20_000
-    capped = train_tokenizer(texts, TokenizerConfig(vocab_size=600, max_train_bytes=limit), tmp_path / "cap",
-                             heldout=[])
+    capped = train_tokenizer(
+        texts, TokenizerConfig(vocab_size=600, max_train_bytes=limit), tmp_path / "cap", heldout=[]
+    )
     assert 0 < capped["train_bytes"] <= limit
     assert capped["train_documents"] < len(texts)
     assert json.loads((tmp_path / "cap" / "stats.json").read_text())["train_bytes"] == capped["train_bytes"]

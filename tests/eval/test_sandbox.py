@@ -18,12 +18,14 @@ def assert_group_gone(result):
 
 
 def test_a_normal_program_runs_in_its_own_folder():
-    code = ("import os, sys, tempfile\n"
-            "open('out.txt', 'w').write('data')\n"
-            "os.mkdir('sub'); os.rename('out.txt', 'sub/out.txt')\n"
-            "fd, name = tempfile.mkstemp(); os.close(fd); os.remove(name)\n"
-            "import helper\n"
-            "print(open('sub/out.txt').read(), helper.VALUE, sys.stdin.read(), os.getcwd() == os.environ['HOME'])\n")
+    code = (
+        "import os, sys, tempfile\n"
+        "open('out.txt', 'w').write('data')\n"
+        "os.mkdir('sub'); os.rename('out.txt', 'sub/out.txt')\n"
+        "fd, name = tempfile.mkstemp(); os.close(fd); os.remove(name)\n"
+        "import helper\n"
+        "print(open('sub/out.txt').read(), helper.VALUE, sys.stdin.read(), os.getcwd() == os.environ['HOME'])\n"
+    )
     result = run_python(code, FAST, files={"helper.py": "VALUE = 41 + 1\n"}, stdin="from stdin")
     assert result.status == "ok" and result.returncode == 0, result.stderr
     assert result.stdout == "data 42 from stdin True\n"
@@ -68,15 +70,17 @@ def test_huge_allocation_is_a_memory_error():
 
 def test_writing_outside_the_folder_is_forbidden(tmp_path):
     outside = tmp_path / "escape.txt"
-    attempts = [f"open({str(outside)!r}, 'w').write('x')",
-                "open('../escape.txt', 'w').write('x')",
-                f"import os; os.symlink({str(tmp_path)!r}, 'link'); open('link/escape.txt', 'w').write('x')",
-                f"import os; fd = os.open({str(outside)!r}, os.O_WRONLY | os.O_CREAT); os.write(fd, b'x')",
-                f"import os; os.remove({str(tmp_path / 'keep.txt')!r})",
-                f"import os; os.rename({str(tmp_path / 'keep.txt')!r}, 'stolen.txt')",
-                f"import os; d = os.open({str(tmp_path)!r}, os.O_RDONLY)\n"
-                "os.open('escape.txt', os.O_WRONLY | os.O_CREAT, dir_fd=d)",
-                "import shutil; shutil.rmtree('/usr/share/doc')"]
+    attempts = [
+        f"open({str(outside)!r}, 'w').write('x')",
+        "open('../escape.txt', 'w').write('x')",
+        f"import os; os.symlink({str(tmp_path)!r}, 'link'); open('link/escape.txt', 'w').write('x')",
+        f"import os; fd = os.open({str(outside)!r}, os.O_WRONLY | os.O_CREAT); os.write(fd, b'x')",
+        f"import os; os.remove({str(tmp_path / 'keep.txt')!r})",
+        f"import os; os.rename({str(tmp_path / 'keep.txt')!r}, 'stolen.txt')",
+        f"import os; d = os.open({str(tmp_path)!r}, os.O_RDONLY)\n"
+        "os.open('escape.txt', os.O_WRONLY | os.O_CREAT, dir_fd=d)",
+        "import shutil; shutil.rmtree('/usr/share/doc')",
+    ]
     (tmp_path / "keep.txt").write_text("precious")
     for code in attempts:
         result = run_python(code, FAST)
@@ -98,9 +102,11 @@ def test_opening_a_socket_is_forbidden():
         server.bind(("127.0.0.1", 0))
         server.listen()
         port = server.getsockname()[1]
-        for code in ("import socket; socket.socket()",
-                     f"import socket; socket.create_connection(('127.0.0.1', {port}), timeout=1)",
-                     "import urllib.request; urllib.request.urlopen('http://example.com', timeout=1)"):
+        for code in (
+            "import socket; socket.socket()",
+            f"import socket; socket.create_connection(('127.0.0.1', {port}), timeout=1)",
+            "import urllib.request; urllib.request.urlopen('http://example.com', timeout=1)",
+        ):
             result = run_python(code, FAST)
             assert result.status == "forbidden" and "network" in result.detail, (code, result.detail)
         server.settimeout(0.2)

@@ -2,8 +2,15 @@ import pytest
 import torch
 
 from kiln.errors import ConfigError
-from kiln.infer.engine import (Engine, KVCache, SamplingParams, TextStream, apply_repetition_penalty, min_p_filter,
-                               sampling_logits)
+from kiln.infer.engine import (
+    Engine,
+    KVCache,
+    SamplingParams,
+    TextStream,
+    apply_repetition_penalty,
+    min_p_filter,
+    sampling_logits,
+)
 from kiln.infer.sample import generate
 from kiln.model import ModelConfig, build_model
 
@@ -24,8 +31,6 @@ def model():
     return tiny_model(n_kv_heads=2)
 
 
-
-
 class Scripted(torch.nn.Module):
     """A real model whose every forward call is pushed hard towards the next token of a script, so
     the engine generates a chosen text (forward call k, the prefill being 0, yields script[k])."""
@@ -41,10 +46,15 @@ class Scripted(torch.nn.Module):
         return logits
 
 
-@pytest.mark.parametrize("overrides", [
-    {"n_kv_heads": 2}, {"n_kv_heads": 1, "qkv_bias": True}, {"pos": "learned", "norm": "layernorm"},
-    {"pos": "sinusoidal", "tie_embeddings": True},
-])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"n_kv_heads": 2},
+        {"n_kv_heads": 1, "qkv_bias": True},
+        {"pos": "learned", "norm": "layernorm"},
+        {"pos": "sinusoidal", "tie_embeddings": True},
+    ],
+)
 def test_cached_greedy_equals_uncached_reference(overrides):
     model = tiny_model(**overrides)
     # 40 new tokens would pass max_seq_len=40 for every prompt, so each row also stops at the limit.
@@ -66,7 +76,7 @@ def test_cached_logits_equal_full_forward_at_every_step(model):
         prefill = model(padded, kv_cache=cache)
         cache.set_lengths([len(r) for r in rows])
         for b, r in enumerate(rows):
-            torch.testing.assert_close(prefill[b, :len(r)], model(torch.tensor([r]))[0], rtol=0, atol=1e-4)
+            torch.testing.assert_close(prefill[b, : len(r)], model(torch.tensor([r]))[0], rtol=0, atol=1e-4)
         # Decode with the rows at different lengths: each new token's logits equal the last
         # position of a full forward over that row's whole context.
         for step in range(10):
@@ -113,7 +123,7 @@ def test_logprobs_match_the_training_time_computation(model):
         # What a trainer computes: one forward over prompt + completion, log-softmax at the
         # completion's positions.
         with torch.no_grad():
-            logits = model(torch.tensor([prompt + out.ids]))[0, len(prompt) - 1:-1]
+            logits = model(torch.tensor([prompt + out.ids]))[0, len(prompt) - 1 : -1]
         index = torch.tensor(out.ids)[:, None]
         expected = logits.log_softmax(-1).gather(1, index)[:, 0]
         torch.testing.assert_close(torch.tensor(out.logprobs), expected, rtol=0, atol=1e-4)
@@ -133,10 +143,16 @@ def test_sampling_logits_match_transformers_processors():
     logits = torch.randn(3, 50) * 3
     history = torch.randint(0, 50, (3, 12))
     seen = torch.zeros(3, 50, dtype=torch.bool).scatter_(1, history, True)
-    for params in (SamplingParams(0.7, 10, 0.9, 0.05, 1.3), SamplingParams(1.5, 0, 0.6, 0.0, 1.0),
-                   SamplingParams(0.5, 0, 1.0, 0.2, 0.8), SamplingParams(1.0, 3, 1.0, 0.0, 2.0)):
-        chain = [gen.RepetitionPenaltyLogitsProcessor(params.repetition_penalty),
-                 gen.TemperatureLogitsWarper(params.temperature)]
+    for params in (
+        SamplingParams(0.7, 10, 0.9, 0.05, 1.3),
+        SamplingParams(1.5, 0, 0.6, 0.0, 1.0),
+        SamplingParams(0.5, 0, 1.0, 0.2, 0.8),
+        SamplingParams(1.0, 3, 1.0, 0.0, 2.0),
+    ):
+        chain = [
+            gen.RepetitionPenaltyLogitsProcessor(params.repetition_penalty),
+            gen.TemperatureLogitsWarper(params.temperature),
+        ]
         chain += [gen.TopKLogitsWarper(params.top_k)] if params.top_k else []
         chain += [gen.TopPLogitsWarper(params.top_p)] if params.top_p < 1 else []
         chain += [gen.MinPLogitsWarper(params.min_p)] if params.min_p > 0 else []
@@ -209,8 +225,9 @@ def test_stop_strings_and_text(byte_tokenizer):
     out = engine.generate([[0]], 30, temperature=0, stop_strings=["d. ", "zzz"])[0]
     assert (out.text, out.finish_reason, out.stop) == ("hello worl", "stop", "d. ")
     # ids run through the token that completed the stop string.
-    assert byte_tokenizer.decode(out.ids).startswith("hello world. ") and \
-        not byte_tokenizer.decode(out.ids[:-1]).startswith("hello world. ")
+    assert byte_tokenizer.decode(out.ids).startswith("hello world. ") and not byte_tokenizer.decode(
+        out.ids[:-1]
+    ).startswith("hello world. ")
     engine.model.calls = 0
     plain = engine.generate([[0]], len(script), temperature=0)[0]
     assert (plain.text, plain.finish_reason, plain.ids) == (text, "length", script)
@@ -231,7 +248,7 @@ def test_stream_never_splits_a_character(byte_tokenizer):
     assert "".join(pieces) == text
     assert all("\ufffd" not in p for p in pieces)
     # A piece is released exactly when a character's last byte arrives: 你 is 3 bytes, 🎉 is 4.
-    counts = [len(byte_tokenizer.decode(script[:i + 1]).rstrip("\ufffd")) for i in range(len(script))]
+    counts = [len(byte_tokenizer.decode(script[: i + 1]).rstrip("\ufffd")) for i in range(len(script))]
     assert [len(p) for p in pieces] == [b - a for a, b in zip([0] + counts, counts)]
     assert events[-1].finish_reason == "length" and all(e.finish_reason is None for e in events[:-1])
 
@@ -259,16 +276,18 @@ def test_text_stream_holds_back_possible_stop_strings(byte_tokenizer):
 
 def test_bad_requests_name_the_argument(model, byte_tokenizer):
     engine = Engine(model)
-    cases = [(dict(prompts=[[1] * 40], max_new_tokens=2), "prompts"),
-             (dict(prompts=[[]], max_new_tokens=2), "prompts"),
-             (dict(prompts=[[300]], max_new_tokens=2), "prompts"),
-             (dict(prompts=[[1]], max_new_tokens=0), "max_new_tokens"),
-             (dict(prompts=[[1]], max_new_tokens=2, top_p=0.0), "top_p"),
-             (dict(prompts=[[1]], max_new_tokens=2, temperature=-1), "temperature"),
-             (dict(prompts=[[1]], max_new_tokens=2, min_p=1.5), "min_p"),
-             (dict(prompts=[[1]], max_new_tokens=2, repetition_penalty=0), "repetition_penalty"),
-             (dict(prompts=[[1]], max_new_tokens=2, stop_strings=["x"]), "stop_strings"),
-             (dict(prompts=[[1], [2]], max_new_tokens=2, seed=[1]), "seed")]
+    cases = [
+        (dict(prompts=[[1] * 40], max_new_tokens=2), "prompts"),
+        (dict(prompts=[[]], max_new_tokens=2), "prompts"),
+        (dict(prompts=[[300]], max_new_tokens=2), "prompts"),
+        (dict(prompts=[[1]], max_new_tokens=0), "max_new_tokens"),
+        (dict(prompts=[[1]], max_new_tokens=2, top_p=0.0), "top_p"),
+        (dict(prompts=[[1]], max_new_tokens=2, temperature=-1), "temperature"),
+        (dict(prompts=[[1]], max_new_tokens=2, min_p=1.5), "min_p"),
+        (dict(prompts=[[1]], max_new_tokens=2, repetition_penalty=0), "repetition_penalty"),
+        (dict(prompts=[[1]], max_new_tokens=2, stop_strings=["x"]), "stop_strings"),
+        (dict(prompts=[[1], [2]], max_new_tokens=2, seed=[1]), "seed"),
+    ]
     for kwargs, key in cases:
         with pytest.raises(ConfigError) as err:
             engine.generate(**kwargs)

@@ -26,15 +26,18 @@ PROMPT = "def main("
 def run(tmp_path_factory):
     """A target checkpoint, a smaller draft with the same tokenizer, and one with another vocabulary."""
     root = tmp_path_factory.mktemp("gen_cli")
-    texts = [p.read_text(encoding="utf-8", errors="replace")[:5000]
-             for p in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:30]]
+    texts = [
+        p.read_text(encoding="utf-8", errors="replace")[:5000]
+        for p in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:30]
+    ]
     train_tokenizer(texts, TokenizerConfig(vocab_size=600), root / "tok", heldout=[])
     tok = Tokenizer.load(root / "tok")
     out = {"tok": tok}
-    for name, seed, overrides in (("target", 0, dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2)),
-                                  ("draft", 1, dict(dim=32, n_layers=1, n_heads=2, n_kv_heads=1)),
-                                  ("other_vocab", 2, dict(dim=32, n_layers=1, n_heads=2, n_kv_heads=1,
-                                                          vocab_size=tok.vocab_size + 64))):
+    for name, seed, overrides in (
+        ("target", 0, dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2)),
+        ("draft", 1, dict(dim=32, n_layers=1, n_heads=2, n_kv_heads=1)),
+        ("other_vocab", 2, dict(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, vocab_size=tok.vocab_size + 64)),
+    ):
         torch.manual_seed(seed)
         cfg = ModelConfig(**{"vocab_size": tok.vocab_size, "max_seq_len": 96, "init_std": 0.2, **overrides})
         model = build_model(cfg).eval()
@@ -54,15 +57,30 @@ def reference(model, tok, n=12) -> str:
     """What `kiln generate --temperature 0` prints, from the uncached reference sampler."""
     prompt = tok.encode(PROMPT)
     new = uncached_generate(model, [tok.eot_id] + prompt, n, temperature=0, stop_ids=[tok.eot_id])
-    return PROMPT + tok.decode(prompt + new)[len(tok.decode(prompt)):] + "\n"
+    return PROMPT + tok.decode(prompt + new)[len(tok.decode(prompt)) :] + "\n"
 
 
 def test_generate_greedy_equals_the_uncached_reference(run, capsys):
     out = generated(capsys, [run["target"], "--prompt", PROMPT, "--max-new-tokens", 12, "--temperature", 0])
     assert out == reference(run["target_model"], run["tok"])
     # Sampling: each sample is seeded seed + i, so a rerun repeats them and samples differ.
-    args = [run["target"], "--prompt", PROMPT, "--max-new-tokens", 12, "--temperature", 1.0, "--top-k", 0,
-            "--top-p", 1.0, "--num-samples", 3, "--seed", 5]
+    args = [
+        run["target"],
+        "--prompt",
+        PROMPT,
+        "--max-new-tokens",
+        12,
+        "--temperature",
+        1.0,
+        "--top-k",
+        0,
+        "--top-p",
+        1.0,
+        "--num-samples",
+        3,
+        "--seed",
+        5,
+    ]
     first = generated(capsys, args)
     assert first == generated(capsys, args) and len(set(first.splitlines())) > 1
 
@@ -70,16 +88,19 @@ def test_generate_greedy_equals_the_uncached_reference(run, capsys):
 @pytest.mark.parametrize("quant,group", [("int8", None), ("int4", 32), ("nf4", None)])
 def test_generate_quantised_equals_the_engine_on_the_same_quantised_model(run, capsys, quant, group):
     extra = ["--group-size", group] if group else []
-    out = generated(capsys, [run["target"], "--prompt", PROMPT, "--max-new-tokens", 12, "--temperature", 0,
-                             "--quant", quant, *extra])
+    out = generated(
+        capsys,
+        [run["target"], "--prompt", PROMPT, "--max-new-tokens", 12, "--temperature", 0, "--quant", quant, *extra],
+    )
     tok = run["tok"]
     # --dtype auto with --quant is bfloat16, where the CPU kernels read the int8/int4 codes.
     model = quantize_model(copy.deepcopy(run["target_model"]).to(torch.bfloat16), quant, group)
-    ours = Engine(model, tok).generate([[tok.eot_id] + tok.encode(PROMPT)], 12, temperature=0,
-                                       stop_token_ids=[tok.eot_id])[0]
+    ours = Engine(model, tok).generate(
+        [[tok.eot_id] + tok.encode(PROMPT)], 12, temperature=0, stop_token_ids=[tok.eot_id]
+    )[0]
     ids = ours.ids[:-1] if ours.stop == tok.eot_id else ours.ids
     prompt = tok.encode(PROMPT)
-    assert out == PROMPT + tok.decode(prompt + ids)[len(tok.decode(prompt)):] + "\n"
+    assert out == PROMPT + tok.decode(prompt + ids)[len(tok.decode(prompt)) :] + "\n"
 
 
 def test_serve_and_chat_load_the_model_quantised(run):
@@ -107,8 +128,10 @@ def test_served_quantised_model_answers_as_the_engine(run):
     args = build_parser().parse_args(["serve", str(run["target"]), "--quant", "int8"])
     model, tok = load_for_inference(args)
     with TestClient(create_app(model, tok, model_name="q")) as client:
-        body = client.post("/v1/completions", json={"model": "q", "prompt": PROMPT, "max_tokens": 10,
-                                                     "temperature": 0, "ignore_eos": True}).json()
+        body = client.post(
+            "/v1/completions",
+            json={"model": "q", "prompt": PROMPT, "max_tokens": 10, "temperature": 0, "ignore_eos": True},
+        ).json()
     expected = Engine(model, tok).generate([PROMPT], 10, temperature=0)[0]
     assert body["choices"][0]["text"] == expected.text
 
@@ -128,14 +151,17 @@ def test_generate_with_a_draft_keeps_greedy_output(run, capsys, k):
     assert captured.out == plain and "(100%)" in captured.err
 
 
-@pytest.mark.parametrize("argv,flag", [
-    (["--quant", "int4", "--group-size", "128"], "--group-size"),   # the FFN width 192 is no multiple of 128
-    (["--quant", "int4", "--group-size", "48"], "--group-size"),
-    (["--group-size", "64"], "--group-size"),                      # without --quant
-    (["--draft-tokens", "0", "--draft", "DRAFT"], "--draft-tokens"),
-    (["--draft", "OTHER"], "--draft"),                             # another vocabulary
-    (["--temperature", "-1"], "--temperature"),
-])
+@pytest.mark.parametrize(
+    "argv,flag",
+    [
+        (["--quant", "int4", "--group-size", "128"], "--group-size"),  # the FFN width 192 is no multiple of 128
+        (["--quant", "int4", "--group-size", "48"], "--group-size"),
+        (["--group-size", "64"], "--group-size"),  # without --quant
+        (["--draft-tokens", "0", "--draft", "DRAFT"], "--draft-tokens"),
+        (["--draft", "OTHER"], "--draft"),  # another vocabulary
+        (["--temperature", "-1"], "--temperature"),
+    ],
+)
 def test_bad_flags_are_named(run, capsys, argv, flag):
     argv = [{"DRAFT": str(run["draft"]), "OTHER": str(run["other_vocab"])}.get(a, a) for a in argv]
     capsys.readouterr()
@@ -148,7 +174,8 @@ def test_serve_refuses_bad_quant_flags_before_starting(run):
     from kiln.errors import ConfigError
     from kiln.serve.cli import load_for_inference
 
-    args = argparse.Namespace(checkpoint=str(run["target"]), tokenizer=None, device="cpu", dtype="auto",
-                              quant="int4", group_size=100)
+    args = argparse.Namespace(
+        checkpoint=str(run["target"]), tokenizer=None, device="cpu", dtype="auto", quant="int4", group_size=100
+    )
     with pytest.raises(ConfigError, match="--group-size"):
         load_for_inference(args)

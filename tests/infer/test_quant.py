@@ -7,9 +7,18 @@ import torch.nn.functional as F
 
 from kiln.errors import ConfigError
 from kiln.infer.engine import Engine
+from kiln.infer.quant import (
+    Int4Linear,
+    Int8Linear,
+    PackedLinear,
+    model_bytes,
+    pack_int4,
+    prepack_bf16,
+    quantize_model,
+    quantized_bits_per_param,
+    unpack_int4,
+)
 from kiln.infer.sample import generate
-from kiln.infer.quant import (Int4Linear, Int8Linear, PackedLinear, model_bytes, pack_int4, prepack_bf16,
-                              quantize_model, quantized_bits_per_param, unpack_int4)
 from kiln.model import ModelConfig, build_model
 from kiln.peft.nf4 import NF4Linear
 
@@ -24,7 +33,7 @@ def linear(n_out, n_in, bias=False, dtype=torch.float32, seed=0):
     layer = nn.Linear(n_in, n_out, bias=bias)
     with torch.no_grad():
         layer.weight.normal_(0, 0.05)
-        layer.weight[3, :] = 0.0   # an all-zero row
+        layer.weight[3, :] = 0.0  # an all-zero row
         layer.weight[5, :32] = 0.7  # a constant group
         if bias:
             layer.bias.normal_()
@@ -95,7 +104,7 @@ def test_quantisation_error_is_within_half_a_step(dtype):
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
-@pytest.mark.parametrize("n_out", [96, 128])   # 96: rows padded to a multiple of 64 for int4
+@pytest.mark.parametrize("n_out", [96, 128])  # 96: rows padded to a multiple of 64 for int4
 def test_kernel_path_equals_dequantised_matmul(scheme, n_out):
     """In bf16 the forward runs torch's int8/int4 kernels; they must compute x @ dequant(W)^T + b."""
     layer = linear(n_out, 128, bias=True, dtype=torch.bfloat16)
@@ -145,7 +154,7 @@ def test_quantize_model_replaces_every_linear_and_logits_stay_close(scheme, grou
     assert (out - ref).norm() / ref.norm() < tolerance
     assert model_bytes(model) < before
     bits = quantized_bits_per_param(model)
-    if scheme == "int8":   # one float32 scale per row of 64 or more inputs
+    if scheme == "int8":  # one float32 scale per row of 64 or more inputs
         assert 8 < bits <= 8 + 32 / 64
     else:  # a float32 scale (and zero) per group; int4 pads the 320-row head to 384 rows
         expected = 4 + 64 / group_size if scheme == "int4" else 4.127
@@ -183,7 +192,7 @@ def test_engine_on_a_quantised_bf16_model_follows_the_full_forward(scheme):
     prompt = [3, 14, 15, 92, 65]
     out = Engine(model).generate([prompt], 12, temperature=0)[0].ids
     with torch.no_grad():
-        logits = model(torch.tensor([prompt + out]))[0, len(prompt) - 1:-1].float()
+        logits = model(torch.tensor([prompt + out]))[0, len(prompt) - 1 : -1].float()
     top = logits.max(dim=-1).values
     chosen = logits.gather(1, torch.tensor(out)[:, None])[:, 0]
     assert ((top - chosen) <= 0.05 * top.abs().clamp(min=1)).all()

@@ -10,7 +10,6 @@ from kiln.infer.config import SampleConfig
 from kiln.infer.sample import filter_logits, generate, sample_texts
 from kiln.model import ModelConfig, build_model
 
-
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
@@ -28,10 +27,12 @@ def test_greedy_is_the_argmax_loop(model):
         for _ in range(20):  # runs past max_seq_len=16, so cropping is exercised too
             logits = model(torch.tensor([context[-16:]]))[0, -1]
             context.append(int(logits.argmax()))
-    assert generate(model, prompt, 20, temperature=0) == context[len(prompt):]
+    assert generate(model, prompt, 20, temperature=0) == context[len(prompt) :]
     # top-k=1 keeps only the argmax, so sampling at any temperature is greedy.
-    assert generate(model, prompt, 20, temperature=1.3, top_k=1, generator=torch.Generator().manual_seed(3)) == \
-        context[len(prompt):]
+    assert (
+        generate(model, prompt, 20, temperature=1.3, top_k=1, generator=torch.Generator().manual_seed(3))
+        == context[len(prompt) :]
+    )
 
 
 def test_seeded_sampling_is_reproducible_and_seed_dependent(model):
@@ -83,9 +84,15 @@ def test_sample_texts_are_continuations_and_reproducible(tmp_path, model):
     hf = HFTokenizer(models.BPE())
     hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     hf.decoder = decoders.ByteLevel()
-    hf.train_from_iterator(["def main():\n    print('hello')\n"] * 3, trainers.BpeTrainer(
-        vocab_size=280, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False))
+    hf.train_from_iterator(
+        ["def main():\n    print('hello')\n"] * 3,
+        trainers.BpeTrainer(
+            vocab_size=280,
+            special_tokens=["<|endoftext|>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        ),
+    )
     hf.save(str(tmp_path / "tokenizer.json"))
     tokenizer = Tokenizer.load(tmp_path)
     cfg = SampleConfig(prompt="def ", max_new_tokens=8, temperature=0.9, top_k=20, top_p=0.9, num_samples=3, seed=4)
@@ -95,7 +102,15 @@ def test_sample_texts_are_continuations_and_reproducible(tmp_path, model):
     generator = torch.Generator().manual_seed(4)
     prompt_ids = [tokenizer.eot_id] + tokenizer.encode("def ")
     for text in texts:
-        new = generate(model, prompt_ids, 8, temperature=0.9, top_k=20, top_p=0.9, generator=generator,
-                       stop_ids=(tokenizer.eot_id,))
+        new = generate(
+            model,
+            prompt_ids,
+            8,
+            temperature=0.9,
+            top_k=20,
+            top_p=0.9,
+            generator=generator,
+            stop_ids=(tokenizer.eot_id,),
+        )
         assert text == tokenizer.decode(new)
     assert sample_texts(model, tokenizer, cfg) == texts

@@ -24,8 +24,10 @@ def tiny(seed, **overrides):
 def noisy_copy(model, scale, seed):
     """A draft that agrees with the target often but not always, so rows accept different numbers
     of proposals in the same step."""
-    draft = tiny(0, **{k: getattr(model.cfg, k) for k in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads",
-                                                              "max_seq_len")})
+    draft = tiny(
+        0,
+        **{k: getattr(model.cfg, k) for k in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "max_seq_len")},
+    )
     draft.load_state_dict(model.state_dict())
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -42,9 +44,11 @@ def target():
 @pytest.mark.parametrize("k", [1, 3, 5])
 @pytest.mark.parametrize("draft_kind", ["small", "noisy", "self"])
 def test_greedy_output_equals_the_target_alone(target, k, draft_kind):
-    draft = {"small": lambda: tiny(1, dim=16, n_layers=1, n_heads=2, n_kv_heads=1),
-             "noisy": lambda: noisy_copy(target, 0.3, seed=k),
-             "self": lambda: target}[draft_kind]()
+    draft = {
+        "small": lambda: tiny(1, dim=16, n_layers=1, n_heads=2, n_kv_heads=1),
+        "noisy": lambda: noisy_copy(target, 0.3, seed=k),
+        "self": lambda: target,
+    }[draft_kind]()
     spec = SpeculativeEngine(target, draft, k=k)
     outs = spec.generate(PROMPTS, 25, temperature=0)
     ref = Engine(target).generate(PROMPTS, 25, temperature=0)
@@ -78,8 +82,6 @@ def test_greedy_stops_like_the_engine(target):
     assert len(outs[1].ids) == 40 - len(PROMPTS[1])  # ran into max_seq_len
 
 
-
-
 def test_text_and_stop_strings_match_the_engine(target, byte_tokenizer):
     draft = noisy_copy(target, 0.3, seed=0)
     free = Engine(target, byte_tokenizer).generate(PROMPTS, 20, temperature=0)
@@ -87,8 +89,9 @@ def test_text_and_stop_strings_match_the_engine(target, byte_tokenizer):
     spec = SpeculativeEngine(target, draft, byte_tokenizer, k=3)
     outs = spec.generate(PROMPTS, 20, temperature=0, stop_strings=[stop])
     ref = Engine(target, byte_tokenizer).generate(PROMPTS, 20, temperature=0, stop_strings=[stop])
-    assert [(o.ids, o.text, o.finish_reason, o.stop) for o in outs] == \
-           [(r.ids, r.text, r.finish_reason, r.stop) for r in ref]
+    assert [(o.ids, o.text, o.finish_reason, o.stop) for o in outs] == [
+        (r.ids, r.text, r.finish_reason, r.stop) for r in ref
+    ]
     assert outs[1].stop == stop and not outs[1].text.endswith(stop)
 
 
@@ -134,7 +137,7 @@ def sequence_probs(model, prompt, length, params):
     seqs = torch.tensor(list(itertools.product(range(vocab), repeat=length)))
     tokens = torch.cat([torch.tensor(prompt).expand(len(seqs), -1), seqs], 1)
     with torch.no_grad():
-        logits = model(tokens)[:, len(prompt) - 1:-1].float()
+        logits = model(tokens)[:, len(prompt) - 1 : -1].float()
     probs = sampling_logits(logits.reshape(-1, vocab), params).softmax(-1).view(len(seqs), length, vocab)
     return probs.gather(2, seqs[:, :, None])[..., 0].prod(1), seqs
 
@@ -167,7 +170,7 @@ def test_sampling_is_reproducible_and_logprobs_are_the_targets(target):
     assert [o.ids for o in a] == [o.ids for o in b]
     for prompt, out in zip(PROMPTS, a):
         with torch.no_grad():
-            logits = target(torch.tensor([prompt + out.ids]))[0, len(prompt) - 1:-1].float()
+            logits = target(torch.tensor([prompt + out.ids]))[0, len(prompt) - 1 : -1].float()
         chosen = torch.tensor(out.ids)[:, None]
         assert out.logprobs == pytest.approx(logits.log_softmax(-1).gather(1, chosen)[:, 0].tolist(), abs=1e-4)
         sampled = sampling_logits(logits, SamplingParams(0.8, top_p=0.9)).log_softmax(-1).gather(1, chosen)[:, 0]

@@ -11,8 +11,17 @@ from kiln.model.transformer import FeedForward, fuse_gate_up, split_gate_up
 
 
 def moe_cfg(**overrides) -> ModelConfig:
-    base = dict(vocab_size=97, dim=32, n_layers=2, n_heads=4, max_seq_len=32, moe_every=1, n_experts=4,
-                moe_top_k=2, moe_hidden=48)
+    base = dict(
+        vocab_size=97,
+        dim=32,
+        n_layers=2,
+        n_heads=4,
+        max_seq_len=32,
+        moe_every=1,
+        n_experts=4,
+        moe_top_k=2,
+        moe_hidden=48,
+    )
     return ModelConfig(**{**base, **overrides})
 
 
@@ -58,9 +67,15 @@ def test_matches_hugging_face_qwen3_moe_block(top_k, norm_topk):
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
     cfg = moe_cfg(moe_top_k=top_k, moe_norm_topk=norm_topk)
-    hf = Qwen3MoeSparseMoeBlock(Qwen3MoeConfig(hidden_size=cfg.dim, moe_intermediate_size=cfg.moe_hidden,
-                                               num_experts=cfg.n_experts, num_experts_per_tok=top_k,
-                                               norm_topk_prob=norm_topk))
+    hf = Qwen3MoeSparseMoeBlock(
+        Qwen3MoeConfig(
+            hidden_size=cfg.dim,
+            moe_intermediate_size=cfg.moe_hidden,
+            num_experts=cfg.n_experts,
+            num_experts_per_tok=top_k,
+            norm_topk_prob=norm_topk,
+        )
+    )
     with torch.no_grad():
         for p in hf.parameters():
             p.normal_(std=0.3)
@@ -92,8 +107,9 @@ def test_matches_naive_per_token_reference(capacity_factor, shared):
 
 def hand_example(top_k: int, capacity_factor: float = 0.0) -> tuple[MoEFeedForward, torch.Tensor]:
     """Four tokens, two experts, router logits (ln 4, 0) or (0, ln 4): probabilities 0.8 / 0.2."""
-    cfg = ModelConfig(dim=4, n_heads=1, n_experts=2, moe_top_k=top_k, moe_hidden=8, moe_every=1,
-                      moe_capacity_factor=capacity_factor)
+    cfg = ModelConfig(
+        dim=4, n_heads=1, n_experts=2, moe_top_k=top_k, moe_hidden=8, moe_every=1, moe_capacity_factor=capacity_factor
+    )
     moe = random_moe(cfg)
     with torch.no_grad():
         moe.router.weight.copy_(torch.eye(2, 4))
@@ -204,12 +220,20 @@ def test_layer_selection_and_parameter_counts():
     assert moe_cfg(moe_hidden=0).moe_hidden_size == moe_cfg(moe_every=0).ffn_hidden_size
 
 
-@pytest.mark.parametrize("overrides,key", [
-    ({"moe_top_k": 5}, "moe_top_k"), ({"moe_top_k": 0}, "moe_top_k"), ({"n_experts": 0}, "n_experts"),
-    ({"ffn": "gelu"}, "ffn"), ({"moe_layers": [2]}, "moe_layers"), ({"moe_layers": [1, 1]}, "moe_layers"),
-    ({"moe_capacity_factor": -1.0}, "moe_capacity_factor"), ({"moe_every": -1}, "moe_every"),
-    ({"moe_aux_loss_weight": -0.1}, "moe_aux_loss_weight"),
-])
+@pytest.mark.parametrize(
+    "overrides,key",
+    [
+        ({"moe_top_k": 5}, "moe_top_k"),
+        ({"moe_top_k": 0}, "moe_top_k"),
+        ({"n_experts": 0}, "n_experts"),
+        ({"ffn": "gelu"}, "ffn"),
+        ({"moe_layers": [2]}, "moe_layers"),
+        ({"moe_layers": [1, 1]}, "moe_layers"),
+        ({"moe_capacity_factor": -1.0}, "moe_capacity_factor"),
+        ({"moe_every": -1}, "moe_every"),
+        ({"moe_aux_loss_weight": -0.1}, "moe_aux_loss_weight"),
+    ],
+)
 def test_bad_moe_config_names_the_key(overrides, key):
     with pytest.raises(ConfigError) as err:
         moe_cfg(**overrides).validate()

@@ -22,10 +22,20 @@ def test_logits_shape_and_dtype():
     assert torch.isfinite(logits).all()
 
 
-@pytest.mark.parametrize("overrides", [
-    {}, {"n_kv_heads": 2}, {"n_kv_heads": 1}, {"pos": "learned"}, {"pos": "sinusoidal"},
-    {"norm": "layernorm"}, {"ffn": "gelu"}, {"tie_embeddings": True}, {"qkv_bias": True},
-])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        {"n_kv_heads": 2},
+        {"n_kv_heads": 1},
+        {"pos": "learned"},
+        {"pos": "sinusoidal"},
+        {"norm": "layernorm"},
+        {"ffn": "gelu"},
+        {"tie_embeddings": True},
+        {"qkv_bias": True},
+    ],
+)
 def test_each_option_runs_is_causal_and_trains(overrides):
     model = build_model(tiny(**overrides))
     tokens = torch.randint(0, 97, (2, 16))
@@ -43,8 +53,12 @@ def test_each_option_runs_is_causal_and_trains(overrides):
 
 
 def test_count_params_matches_module_for_every_option():
-    for overrides in [{}, {"n_kv_heads": 1, "qkv_bias": True}, {"pos": "learned", "norm": "layernorm"},
-                      {"ffn": "gelu", "tie_embeddings": True}]:
+    for overrides in [
+        {},
+        {"n_kv_heads": 1, "qkv_bias": True},
+        {"pos": "learned", "norm": "layernorm"},
+        {"ffn": "gelu", "tie_embeddings": True},
+    ]:
         cfg = tiny(**overrides)
         model = build_model(cfg)
         assert count_params(model) == count_params(cfg) == sum(p.numel() for p in model.parameters())
@@ -98,12 +112,13 @@ def reference_attention_model(model: Transformer, tokens: torch.Tensor) -> torch
     hd, h, kvh = cfg.head_dim, cfg.n_heads, cfg.kv_heads
     seq = tokens.shape[1]
     x = model.tok_embeddings.weight[tokens]
-    angles = torch.outer(torch.arange(seq, dtype=torch.float64),
-                         cfg.rope_theta ** (-torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+    angles = torch.outer(
+        torch.arange(seq, dtype=torch.float64), cfg.rope_theta ** (-torch.arange(0, hd, 2, dtype=torch.float64) / hd)
+    )
     rotation = torch.polar(torch.ones_like(angles), angles)
 
     def rope(t):  # rotate-half layout: pair (i, i + hd/2) is the complex number t_i + j t_{i+hd/2}
-        z = torch.complex(t[..., : hd // 2].double(), t[..., hd // 2:].double()) * rotation
+        z = torch.complex(t[..., : hd // 2].double(), t[..., hd // 2 :].double()) * rotation
         return torch.cat([z.real, z.imag], dim=-1).float()
 
     def rms(t, w):
@@ -151,7 +166,7 @@ def test_rope_matches_complex_multiplication():
     got = apply_rope(x, cos, sin)
     freqs = 500.0 ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
     angles = torch.arange(seq, dtype=torch.float64)[:, None] * freqs
-    z = torch.complex(x[:, : head_dim // 2].double(), x[:, head_dim // 2:].double()) * torch.exp(1j * angles)
+    z = torch.complex(x[:, : head_dim // 2].double(), x[:, head_dim // 2 :].double()) * torch.exp(1j * angles)
     expected = torch.cat([z.real, z.imag], dim=-1).float()
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     # A rotation preserves norms, and relative position is all that matters for q.k.

@@ -20,8 +20,14 @@ from kiln.train.trainer import Trainer
 
 pack, out, spec = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 init_distributed("cpu")
-trainer = Trainer(ModelConfig(**spec["model"]), TrainConfig(**spec["train"]), pack, out,
-                  resume=spec.get("resume", "none"), parallel=ParallelConfig(**spec["parallel"]))
+trainer = Trainer(
+    ModelConfig(**spec["model"]),
+    TrainConfig(**spec["train"]),
+    pack,
+    out,
+    resume=spec.get("resume", "none"),
+    parallel=ParallelConfig(**spec["parallel"]),
+)
 kill = spec.get("kill_rank_after_step")
 if kill is not None and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
     # Fault injection: one rank dies hard mid-run on the first attempt; torchrun restarts the job.
@@ -32,6 +38,7 @@ if kill is not None and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
         if dist.get_rank() == kill[0] and trainer.step == kill[1] + 1:
             os.kill(os.getpid(), signal.SIGKILL)
         return stats
+
     trainer.train_step = train_step_then_die
 summary = trainer.fit()
 if dist.get_rank() == 0:

@@ -13,8 +13,14 @@ import torch.nn.functional as F
 from kiln.errors import ConfigError
 from kiln.model import ModelConfig
 from kiln.model.transformer import build_model
-from kiln.parallel.context import (attend_pair, pair_grads, pair_mask, sequence_pieces, sequence_positions,
-                                   shard_sequence)
+from kiln.parallel.context import (
+    attend_pair,
+    pair_grads,
+    pair_mask,
+    sequence_pieces,
+    sequence_positions,
+    shard_sequence,
+)
 
 SEQ, VOCAB, BATCH = 32, 97, 2
 TOL = 1e-5
@@ -23,6 +29,7 @@ TOL = 1e-5
 # ---------------------------------------------------------------------------------------------
 # Layout and masks (no processes)
 # ---------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("cp", [2, 3, 4])
 def test_load_balanced_layout_is_pytorch_head_tail(cp):
@@ -48,7 +55,7 @@ def test_pair_masks_tile_the_causal_mask(cp, load_balance):
                 for k_piece in sequence_pieces(seq, src, cp, load_balance):
                     _, kg, kn = k_piece
                     mask = pair_mask(q_piece, k_piece)
-                    expected = full[qg:qg + qn, kg:kg + kn]
+                    expected = full[qg : qg + qn, kg : kg + kn]
                     if isinstance(mask, str):
                         assert not expected.any()
                     elif mask is None:
@@ -59,7 +66,7 @@ def test_pair_masks_tile_the_causal_mask(cp, load_balance):
         visible.append(int(full[positions].sum()))
     assert sum(visible) == int(full.sum())
     if load_balance:
-        assert len(set(visible)) == 1, visible          # equal causal work on every rank
+        assert len(set(visible)) == 1, visible  # equal causal work on every rank
     else:
         assert visible == sorted(visible) and visible[0] < visible[-1]
 
@@ -93,7 +100,7 @@ def test_ring_math_simulated_in_one_process(load_balance):
     ref_dq, ref_dk, ref_dv = torch.autograd.grad(ref, (q, k, v), grad_out)
     q5, do5 = q.detach().view(2, 2, 2, seq, hd), grad_out.view(2, 2, 2, seq, hd)
     k, v = k.detach(), v.detach()
-    scale = hd ** -0.5
+    scale = hd**-0.5
     dq, dk, dv = torch.zeros_like(q5), torch.zeros_like(k), torch.zeros_like(v)
     for rank in range(cp):
         queries = sequence_pieces(seq, rank, cp, load_balance)
@@ -112,8 +119,9 @@ def test_ring_math_simulated_in_one_process(load_balance):
             lse = m + l.log()
             delta = (do5[..., rows, :] * out).sum(-1)
             for cols, mask in live:
-                g_q, g_k, g_v = pair_grads(q5[..., rows, :], k[..., cols, :], v[..., cols, :], do5[..., rows, :],
-                                           lse, delta, mask, scale)
+                g_q, g_k, g_v = pair_grads(
+                    q5[..., rows, :], k[..., cols, :], v[..., cols, :], do5[..., rows, :], lse, delta, mask, scale
+                )
                 dq[..., rows, :] += g_q
                 dk[..., cols, :] += g_k
                 dv[..., cols, :] += g_v
@@ -125,6 +133,7 @@ def test_ring_math_simulated_in_one_process(load_balance):
 # ---------------------------------------------------------------------------------------------
 # Processes: each rank compares against the single-process run, rank 0 reports
 # ---------------------------------------------------------------------------------------------
+
 
 def _setup(kv_heads):
     cfg = ModelConfig(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, n_kv_heads=kv_heads, max_seq_len=SEQ)
@@ -159,10 +168,13 @@ def _compare(rank, world, backend, load_balance, kv_heads):
         grad = grad.contiguous()
         dist.all_reduce(grad)
         grad_diff = max(grad_diff, (grad / world - ref).abs().max().item())
-    return {"loss_diff": abs(total.item() / world - ref_loss.item()),
-            "logit_diff": (logits - ref_logits[:, pos[0]]).abs().max().item(),
-            "grad_diff": grad_diff, "grad_max": max(g.abs().max().item() for g in ref_grads),
-            "attention": repr(cp_model.layers[0].attn.attention)}
+    return {
+        "loss_diff": abs(total.item() / world - ref_loss.item()),
+        "logit_diff": (logits - ref_logits[:, pos[0]]).abs().max().item(),
+        "grad_diff": grad_diff,
+        "grad_max": max(g.abs().max().item() for g in ref_grads),
+        "attention": repr(cp_model.layers[0].attn.attention),
+    }
 
 
 def _train(rank, world, backend, fsdp=False, steps=3):
@@ -261,8 +273,13 @@ def _spawn(tmp_path, world, cases, train_backend=None):
     # Forked workers start in under a second (spawned ones re-import torch: ~10 s each on a busy 2-core
     # machine). A process group in this process would be inherited by a fork, so then spawn instead.
     method = "spawn" if dist.is_initialized() else "fork"
-    mp.start_processes(_worker, args=(world, str(tmp_path / "init"), str(out), cases, train_backend), nprocs=world,
-                       join=True, start_method=method)
+    mp.start_processes(
+        _worker,
+        args=(world, str(tmp_path / "init"), str(out), cases, train_backend),
+        nprocs=world,
+        join=True,
+        start_method=method,
+    )
     return json.loads(out.read_text())
 
 

@@ -20,8 +20,18 @@ PER_RANK = 2  # sequences in each rank's own batch
 
 
 def moe_config(**overrides) -> ModelConfig:
-    base = dict(vocab_size=61, dim=32, n_layers=2, n_heads=4, max_seq_len=16, moe_every=1, n_experts=4,
-                moe_top_k=2, moe_hidden=48, moe_shared_expert=True)
+    base = dict(
+        vocab_size=61,
+        dim=32,
+        n_layers=2,
+        n_heads=4,
+        max_seq_len=16,
+        moe_every=1,
+        n_experts=4,
+        moe_top_k=2,
+        moe_hidden=48,
+        moe_shared_expert=True,
+    )
     return ModelConfig(**{**base, **overrides})
 
 
@@ -118,8 +128,9 @@ def check_composes_with_fsdp2(rank: int) -> None:
     torch.testing.assert_close(logits, ref_logits[mine], rtol=1e-5, atol=1e-5)
     ref_params = dict(reference.named_parameters())
     for name, param in model.named_parameters():
-        torch.testing.assert_close(param.grad.full_tensor(), ref_params[name].grad, rtol=1e-4, atol=1e-6,
-                                   msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(
+            param.grad.full_tensor(), ref_params[name].grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}"
+        )
 
 
 def worker(rank: int, init_file: str) -> None:
@@ -128,8 +139,9 @@ def worker(rank: int, init_file: str) -> None:
     try:
         mesh = init_device_mesh("cpu", (WORLD,))
         check_matches_single_process(rank, mesh, {})
-        check_matches_single_process(rank, mesh, {"moe_capacity_factor": 1.0, "moe_norm_topk": False,
-                                                  "moe_shared_expert": False, "moe_every": 2})
+        check_matches_single_process(
+            rank, mesh, {"moe_capacity_factor": 1.0, "moe_norm_topk": False, "moe_shared_expert": False, "moe_every": 2}
+        )
         check_meta_init_matches_single_process(mesh)
         check_composes_with_fsdp2(rank)
         # A process group works as well as a mesh.

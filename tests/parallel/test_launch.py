@@ -23,9 +23,19 @@ import yaml
 
 from kiln.errors import ConfigError
 from kiln.parallel.config import ParallelConfig
-from kiln.parallel.launch import (K8sOptions, LaunchConfig, SlurmOptions, add_launch_parser, check_recipe,
-                                  k8s_manifest, k8s_manifest_dict, run_launch, run_torchrun, slurm_script,
-                                  torchrun_command)
+from kiln.parallel.launch import (
+    K8sOptions,
+    LaunchConfig,
+    SlurmOptions,
+    add_launch_parser,
+    check_recipe,
+    k8s_manifest,
+    k8s_manifest_dict,
+    run_launch,
+    run_torchrun,
+    slurm_script,
+    torchrun_command,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 BASH = shutil.which("bash")
@@ -67,8 +77,9 @@ def test_multi_node_command_uses_c10d_rendezvous(monkeypatch):
     assert config.max_restarts == 3
     assert cmd_args[-3:] == ["kiln.cli", "pretrain", "r.toml"]
     # An explicit port wins, and an elastic lower bound becomes torchrun's MIN:MAX.
-    cfg = LaunchConfig(nodes=4, nproc_per_node=8, min_nodes=2, rdzv_endpoint="10.0.0.5:1234",
-                       torchrun_args=["--log-dir", "logs"])
+    cfg = LaunchConfig(
+        nodes=4, nproc_per_node=8, min_nodes=2, rdzv_endpoint="10.0.0.5:1234", torchrun_args=["--log-dir", "logs"]
+    )
     args, config, _ = torchrun_parse(torchrun_command(cfg, "r.toml")[1:], monkeypatch)
     assert (config.min_nodes, config.max_nodes) == (2, 4)
     assert config.rdzv_endpoint == "10.0.0.5:1234" and args.log_dir == "logs"
@@ -80,21 +91,24 @@ def test_multi_node_without_endpoint_names_the_key():
     assert err.value.key == "rdzv_endpoint"
 
 
-@pytest.mark.parametrize("change, key", [
-    (dict(nodes=0), "nodes"),
-    (dict(nproc_per_node=0), "nproc_per_node"),
-    (dict(device="tpu"), "device"),
-    (dict(nodes=2, min_nodes=3), "min_nodes"),
-    (dict(max_restarts=-1), "max_restarts"),
-    (dict(monitor_interval=0), "monitor_interval"),
-    (dict(rdzv_port=70000), "rdzv_port"),
-    (dict(rdzv_id="a b"), "rdzv_id"),
-    (dict(k8s=K8sOptions(kind="deployment")), "k8s.kind"),
-    (dict(k8s=K8sOptions(memory="lots")), "k8s.memory"),
-    (dict(k8s=K8sOptions(env={"1BAD": "x"})), "k8s.env"),
-    (dict(slurm=SlurmOptions(time="two days")), "slurm.time"),
-    (dict(slurm=SlurmOptions(cpus_per_task=-2)), "slurm.cpus_per_task"),
-])
+@pytest.mark.parametrize(
+    "change, key",
+    [
+        (dict(nodes=0), "nodes"),
+        (dict(nproc_per_node=0), "nproc_per_node"),
+        (dict(device="tpu"), "device"),
+        (dict(nodes=2, min_nodes=3), "min_nodes"),
+        (dict(max_restarts=-1), "max_restarts"),
+        (dict(monitor_interval=0), "monitor_interval"),
+        (dict(rdzv_port=70000), "rdzv_port"),
+        (dict(rdzv_id="a b"), "rdzv_id"),
+        (dict(k8s=K8sOptions(kind="deployment")), "k8s.kind"),
+        (dict(k8s=K8sOptions(memory="lots")), "k8s.memory"),
+        (dict(k8s=K8sOptions(env={"1BAD": "x"})), "k8s.env"),
+        (dict(slurm=SlurmOptions(time="two days")), "slurm.time"),
+        (dict(slurm=SlurmOptions(cpus_per_task=-2)), "slurm.cpus_per_task"),
+    ],
+)
 def test_invalid_config_names_the_key(change, key):
     with pytest.raises(ConfigError) as err:
         LaunchConfig(**change).validate()
@@ -116,11 +130,26 @@ def test_manifest_needs_an_image_and_a_dns_name():
 # --- Slurm --------------------------------------------------------------------------------------
 
 SLURM_CASES = {
-    "two_gpu_nodes": LaunchConfig(nodes=2, nproc_per_node=8, slurm=SlurmOptions(
-        partition="gpu", account="proj", time="1-12:00:00", cpus_per_task=96, mem="0",
-        env={"HF_HOME": "/scratch/$USER's cache", "RUN_TAG": "a b"}, setup=["source .venv/bin/activate"])),
-    "container": LaunchConfig(nodes=16, nproc_per_node=8, slurm=SlurmOptions(
-        container_image="nvcr.io#nvidia/pytorch:25.01-py3", container_mounts=["/lustre:/lustre"], exclusive=False)),
+    "two_gpu_nodes": LaunchConfig(
+        nodes=2,
+        nproc_per_node=8,
+        slurm=SlurmOptions(
+            partition="gpu",
+            account="proj",
+            time="1-12:00:00",
+            cpus_per_task=96,
+            mem="0",
+            env={"HF_HOME": "/scratch/$USER's cache", "RUN_TAG": "a b"},
+            setup=["source .venv/bin/activate"],
+        ),
+    ),
+    "container": LaunchConfig(
+        nodes=16,
+        nproc_per_node=8,
+        slurm=SlurmOptions(
+            container_image="nvcr.io#nvidia/pytorch:25.01-py3", container_mounts=["/lustre:/lustre"], exclusive=False
+        ),
+    ),
     "one_cpu_node": LaunchConfig(nproc_per_node=4, device="cpu", slurm=SlurmOptions(requeue_before_s=0)),
 }
 
@@ -145,27 +174,40 @@ def _stubs(tmp_path: Path, srun_waits: bool = False) -> dict:
     """Stand-ins for srun and scontrol that record how they were called."""
     stubs = tmp_path / "bin"
     stubs.mkdir()
-    (stubs / "scontrol").write_text(textwrap.dedent("""\
+    (stubs / "scontrol").write_text(
+        textwrap.dedent("""\
         #!/bin/sh
         echo "$*" >> "$STUB_DIR/scontrol.log"
         case "$1" in
           show) printf 'node-a\\nnode-b\\n' ;;
           requeue) [ -f "$STUB_DIR/srun.pid" ] && kill "$(cat "$STUB_DIR/srun.pid")" ;;
         esac
-        """))
-    (stubs / "srun").write_text(textwrap.dedent(f"""\
+        """)
+    )
+    (stubs / "srun").write_text(
+        textwrap.dedent(f"""\
         #!/bin/sh
         printf '%s\\0' "$@" > "$STUB_DIR/srun.argv"
         printf '%s\\0' "$HF_HOME" "$RUN_TAG" "$NCCL_DEBUG" "$SETUP_RAN" "$TORCH_DISABLE_SHARE_RDZV_TCP_STORE" \\
             > "$STUB_DIR/srun.env"
-        {'echo $$ > "$STUB_DIR/pid.tmp" && mv "$STUB_DIR/pid.tmp" "$STUB_DIR/srun.pid" && exec sleep 120'
-           if srun_waits else 'exit 0'}
-        """))
+        {
+            'echo $$ > "$STUB_DIR/pid.tmp" && mv "$STUB_DIR/pid.tmp" "$STUB_DIR/srun.pid" && exec sleep 120'
+            if srun_waits
+            else "exit 0"
+        }
+        """)
+    )
     for stub in stubs.iterdir():
         stub.chmod(0o755)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "NCCL_", "TORCH_"))}
-    return {**env, "PATH": f"{stubs}:{os.environ['PATH']}", "STUB_DIR": str(tmp_path),
-            "SLURM_JOB_NODELIST": "node-[a-b]", "SLURM_JOB_ID": "4242", "SLURM_JOB_NUM_NODES": "2"}
+    return {
+        **env,
+        "PATH": f"{stubs}:{os.environ['PATH']}",
+        "STUB_DIR": str(tmp_path),
+        "SLURM_JOB_NODELIST": "node-[a-b]",
+        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NUM_NODES": "2",
+    }
 
 
 @pytest.mark.skipif(BASH is None, reason="bash is not installed")
@@ -174,16 +216,17 @@ def test_slurm_script_runs_one_torchrun_per_node(tmp_path, monkeypatch):
     script = tmp_path / "job.sbatch"
     script.write_text(slurm_script(cfg, "recipes/big run.toml", ["train.lr=3e-4"]))
     (tmp_path / ".venv" / "bin").mkdir(parents=True)
-    (tmp_path / ".venv" / "bin" / "activate").write_text("export SETUP_RAN=yes\n")   # the recipe's setup line
-    result = subprocess.run([BASH, str(script)], env=_stubs(tmp_path), cwd=tmp_path, capture_output=True, text=True,
-                            timeout=60)
+    (tmp_path / ".venv" / "bin" / "activate").write_text("export SETUP_RAN=yes\n")  # the recipe's setup line
+    result = subprocess.run(
+        [BASH, str(script)], env=_stubs(tmp_path), cwd=tmp_path, capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0, result.stderr
     assert "rendezvous node-a:29500" in result.stdout
     assert (tmp_path / "scontrol.log").read_text().split("\n")[0] == "show hostnames node-[a-b]"
 
     argv = (tmp_path / "srun.argv").read_text().split("\0")[:-1]
     split = argv.index("torchrun")
-    srun_opts, torchrun = argv[:split], argv[split + 1:]
+    srun_opts, torchrun = argv[:split], argv[split + 1 :]
     assert {"--ntasks-per-node=1", "--nodes=2", "--kill-on-bad-exit=1", "--cpus-per-task=96"} <= set(srun_opts)
     args, config, cmd_args = torchrun_parse(torchrun, monkeypatch)
     assert config.rdzv_endpoint == "node-a:29500" and config.run_id == "kiln-4242"
@@ -192,8 +235,7 @@ def test_slurm_script_runs_one_torchrun_per_node(tmp_path, monkeypatch):
     assert cmd_args[-4:] == ["kiln.cli", "pretrain", "recipes/big run.toml", "train.lr=3e-4"]
     # Setup lines run first; exported values reach the step unchanged, quotes and dollar signs included;
     # NCCL gets a default, and torchrun a fresh rendezvous store per restart.
-    assert (tmp_path / "srun.env").read_text().split("\0")[:-1] == ["/scratch/$USER's cache", "a b", "WARN", "yes",
-                                                                    "1"]
+    assert (tmp_path / "srun.env").read_text().split("\0")[:-1] == ["/scratch/$USER's cache", "a b", "WARN", "yes", "1"]
 
 
 @pytest.mark.skipif(BASH is None, reason="bash is not installed")
@@ -205,7 +247,7 @@ def test_slurm_script_single_node_is_standalone(tmp_path, monkeypatch):
     result = subprocess.run([BASH, str(script)], env=_stubs(tmp_path), capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     argv = (tmp_path / "srun.argv").read_text().split("\0")[:-1]
-    args, config, _ = torchrun_parse(argv[argv.index("torchrun") + 1:], monkeypatch)
+    args, config, _ = torchrun_parse(argv[argv.index("torchrun") + 1 :], monkeypatch)
     assert args.standalone and config.nproc_per_node == 4
 
 
@@ -215,10 +257,15 @@ def test_slurm_script_requeues_on_the_time_limit_signal(tmp_path):
     script = tmp_path / "job.sbatch"
     script.write_text(slurm_script(cfg, "r.toml"))
     assert "#SBATCH --signal=B:USR1@120" in script.read_text()
-    proc = subprocess.Popen([BASH, str(script)], env=_stubs(tmp_path, srun_waits=True),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [BASH, str(script)],
+        env=_stubs(tmp_path, srun_waits=True),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
-        deadline = time.monotonic() + 60   # a hang guard, not a performance bound
+        deadline = time.monotonic() + 60  # a hang guard, not a performance bound
         while not (tmp_path / "srun.pid").exists():
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
             time.sleep(0.05)
@@ -228,7 +275,7 @@ def test_slurm_script_requeues_on_the_time_limit_signal(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
-        if proc.returncode != 128 + signal.SIGTERM:   # the stand-in step was not ended by the requeue
+        if proc.returncode != 128 + signal.SIGTERM:  # the stand-in step was not ended by the requeue
             try:
                 os.kill(int((tmp_path / "srun.pid").read_text()), signal.SIGKILL)
             except (OSError, ValueError):
@@ -298,8 +345,14 @@ def _command(manifest: dict, replica: str | None = None) -> list[str]:
     return pod["containers"][0]["command"]
 
 
-K8S_OPTS = dict(image="ghcr.io/acme/kiln:0.1", cpu="90", memory="900Gi", shm_size="64Gi", pvc="kiln-runs",
-                env={"HF_HOME": "/workspace/hf"})
+K8S_OPTS = dict(
+    image="ghcr.io/acme/kiln:0.1",
+    cpu="90",
+    memory="900Gi",
+    shm_size="64Gi",
+    pvc="kiln-runs",
+    env={"HF_HOME": "/workspace/hf"},
+)
 
 
 def test_pytorchjob_manifest_validates(monkeypatch):
@@ -330,8 +383,9 @@ def test_pytorchjob_single_node_and_elastic_validate(monkeypatch):
     assert "--standalone" in _command(one, "Master")
     assert "resources" not in one["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]
 
-    elastic = k8s_manifest_dict(LaunchConfig(nodes=4, min_nodes=2, nproc_per_node=8, max_restarts=5,
-                                             k8s=K8sOptions(image="kiln")), "r.toml")
+    elastic = k8s_manifest_dict(
+        LaunchConfig(nodes=4, min_nodes=2, nproc_per_node=8, max_restarts=5, k8s=K8sOptions(image="kiln")), "r.toml"
+    )
     validate_pytorchjob(elastic)
     policy = elastic["spec"]["elasticPolicy"]
     assert (policy["minReplicas"], policy["maxReplicas"], policy["maxRestarts"]) == (2, 4, 5)
@@ -395,20 +449,42 @@ def _parser() -> argparse.ArgumentParser:
 
 def test_cli_writes_script_and_manifest(tmp_path, capsys):
     out = tmp_path / "jobs" / "big.sbatch"
-    code = run_launch(_parser().parse_args(["launch", "slurm", "--nodes", "2", "--nproc", "8", "--partition", "gpu",
-                                            "--env", "A=1", "--out", str(out), "cluster/big.toml", "train.lr=1e-3"]))
+    code = run_launch(
+        _parser().parse_args(
+            [
+                "launch",
+                "slurm",
+                "--nodes",
+                "2",
+                "--nproc",
+                "8",
+                "--partition",
+                "gpu",
+                "--env",
+                "A=1",
+                "--out",
+                str(out),
+                "cluster/big.toml",
+                "train.lr=1e-3",
+            ]
+        )
+    )
     assert code == 0 and os.access(out, os.X_OK)
     assert "#SBATCH --partition=gpu" in out.read_text() and "export A=1" in out.read_text()
     assert subprocess.run([BASH or "bash", "-n", str(out)]).returncode == 0
 
-    code = run_launch(_parser().parse_args(["launch", "k8s", "--kind", "jobset", "--image", "kiln:1", "--nodes", "2",
-                                            "cluster/big.toml"]))
+    code = run_launch(
+        _parser().parse_args(
+            ["launch", "k8s", "--kind", "jobset", "--image", "kiln:1", "--nodes", "2", "cluster/big.toml"]
+        )
+    )
     assert code == 0
     validate_jobset(yaml.safe_load(capsys.readouterr().out))
 
     recipe = REPO / "recipes" / "tiny.toml"
-    code = run_launch(_parser().parse_args(["launch", "local", "--nproc", "2", "--dry-run", str(recipe),
-                                            "train.max_steps=50"]))
+    code = run_launch(
+        _parser().parse_args(["launch", "local", "--nproc", "2", "--dry-run", str(recipe), "train.max_steps=50"])
+    )
     assert code == 0
     printed = capsys.readouterr().out.split()
     assert printed[:2] == ["torchrun", "--standalone"] and printed[-2:] == [str(recipe), "train.max_steps=50"]
@@ -425,23 +501,29 @@ def test_cli_local_runs_torchrun_with_this_interpreter(monkeypatch):
             return 7
 
     monkeypatch.setattr("kiln.parallel.launch.subprocess.Popen", Popen)
-    code = run_launch(_parser().parse_args(["launch", "local", "--nproc", "2", "--device", "cpu", "cluster/big.toml",
-                                            "train.lr=1e-3"]))
-    assert code == 7   # torchrun's exit status is the command's
+    code = run_launch(
+        _parser().parse_args(
+            ["launch", "local", "--nproc", "2", "--device", "cpu", "cluster/big.toml", "train.lr=1e-3"]
+        )
+    )
+    assert code == 7  # torchrun's exit status is the command's
     assert started["argv"][:3] == [sys.executable, "-m", "torch.distributed.run"]
     assert started["argv"][-5:] == ["-m", "kiln.cli", "pretrain", "cluster/big.toml", "train.lr=1e-3"]
     assert started["env"]["CUDA_VISIBLE_DEVICES"] == "" and "PATH" in started["env"]
     assert started["env"]["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
 
 
-@pytest.mark.parametrize("argv, flag", [
-    (["launch", "local", "--nodes", "0"], "--nodes"),
-    (["launch", "slurm", "--nproc", "0"], "--nproc"),
-    (["launch", "k8s", "--image", "kiln", "--kind", "statefulset"], "--kind"),
-    (["launch", "k8s", "--nodes", "2"], "--image"),
-    (["launch", "local", "--nodes", "2"], "--rdzv-endpoint"),
-    (["launch", "slurm", "--env", "NOVALUE"], "--env"),
-])
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["launch", "local", "--nodes", "0"], "--nodes"),
+        (["launch", "slurm", "--nproc", "0"], "--nproc"),
+        (["launch", "k8s", "--image", "kiln", "--kind", "statefulset"], "--kind"),
+        (["launch", "k8s", "--nodes", "2"], "--image"),
+        (["launch", "local", "--nodes", "2"], "--rdzv-endpoint"),
+        (["launch", "slurm", "--env", "NOVALUE"], "--env"),
+    ],
+)
 def test_cli_errors_name_the_flag(argv, flag):
     with pytest.raises(ConfigError) as err:
         run_launch(_parser().parse_args(argv + ["cluster/none.toml"]))
@@ -456,11 +538,11 @@ def test_recipe_layout_must_match_the_launch(tmp_path, monkeypatch):
         parallel = ParallelConfig(dp_shard=4, tp=4)
 
     monkeypatch.setattr("kiln.config.load_recipe", lambda path, overrides: Loaded())
-    check_recipe(str(recipe), [], LaunchConfig(nodes=2, nproc_per_node=8))          # 4 x 4 = 16 ranks
+    check_recipe(str(recipe), [], LaunchConfig(nodes=2, nproc_per_node=8))  # 4 x 4 = 16 ranks
     with pytest.raises(ConfigError) as err:
         check_recipe(str(recipe), [], LaunchConfig(nodes=1, nproc_per_node=8))
     assert err.value.key == "parallel" and "16" in str(err.value) and "8 ranks" in str(err.value)
-    Loaded.parallel = ParallelConfig(tp=4)                                            # dp_shard=-1: the rest
+    Loaded.parallel = ParallelConfig(tp=4)  # dp_shard=-1: the rest
     check_recipe(str(recipe), [], LaunchConfig(nodes=3, nproc_per_node=8))
     with pytest.raises(ConfigError):
         check_recipe(str(recipe), [], LaunchConfig(nodes=1, nproc_per_node=6))
@@ -494,8 +576,9 @@ def _run_workers(tmp_path: Path, max_restarts: int, fail_attempts: int) -> tuple
     script.write_text(WORKER)
     cfg = LaunchConfig(nproc_per_node=2, device="cpu", max_restarts=max_restarts, monitor_interval=0.2)
     # The timeout only guards against a hang; a healthy launch takes seconds.
-    code = run_torchrun(cfg, [str(script), str(tmp_path), str(fail_attempts)], env={"OMP_NUM_THREADS": "1"},
-                        timeout=600)
+    code = run_torchrun(
+        cfg, [str(script), str(tmp_path), str(fail_attempts)], env={"OMP_NUM_THREADS": "1"}, timeout=600
+    )
     return code, sorted(p.name for p in tmp_path.glob("rank*.json"))
 
 

@@ -23,8 +23,20 @@ from kiln.train.trainer import Trainer
 REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("layout_worker.py")
 MODEL = dict(dim=32, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=32, ffn_hidden=64)
-TRAIN = dict(seq_len=16, micro_batch_size=2, global_batch_tokens=128, max_steps=4, lr=1e-2, warmup_steps=1,
-             precision="fp32", log_every=1, eval_every=2, eval_batches=2, ckpt_every=2, peak_flops=1e12)
+TRAIN = dict(
+    seq_len=16,
+    micro_batch_size=2,
+    global_batch_tokens=128,
+    max_steps=4,
+    lr=1e-2,
+    warmup_steps=1,
+    precision="fp32",
+    log_every=1,
+    eval_every=2,
+    eval_batches=2,
+    ckpt_every=2,
+    peak_flops=1e12,
+)
 LOSS_RTOL = 1e-5
 GRAD_NORM_RTOL = 1e-4
 # Adam divides each gradient by its own running RMS, so an element whose gradient is ~1e-8 moves by
@@ -38,12 +50,30 @@ def pack(tmp_path_factory, tiny_pack_factory):
     return tiny_pack_factory(tmp_path_factory.mktemp("pack"))
 
 
-def launch(pack, out, nproc: int, parallel: dict, model=None, train=None, resume="none", timeout=600,
-           kill=None, max_restarts=0):
-    spec = {"parallel": parallel, "model": {**MODEL, **(model or {})}, "train": {**TRAIN, **(train or {})},
-            "resume": resume, "kill_rank_after_step": kill}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           "--max-restarts", str(max_restarts), str(WORKER), str(pack), str(out), json.dumps(spec)]
+def launch(
+    pack, out, nproc: int, parallel: dict, model=None, train=None, resume="none", timeout=600, kill=None, max_restarts=0
+):
+    spec = {
+        "parallel": parallel,
+        "model": {**MODEL, **(model or {})},
+        "train": {**TRAIN, **(train or {})},
+        "resume": resume,
+        "kill_rank_after_step": kill,
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        "--max-restarts",
+        str(max_restarts),
+        str(WORKER),
+        str(pack),
+        str(out),
+        json.dumps(spec),
+    ]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
     assert result.returncode == 0, result.stderr[-4000:]
@@ -71,6 +101,7 @@ def reference(pack, tmp_path_factory):
         if dp not in cache:
             cache[dp] = single_process(pack, tmp_path_factory.mktemp(f"single-dp{dp}"), dp)
         return cache[dp]
+
     return get
 
 
@@ -82,8 +113,9 @@ def assert_same_training(out, expected):
     weights = load_weights(Path(out) / "checkpoints")[1]
     assert weights.keys() == ref_weights.keys()
     for name, tensor in ref_weights.items():
-        torch.testing.assert_close(weights[name], tensor, rtol=0, atol=WEIGHT_ATOL,
-                                   msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(
+            weights[name], tensor, rtol=0, atol=WEIGHT_ATOL, msg=lambda m, name=name: f"{name}: {m}"
+        )
 
 
 CASES = {
@@ -99,8 +131,11 @@ CASES = {
     "tp_cp": (4, {"tp": 2, "cp": 2, "dp_shard": 1}, 1),
     "pp_gpipe": (2, {"pp": 2, "dp_shard": 1, "pp_schedule": "gpipe", "pp_microbatches": 2}, 1),
     "pp_1f1b": (2, {"pp": 2, "dp_shard": 1, "pp_schedule": "1f1b", "pp_microbatches": 2}, 1),
-    "pp_interleaved": (2, {"pp": 2, "dp_shard": 1, "pp_schedule": "interleaved_1f1b", "pp_stages_per_rank": 2,
-                           "pp_microbatches": 2}, 1),
+    "pp_interleaved": (
+        2,
+        {"pp": 2, "dp_shard": 1, "pp_schedule": "interleaved_1f1b", "pp_stages_per_rank": 2, "pp_microbatches": 2},
+        1,
+    ),
     "pp_fsdp": (4, {"pp": 2, "dp_shard": 2, "pp_microbatches": 2}, 2),
     "pp_tp": (4, {"pp": 2, "tp": 2, "dp_shard": 1, "pp_microbatches": 2}, 1),
     "pp_fsdp_tp": (8, {"pp": 2, "dp_shard": 2, "tp": 2, "pp_microbatches": 2}, 2),
@@ -138,7 +173,7 @@ def test_expert_parallel_matches_single_process(case, pack, tmp_path):
 
 def _drop_checkpoints_after(run, step: int) -> None:
     for folder in (Path(run) / "checkpoints").glob("step-*"):
-        if int(folder.name[len("step-"):]) > step:
+        if int(folder.name[len("step-") :]) > step:
             shutil.rmtree(folder)
 
 
@@ -162,8 +197,9 @@ def test_sharded_checkpoint_resumes_on_fewer_ranks(pack, tmp_path):
         assert losses(run) == pytest.approx(losses(full), rel=LOSS_RTOL)
         final, expected = load_weights(run / "checkpoints")[1], load_weights(full / "checkpoints")[1]
         for name, tensor in expected.items():
-            torch.testing.assert_close(final[name], tensor, rtol=0, atol=WEIGHT_ATOL,
-                                       msg=lambda m, name=name: f"{ranks} ranks, {name}: {m}")
+            torch.testing.assert_close(
+                final[name], tensor, rtol=0, atol=WEIGHT_ATOL, msg=lambda m, name=name: f"{ranks} ranks, {name}: {m}"
+            )
 
 
 @pytest.mark.slow
@@ -210,5 +246,6 @@ def test_sharded_checkpoint_converts_to_single_file_and_hf(pack, tmp_path):
 
 def _write_byte_tokenizer(path, vocab_size: int) -> None:
     from tokenizers import Tokenizer, models
+
     vocab = {"<|endoftext|>": 0, **{f"t{i}": i for i in range(1, vocab_size)}}
     Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>")).save(str(path))

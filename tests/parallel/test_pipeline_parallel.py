@@ -18,8 +18,14 @@ from kiln.errors import ConfigError
 from kiln.model.config import ModelConfig
 from kiln.model.transformer import build_model
 from kiln.parallel.config import ParallelConfig
-from kiln.parallel.pipeline import (bubble_fraction, build_pipeline_schedule, pipeline_eval_step,
-                                    pipeline_train_step, split_layers, split_model)
+from kiln.parallel.pipeline import (
+    bubble_fraction,
+    build_pipeline_schedule,
+    pipeline_eval_step,
+    pipeline_train_step,
+    split_layers,
+    split_model,
+)
 
 BATCH, SEQ = 8, 16
 
@@ -45,18 +51,20 @@ def all_stages(model, pp, v):
 
 # ---- splitting (one process) ------------------------------------------------------------------
 
+
 def test_split_layers_even_uneven_and_head_weight():
     assert split_layers(4, 2) == [range(0, 2), range(2, 4)]
-    assert split_layers(5, 2) == [range(0, 3), range(3, 5)]           # tie: the earlier stage
+    assert split_layers(5, 2) == [range(0, 3), range(3, 5)]  # tie: the earlier stage
     assert split_layers(5, 2, head_weight=0.5) == [range(0, 3), range(3, 5)]
     assert split_layers(4, 2, head_weight=1.5) == [range(0, 3), range(3, 4)]
     assert split_layers(8, 4, head_weight=2.0) == [range(0, 3), range(3, 5), range(5, 7), range(7, 8)]
-    assert split_layers(8, 4, embed_weight=1.0, head_weight=1.0) == [range(0, 2), range(2, 5), range(5, 7),
-                                                                     range(7, 8)]
+    assert split_layers(8, 4, embed_weight=1.0, head_weight=1.0) == [range(0, 2), range(2, 5), range(5, 7), range(7, 8)]
 
 
-@pytest.mark.parametrize("n_layers,n_stages,embed,head", [(7, 3, 0.0, 0.0), (9, 4, 0.5, 2.3), (10, 3, 1.0, 0.2),
-                                                           (6, 6, 0.0, 1.0), (11, 4, 0.0, 3.0)])
+@pytest.mark.parametrize(
+    "n_layers,n_stages,embed,head",
+    [(7, 3, 0.0, 0.0), (9, 4, 0.5, 2.3), (10, 3, 1.0, 0.2), (6, 6, 0.0, 1.0), (11, 4, 0.0, 3.0)],
+)
 def test_split_layers_minimises_the_largest_stage(n_layers, n_stages, embed, head):
     def cost(counts):
         extra = [embed] + [0.0] * (n_stages - 2) + [head] if n_stages > 1 else [embed + head]
@@ -117,8 +125,9 @@ def test_stage_layers_read_like_a_module_list():
     assert stage.layers[1] is replacement and dict(stage.layers.named_children())["3"] is replacement
 
 
-@pytest.mark.parametrize("overrides", [{}, {"pos": "learned"}, {"pos": "sinusoidal", "norm": "layernorm",
-                                                                  "ffn": "gelu"}, {"n_layers": 5}])
+@pytest.mark.parametrize(
+    "overrides", [{}, {"pos": "learned"}, {"pos": "sinusoidal", "norm": "layernorm", "ffn": "gelu"}, {"n_layers": 5}]
+)
 def test_chained_stages_equal_the_model(overrides):
     model = build_model(tiny_cfg(**overrides))
     tokens = torch.randint(0, 97, (2, SEQ))
@@ -133,16 +142,21 @@ def test_schedule_config_errors_name_the_key():
     model = build_model(tiny_cfg())
     one_stage = split_model(model, 0, 2)
     with pytest.raises(ConfigError) as err:
-        build_pipeline_schedule(one_stage, None, ParallelConfig(pp=2, pp_schedule="interleaved_1f1b",
-                                                                pp_stages_per_rank=2))
+        build_pipeline_schedule(
+            one_stage, None, ParallelConfig(pp=2, pp_schedule="interleaved_1f1b", pp_stages_per_rank=2)
+        )
     assert err.value.key == "parallel.pp_stages_per_rank"
     with pytest.raises(ConfigError) as err:
-        build_pipeline_schedule(split_model(model, 0, 2, 2), None, ParallelConfig(
-            pp=2, pp_schedule="interleaved_1f1b", pp_stages_per_rank=2, pp_microbatches=5))
+        build_pipeline_schedule(
+            split_model(model, 0, 2, 2),
+            None,
+            ParallelConfig(pp=2, pp_schedule="interleaved_1f1b", pp_stages_per_rank=2, pp_microbatches=5),
+        )
     assert err.value.key == "parallel.pp_microbatches"
 
 
 # ---- bubble fraction ------------------------------------------------------------------------
+
 
 def _simulate(orders, forward_time=1, backward_time=2):
     """Idle share of rank 0 when each rank runs its forward/backward actions in the given order,
@@ -156,8 +170,11 @@ def _simulate(orders, forward_time=1, backward_time=2):
         for rank, order in enumerate(orders):
             while position[rank] < len(order):
                 kind, stage, mb = order[position[rank]]
-                deps = ([("F", stage - 1, mb)] if stage > 0 else []) if kind == "F" else \
-                    [("F", stage, mb)] + ([("B", stage + 1, mb)] if stage < n_stages - 1 else [])
+                deps = (
+                    ([("F", stage - 1, mb)] if stage > 0 else [])
+                    if kind == "F"
+                    else [("F", stage, mb)] + ([("B", stage + 1, mb)] if stage < n_stages - 1 else [])
+                )
                 if any(d not in finished for d in deps):
                     break
                 start = max([clock[rank]] + [finished[d] for d in deps])
@@ -186,10 +203,17 @@ def _pytorch_orders(schedule_class, p, m, v):
     """The action lists PyTorch's own schedule builds for each rank."""
     visualizer = pytest.importorskip("torch.distributed.pipelining._schedule_visualizer")
     from torch.distributed.pipelining.schedules import _ComputationType
+
     kinds = {_ComputationType.FORWARD: "F", _ComputationType.FULL_BACKWARD: "B"}
     ops = visualizer.get_schedule_ops(schedule_class, p, m, v)
-    return [[(kinds[a.computation_type], a.stage_index, a.microbatch_index) for a in row
-             if a is not None and a.computation_type in kinds] for row in ops]
+    return [
+        [
+            (kinds[a.computation_type], a.stage_index, a.microbatch_index)
+            for a in row
+            if a is not None and a.computation_type in kinds
+        ]
+        for row in ops
+    ]
 
 
 def test_bubble_fraction_matches_the_paper_and_simulated_schedules():
@@ -217,12 +241,21 @@ STEPS = 2
 MOE = {"moe_every": 2, "n_experts": 4, "moe_top_k": 2}  # layers 1 and 3: one MoE layer per stage
 # (schedule, stages per rank, model overrides). Every case runs in the same two processes, one after
 # the other: starting processes (importing torch) costs more here than the pipelines themselves.
-CASES = {"gpipe": ("gpipe", 1, {}), "1f1b": ("1f1b", 1, {}), "interleaved_1f1b": ("interleaved_1f1b", 2, {}),
-         "1f1b-uneven-5-layers": ("1f1b", 1, {"n_layers": 5}), "1f1b-moe": ("1f1b", 1, MOE)}
+CASES = {
+    "gpipe": ("gpipe", 1, {}),
+    "1f1b": ("1f1b", 1, {}),
+    "interleaved_1f1b": ("interleaved_1f1b", 2, {}),
+    "1f1b-uneven-5-layers": ("1f1b", 1, {"n_layers": 5}),
+    "1f1b-moe": ("1f1b", 1, MOE),
+}
 # Blocks of each stage, per rank: interleaving places stages loop-style (rank 0 holds stages 0 and 2).
-LAYOUTS = {"gpipe": [[[0, 1]], [[2, 3]]], "1f1b": [[[0, 1]], [[2, 3]]],
-           "interleaved_1f1b": [[[0], [2]], [[1], [3]]], "1f1b-uneven-5-layers": [[[0, 1, 2]], [[3, 4]]],
-           "1f1b-moe": [[[0, 1]], [[2, 3]]]}
+LAYOUTS = {
+    "gpipe": [[[0, 1]], [[2, 3]]],
+    "1f1b": [[[0, 1]], [[2, 3]]],
+    "interleaved_1f1b": [[[0], [2]], [[1], [3]]],
+    "1f1b-uneven-5-layers": [[[0, 1, 2]], [[3, 4]]],
+    "1f1b-moe": [[[0, 1]], [[2, 3]]],
+}
 
 
 def _reference_step(model, inputs, targets, microbatches):
@@ -259,8 +292,13 @@ def _run_case(rank, world, pp_group_or_mesh, schedule_name, stages_per_rank, ove
 
     result = {"owned": sorted(owned), "losses": [], "grad_diff": [], "layers": [s.layers.indices for s in stages]}
     try:  # a batch the microbatches do not divide is refused before any communication
-        pipeline_train_step(schedule, torch.zeros(BATCH - 2, SEQ, dtype=torch.long),
-                            torch.zeros(BATCH - 2, SEQ, dtype=torch.long), is_first, is_last)
+        pipeline_train_step(
+            schedule,
+            torch.zeros(BATCH - 2, SEQ, dtype=torch.long),
+            torch.zeros(BATCH - 2, SEQ, dtype=torch.long),
+            is_first,
+            is_last,
+        )
     except ConfigError as err:
         result["uneven_batch_error"] = err.key
 
@@ -288,8 +326,12 @@ def _run_case(rank, world, pp_group_or_mesh, schedule_name, stages_per_rank, ove
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     loss = pipeline_eval_step(schedule, inputs, targets, is_first, is_last)
     with torch.no_grad():
-        ref_loss = torch.stack([F.cross_entropy(reference(x).flatten(0, 1), y.flatten()) for x, y in
-                                zip(inputs.chunk(pcfg.microbatches), targets.chunk(pcfg.microbatches))]).mean()
+        ref_loss = torch.stack(
+            [
+                F.cross_entropy(reference(x).flatten(0, 1), y.flatten())
+                for x, y in zip(inputs.chunk(pcfg.microbatches), targets.chunk(pcfg.microbatches))
+            ]
+        ).mean()
     result["eval_loss"] = None if loss is None else [loss.item(), ref_loss.item()]
     return result
 
@@ -299,8 +341,9 @@ def _worker(rank, world, init_file, out_dir):
 
     torch.set_num_threads(1)  # two processes on two cores
     # A bounded timeout turns a pipeline deadlock into an error instead of a hung test.
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timedelta(seconds=120)
+    )
     try:
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -308,8 +351,7 @@ def _worker(rank, world, init_file, out_dir):
         results = {}
         for case, args in CASES.items():
             # Both ways to name the pipeline ranks: the default group, and a "pp" device mesh.
-            results[case] = _run_case(rank, world, mesh if case in ("interleaved_1f1b", "1f1b-moe") else None,
-                                      *args)
+            results[case] = _run_case(rank, world, mesh if case in ("interleaved_1f1b", "1f1b-moe") else None, *args)
             dist.barrier()
         with open(f"{out_dir}/rank{rank}.json", "w") as f:
             json.dump(results, f)

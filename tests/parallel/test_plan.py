@@ -12,9 +12,23 @@ import pytest
 from kiln.errors import ConfigError
 from kiln.model.config import PRESETS, preset
 from kiln.parallel.hardware import GB, ClusterConfig
-from kiln.parallel.plan import (MEGATRON, ActivationModel, Layout, Workload, budget, estimate, in_flight,
-                                layer_activation_bytes, layout_problems, memory, model_flops_per_token,
-                                model_state_bytes, plan, stage_layer_ids, total_params)
+from kiln.parallel.plan import (
+    MEGATRON,
+    ActivationModel,
+    Layout,
+    Workload,
+    budget,
+    estimate,
+    in_flight,
+    layer_activation_bytes,
+    layout_problems,
+    memory,
+    model_flops_per_token,
+    model_state_bytes,
+    plan,
+    stage_layer_ids,
+    total_params,
+)
 from kiln.parallel.plan_cli import DEFAULT_VOCAB, REFERENCE_MODELS, add_plan_parser, run_plan
 
 # Published MFU must fall within this many points of the planner's estimate (absolute, e.g. 0.41 +- 0.10).
@@ -69,6 +83,7 @@ def test_activations_reproduce_korthikanti_formula():
 @pytest.mark.parametrize("name", [*PRESETS, *REFERENCE_MODELS])
 def test_parameter_and_flop_counts_match_the_model(name):
     from kiln.model.transformer import count_params, flops_per_token
+
     cfg = dataclasses.replace(REFERENCE_MODELS.get(name) or PRESETS[name], vocab_size=1000)
     assert total_params(cfg) == count_params(cfg)
     assert model_flops_per_token(cfg, 512) == pytest.approx(flops_per_token(cfg, 512))
@@ -78,17 +93,22 @@ def test_llama3_pipeline_split_and_in_flight_micro_batches():
     # Llama 3 405B (vocab 128k) on 16 stages: the planner predicts memory for the split the trainer
     # makes; the output head (~0.6 of a layer at 8k context) takes the place of a layer on the last stage.
     from kiln.parallel.pipeline import head_weight_from_flops, split_layers
+
     cfg = REFERENCE_MODELS["405b"]
     assert 0.5 < head_weight_from_flops(cfg) < 0.7
-    assert [len(ids) for ids in stage_layer_ids(cfg, 16)] == [len(r) for r in split_layers(
-        126, 16, 0.0, head_weight_from_flops(cfg))] == [8] * 14 + [7, 7]
+    assert (
+        [len(ids) for ids in stage_layer_ids(cfg, 16)]
+        == [len(r) for r in split_layers(126, 16, 0.0, head_weight_from_flops(cfg))]
+        == [8] * 14 + [7, 7]
+    )
     ids = stage_layer_ids(cfg, 16, 4)  # interleaved: rank r holds virtual stages r, r+16, r+32, r+48
     assert sorted(i for rank in ids for i in rank) == list(range(126))
     assert ids[0][:3] == [0, 1, 32] and ids[1][:2] == [2, 3]  # 2 layers per virtual stage, 1 on two of them
     # Rank 0 of interleaved 1F1B holds p*(1 + (p-1)/(p*v)) micro-batches of its layers (Korthikanti 4.2.3).
     p, v = 16, 4
     assert in_flight(Layout(pp=p, pp_schedule="interleaved_1f1b", pp_stages_per_rank=v), 0, 64) == pytest.approx(
-        p * (1 + (p - 1) / (p * v)))
+        p * (1 + (p - 1) / (p * v))
+    )
     assert in_flight(Layout(pp=p), 0, 64) == p and in_flight(Layout(pp=p), p - 1, 64) == 1
     assert in_flight(Layout(pp=p, pp_schedule="gpipe"), 5, 64) == 64
 
@@ -106,11 +126,14 @@ def test_bubble_is_p_minus_1_over_v_m():
 
 
 # ----------------------------------------------------------------------------- published runs
-@pytest.mark.parametrize("gpus, cp, dp, seq, published_mfu", [
-    (8192, 1, 64, 8192, 0.43),
-    (16384, 1, 128, 8192, 0.41),
-    (16384, 16, 8, 131072, 0.38),
-])
+@pytest.mark.parametrize(
+    "gpus, cp, dp, seq, published_mfu",
+    [
+        (8192, 1, 64, 8192, 0.43),
+        (16384, 1, 128, 8192, 0.41),
+        (16384, 16, 8, 131072, 0.38),
+    ],
+)
 def test_llama3_405b_published_layouts(gpus, cp, dp, seq, published_mfu):
     # Llama 3 paper, Table 4: TP 8, PP 16, BF16, 16M tokens per batch on 80 GB H100s.
     cfg = REFERENCE_MODELS["405b"]
@@ -163,7 +186,8 @@ def test_invalid_degrees_are_excluded_with_a_reason():
     problems = layout_problems(cfg, Layout(dp_shard=4, cp=2, ep=2, zero=3), cluster, work)
     assert any("dense" in p for p in problems)
     assert layout_problems(cfg, Layout(dp_replicate=2, pp=4, micro_batch=32), cluster, work) == [
-        "1 microbatches < pp=4: the pipeline would never fill"]
+        "1 microbatches < pp=4: the pipeline would never fill"
+    ]
     # Every layout the search ranks is valid and converts to a ParallelConfig that validates.
     for e in plan(cfg, cluster, work).ranked[:20]:
         assert layout_problems(cfg, e.layout, cluster, work) == []
@@ -183,7 +207,8 @@ def test_moe_expert_parallelism_splits_the_experts():
     assert one.optimizer == pytest.approx(split.optimizer)
     cluster = ClusterConfig("h100", 8, 1)
     assert layout_problems(cfg, Layout(dp_shard=4, cp=1, ep=8, zero=3, dp_replicate=2), cluster, work) == [
-        "ep=8 must divide n_experts=8 and dp_shard*cp=4"]
+        "ep=8 must divide n_experts=8 and dp_shard*cp=4"
+    ]
     assert layout_problems(cfg, Layout(dp_shard=8, ep=8, zero=3), cluster, work) == []
 
 
@@ -222,8 +247,19 @@ def test_cli_recipe_table(capsys):
 
 
 def test_cli_json_and_rejections(capsys):
-    args = _args("--preset", "405b", "--nodes", "2048", "--global-batch-tokens", str(16 * 1024 * 1024),
-                 "--layout", "tp=8,pp=16,cp=1", "--tokens", "15.6e12", "--json")
+    args = _args(
+        "--preset",
+        "405b",
+        "--nodes",
+        "2048",
+        "--global-batch-tokens",
+        str(16 * 1024 * 1024),
+        "--layout",
+        "tp=8,pp=16,cp=1",
+        "--tokens",
+        "15.6e12",
+        "--json",
+    )
     assert run_plan(args) == 0
     data = json.loads(capsys.readouterr().out)
     top = data["ranked"][0]

@@ -36,10 +36,16 @@ def fill_peft():
 @pytest.fixture
 def tiny_model():
     """tiny_model(**overrides) -> a small random Kiln Transformer in eval mode."""
+
     def make(**overrides):
-        cfg = ModelConfig(**{**dict(vocab_size=VOCAB, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
-                                    max_seq_len=64, rope_theta=500.0), **overrides})
+        cfg = ModelConfig(
+            **{
+                **dict(vocab_size=VOCAB, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64, rope_theta=500.0),
+                **overrides,
+            }
+        )
         return randomise(build_model(cfg)).eval()
+
     return make
 
 

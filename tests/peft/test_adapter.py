@@ -2,8 +2,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kiln.peft import (PeftConfig, adapter_modules, adapter_state_dict, apply_peft, load_trainable, merged_state_dict,
-                       parameter_counts, peft_disabled, save_peft_adapter, save_trainable, trainable_parameters)
+from kiln.peft import (
+    PeftConfig,
+    adapter_modules,
+    adapter_state_dict,
+    apply_peft,
+    load_trainable,
+    merged_state_dict,
+    parameter_counts,
+    peft_disabled,
+    save_peft_adapter,
+    save_trainable,
+    trainable_parameters,
+)
 
 
 def test_adapters_start_as_identity_and_only_they_train(tiny_model, tokens):
@@ -29,8 +40,9 @@ def test_adapter_sits_on_the_sublayer_output_before_the_residual(tiny_model, fil
         with peft_disabled(model):
             attn = block.attn(block.attn_norm(x), cos, sin)
         a = block.attn.adapter
-        adapted_attn = attn + F.linear(F.gelu(F.linear(attn, a.down.weight, a.down.bias), approximate="tanh"),
-                                       a.up.weight, a.up.bias)
+        adapted_attn = attn + F.linear(
+            F.gelu(F.linear(attn, a.down.weight, a.down.bias), approximate="tanh"), a.up.weight, a.up.bias
+        )
         h = x + adapted_attn
         with peft_disabled(model):
             ffn = block.ffn(block.ffn_norm(h))

@@ -7,9 +7,22 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from kiln.errors import ConfigError
-from kiln.peft import (LoRAConfig, LoRALinear, PeftConfig, apply_lora, apply_peft, load_lora_state_dict, lora_modules,
-                       lora_scaling, lora_state_dict, merge_lora, parameter_counts, peft_disabled,
-                       trainable_parameters, unmerge_lora)
+from kiln.peft import (
+    LoRAConfig,
+    LoRALinear,
+    PeftConfig,
+    apply_lora,
+    apply_peft,
+    load_lora_state_dict,
+    lora_modules,
+    lora_scaling,
+    lora_state_dict,
+    merge_lora,
+    parameter_counts,
+    peft_disabled,
+    trainable_parameters,
+    unmerge_lora,
+)
 
 
 def test_scaling_matches_the_peft_anchor():
@@ -19,9 +32,21 @@ def test_scaling_matches_the_peft_anchor():
     assert PeftConfig(method="lora", r=8, alpha=16, rslora=True).scaling == pytest.approx(16 / math.sqrt(8))
 
 
-@pytest.mark.parametrize("field,value", [("method", "dora"), ("r", 0), ("r", 2.5), ("alpha", 0), ("dropout", 1.0),
-                                         ("targets", []), ("targets", "wqkv"), ("lora_dtype", "fp8"),
-                                         ("adapter_hidden", 0), ("nf4_block_size", 63)])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("method", "dora"),
+        ("r", 0),
+        ("r", 2.5),
+        ("alpha", 0),
+        ("dropout", 1.0),
+        ("targets", []),
+        ("targets", "wqkv"),
+        ("lora_dtype", "fp8"),
+        ("adapter_hidden", 0),
+        ("nf4_block_size", 63),
+    ],
+)
 def test_config_errors_name_the_key(field, value):
     with pytest.raises(ConfigError) as err:
         PeftConfig(**{"method": "lora", field: value}).validate()
@@ -32,8 +57,13 @@ def test_apply_wraps_targets_freezes_base_and_starts_as_the_base(tiny_model, tok
     model = tiny_model()
     before = model(tokens)
     apply_peft(model, PeftConfig(method="lora", r=4, targets=["attn.wqkv", "ffn.w2", "output"]))
-    assert sorted(lora_modules(model)) == ["layers.0.attn.wqkv", "layers.0.ffn.w2", "layers.1.attn.wqkv",
-                                           "layers.1.ffn.w2", "output"]
+    assert sorted(lora_modules(model)) == [
+        "layers.0.attn.wqkv",
+        "layers.0.ffn.w2",
+        "layers.1.attn.wqkv",
+        "layers.1.ffn.w2",
+        "output",
+    ]
     names = [n for n, _ in trainable_parameters(model)]
     assert names and all(n.endswith(("lora_A", "lora_B")) for n in names)
     cfg = model.cfg
@@ -72,8 +102,9 @@ def test_forward_and_gradients_match_peft_lora_layer(rslora):
     ours, theirs = _OneLinear(), _OneLinear()
     theirs.load_state_dict(ours.state_dict())
     apply_lora(ours, LoRAConfig(r=4, alpha=8, targets=["proj"], rslora=rslora))
-    theirs = peft.inject_adapter_in_model(peft.LoraConfig(r=4, lora_alpha=8, target_modules=["proj"],
-                                                          use_rslora=rslora), theirs)
+    theirs = peft.inject_adapter_in_model(
+        peft.LoraConfig(r=4, lora_alpha=8, target_modules=["proj"], use_rslora=rslora), theirs
+    )
     layer = ours.proj
     with torch.no_grad():
         layer.lora_B.normal_()
@@ -97,8 +128,10 @@ def test_merge_equals_unmerged_forward_and_unmerge_restores(tiny_model, tokens, 
     original = {k: v.clone() for k, v in model.state_dict().items()}
     with torch.no_grad():
         base_logits = model(tokens)
-    apply_peft(model, PeftConfig(method="lora", r=4, rslora=True,
-                                 targets=["attn.wqkv", "attn.wo", "ffn.w13", "ffn.w2", "output"]))
+    apply_peft(
+        model,
+        PeftConfig(method="lora", r=4, rslora=True, targets=["attn.wqkv", "attn.wo", "ffn.w13", "ffn.w2", "output"]),
+    )
     fill_peft(model)
     with torch.no_grad():
         unmerged = model(tokens)
@@ -109,8 +142,9 @@ def test_merge_equals_unmerged_forward_and_unmerge_restores(tiny_model, tokens, 
         torch.testing.assert_close(model(tokens), unmerged, rtol=1e-4, atol=1e-4)
         unmerge_lora(model)
         for name in ("output", "layers.1.attn.wqkv", "layers.0.ffn.w13"):
-            torch.testing.assert_close(model.get_submodule(name).base.weight, original[f"{name}.weight"],
-                                       rtol=0, atol=1e-6)
+            torch.testing.assert_close(
+                model.get_submodule(name).base.weight, original[f"{name}.weight"], rtol=0, atol=1e-6
+            )
         torch.testing.assert_close(model(tokens), unmerged, rtol=1e-4, atol=1e-4)
 
 

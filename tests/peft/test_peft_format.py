@@ -14,8 +14,14 @@ from safetensors import safe_open  # noqa: E402
 
 from kiln.errors import DataError  # noqa: E402
 from kiln.hf import export_hf  # noqa: E402
-from kiln.peft import (PeftConfig, apply_peft, base_state_dict, load_peft_adapter, lora_modules,  # noqa: E402
-                       save_peft_adapter)
+from kiln.peft import (  # noqa: E402
+    PeftConfig,
+    apply_peft,
+    base_state_dict,
+    load_peft_adapter,
+    lora_modules,  # noqa: E402
+    save_peft_adapter,
+)
 
 ALL = ["attn.wqkv", "attn.wo", "ffn.w13", "ffn.w2", "output"]
 
@@ -28,14 +34,21 @@ def hf_logits(model_dir, adapter_dir, tokens):
         return hf(tokens).logits
 
 
-@pytest.mark.parametrize("overrides,peft_cfg", [
-    ({"n_kv_heads": 0}, PeftConfig(method="lora", r=4, alpha=8, targets=ALL)),
-    ({"n_kv_heads": 2}, PeftConfig(method="lora", r=4, alpha=8, rslora=True, targets=["attn.wqkv", "attn.wo"])),
-    ({"n_kv_heads": 1, "qkv_bias": True}, PeftConfig(method="lora", r=2, alpha=5, targets=["attn.wqkv", "ffn.w13"])),
-    ({"n_kv_heads": 2}, PeftConfig(method="qlora", r=4, alpha=8, lora_dtype="float32", targets=ALL)),
-])
-def test_peft_loads_a_kiln_adapter_onto_the_exported_model(tmp_path, tiny_model, tokens, fill_peft, overrides,
-                                                           peft_cfg):
+@pytest.mark.parametrize(
+    "overrides,peft_cfg",
+    [
+        ({"n_kv_heads": 0}, PeftConfig(method="lora", r=4, alpha=8, targets=ALL)),
+        ({"n_kv_heads": 2}, PeftConfig(method="lora", r=4, alpha=8, rslora=True, targets=["attn.wqkv", "attn.wo"])),
+        (
+            {"n_kv_heads": 1, "qkv_bias": True},
+            PeftConfig(method="lora", r=2, alpha=5, targets=["attn.wqkv", "ffn.w13"]),
+        ),
+        ({"n_kv_heads": 2}, PeftConfig(method="qlora", r=4, alpha=8, lora_dtype="float32", targets=ALL)),
+    ],
+)
+def test_peft_loads_a_kiln_adapter_onto_the_exported_model(
+    tmp_path, tiny_model, tokens, fill_peft, overrides, peft_cfg
+):
     model = fill_peft(apply_peft(tiny_model(**overrides), peft_cfg))
     with torch.no_grad():
         kiln_logits = model(tokens)
@@ -44,10 +57,19 @@ def test_peft_loads_a_kiln_adapter_onto_the_exported_model(tmp_path, tiny_model,
     save_peft_adapter(model, model.cfg, tmp_path / "adapter", peft_cfg)
 
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
-    assert (config["peft_type"], config["r"], config["lora_alpha"], config["use_rslora"]) == \
-        ("LORA", peft_cfg.r, peft_cfg.alpha, peft_cfg.rslora)
-    expected_targets = {"attn.wqkv": ["q_proj", "k_proj", "v_proj"], "attn.wo": ["o_proj"],
-                        "ffn.w13": ["gate_proj", "up_proj"], "ffn.w2": ["down_proj"], "output": ["lm_head"]}
+    assert (config["peft_type"], config["r"], config["lora_alpha"], config["use_rslora"]) == (
+        "LORA",
+        peft_cfg.r,
+        peft_cfg.alpha,
+        peft_cfg.rslora,
+    )
+    expected_targets = {
+        "attn.wqkv": ["q_proj", "k_proj", "v_proj"],
+        "attn.wo": ["o_proj"],
+        "ffn.w13": ["gate_proj", "up_proj"],
+        "ffn.w2": ["down_proj"],
+        "output": ["lm_head"],
+    }
     assert sorted(config["target_modules"]) == sorted(p for t in peft_cfg.targets for p in expected_targets[t])
     with safe_open(str(tmp_path / "adapter" / "adapter_model.safetensors"), "pt") as f:
         keys = set(f.keys())
@@ -56,8 +78,9 @@ def test_peft_loads_a_kiln_adapter_onto_the_exported_model(tmp_path, tiny_model,
 
     base = hf_logits(tmp_path / "hf", None, tokens)
     assert (base - kiln_logits).abs().max() > 0.1  # the adapter matters
-    torch.testing.assert_close(hf_logits(tmp_path / "hf", tmp_path / "adapter", tokens), kiln_logits,
-                               rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(
+        hf_logits(tmp_path / "hf", tmp_path / "adapter", tokens), kiln_logits, rtol=1e-4, atol=1e-4
+    )
 
     # And back: the adapter file alone restores the Kiln model, as rank-r LoRAs sharing one A.
     fresh = tiny_model(**overrides)
@@ -74,9 +97,13 @@ def test_a_peft_trained_adapter_loads_into_kiln_and_saves_back(tmp_path, tiny_mo
     model = tiny_model()
     export_hf(model.cfg, model.state_dict(), None, tmp_path / "hf")
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
-    lora_cfg = peft.LoraConfig(r=4, lora_alpha=8,
-                               target_modules=["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"],
-                               rank_pattern={"gate_proj": 2}, alpha_pattern={"v_proj": 32})
+    lora_cfg = peft.LoraConfig(
+        r=4,
+        lora_alpha=8,
+        target_modules=["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"],
+        rank_pattern={"gate_proj": 2},
+        alpha_pattern={"v_proj": 32},
+    )
     pm = peft.get_peft_model(hf, lora_cfg)
     with torch.no_grad():
         for name, p in pm.named_parameters():
@@ -109,7 +136,11 @@ def test_unsupported_adapters_are_refused_clearly(tmp_path, tiny_model, fill_pef
     peft.get_peft_model(hf, peft.LoraConfig(r=2, target_modules=["embed_tokens"])).save_pretrained(tmp_path / "emb")
     with pytest.raises(DataError, match="embed_tokens"):
         load_peft_adapter(tiny_model(), tmp_path / "emb")
-    moe = fill_peft(apply_peft(tiny_model(moe_every=1, n_experts=2, moe_top_k=1, moe_shared_expert=True),
-                               PeftConfig(method="lora", r=2, targets=["shared_expert.w13"])))
+    moe = fill_peft(
+        apply_peft(
+            tiny_model(moe_every=1, n_experts=2, moe_top_k=1, moe_shared_expert=True),
+            PeftConfig(method="lora", r=2, targets=["shared_expert.w13"]),
+        )
+    )
     with pytest.raises(ValueError, match="no counterpart"):
         save_peft_adapter(moe, moe.cfg, tmp_path / "moe")

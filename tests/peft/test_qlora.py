@@ -6,16 +6,44 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from kiln.model import build_model, preset
-from kiln.peft import (NF4_LEVELS, NF4Linear, PeftConfig, apply_peft, base_state_dict, dequantize_nf4, load_trainable,
-                       lora_modules, merge_lora, merged_state_dict, nf4_bits_per_param, quantize_base, quantize_nf4,
-                       save_trainable, trainable_parameters)
+from kiln.peft import (
+    NF4_LEVELS,
+    NF4Linear,
+    PeftConfig,
+    apply_peft,
+    base_state_dict,
+    dequantize_nf4,
+    load_trainable,
+    lora_modules,
+    merge_lora,
+    merged_state_dict,
+    nf4_bits_per_param,
+    quantize_base,
+    quantize_nf4,
+    save_trainable,
+    trainable_parameters,
+)
 from kiln.peft.nf4 import error_bound, storage_bits
 
 # bitsandbytes' NF4 table (functional.py), as listed in anchors-post.md 2.10.
-BNB_NF4 = [-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
-           -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
-           0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
-           0.7229568362236023, 1.0]
+BNB_NF4 = [
+    -1.0,
+    -0.6961928009986877,
+    -0.5250730514526367,
+    -0.39491748809814453,
+    -0.28444138169288635,
+    -0.18477343022823334,
+    -0.09105003625154495,
+    0.0,
+    0.07958029955625534,
+    0.16093020141124725,
+    0.24611230194568634,
+    0.33791524171829224,
+    0.44070982933044434,
+    0.5626170039176941,
+    0.7229568362236023,
+    1.0,
+]
 
 
 def _torchao():
@@ -41,8 +69,9 @@ def test_codes_and_scalers_match_torchao_bit_for_bit():
     assert torch.equal(ours["scalers_q"], theirs.quantized_scalers)
     assert torch.equal(ours["scaler_factor"], theirs.quantization_factor)
     assert torch.equal(ours["scaler_mean"], theirs.scaler_mean)
-    torch.testing.assert_close(dequantize_nf4(ours, w.shape, levels=levels), theirs.get_original_weight(),
-                               rtol=0, atol=0)
+    torch.testing.assert_close(
+        dequantize_nf4(ours, w.shape, levels=levels), theirs.get_original_weight(), rtol=0, atol=0
+    )
 
 
 @pytest.mark.parametrize("double_quant", [True, False])

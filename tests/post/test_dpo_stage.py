@@ -54,7 +54,7 @@ def test_reference_logprobs_under_the_policy_autocast_start_the_margin_at_zero(t
     ref16 = [torch.stack(p) for p in zip(*S.reference_logprobs(model, rows, precision="bf16"))]
     ref32 = [torch.stack(p) for p in zip(*S.reference_logprobs(model, rows, precision="fp32"))]
     loss_fn = S.make_dpo_loss(DPOConfig())
-    with S.autocast("bf16"):   # what the training loop wraps the loss in under precision = "bf16"
+    with S.autocast("bf16"):  # what the training loop wraps the loss in under precision = "bf16"
         same = loss_fn(model, tuple(ref16))[0]
         mixed = loss_fn(model, tuple(ref32))[0]
     # Margin exactly zero: the sigmoid loss is log 2 at step 0.
@@ -72,6 +72,7 @@ def test_policy_pairs_reject_the_models_own_wrong_answers(tok):
     assert stats == {"rejected": "policy", "prompts_tried": 8, "policy_wrong": 8} and len(pairs) == 8
     by_prompt = {t["prompt"]: t for t in tasks}
     from kiln.post.chat import render_prompt
+
     for messages, chosen, rejected in pairs:
         ex = by_prompt[messages[0]["content"]]
         assert chosen == ex["answer"] and grade(ex, rejected) == 0.0
@@ -81,6 +82,7 @@ def test_policy_pairs_reject_the_models_own_wrong_answers(tok):
 
 def test_policy_pairs_fall_back_to_distractors_when_the_model_is_always_right(tok, monkeypatch):
     from kiln.post.chat import render_prompt
+
     tasks = generate_tasks("sort", 10, seed=4)
     answer_of = {tuple(render_prompt(tok, [{"role": "user", "content": t["prompt"]}])): t["answer"] for t in tasks}
 
@@ -105,10 +107,10 @@ def test_dpo_config_rejects_unknown_pair_sources():
 def test_rejected_to_divergence_scores_the_rejected_answer_up_to_its_first_wrong_token(tok):
     prompt = [{"role": "user", "content": "Reverse: sun dog cat"}]
     pairs = [(prompt, "cat dog sun", "cat sun dog")]
-    (c, ct, r, rt), = S.pair_rows(tok, pairs, 48)
-    (c2, ct2, r2, rt2), = S.pair_rows(tok, pairs, 48, rejected_to_divergence=True)
+    ((c, ct, r, rt),) = S.pair_rows(tok, pairs, 48)
+    ((c2, ct2, r2, rt2),) = S.pair_rows(tok, pairs, 48, rejected_to_divergence=True)
     assert torch.equal(c, c2) and torch.equal(ct, ct2) and torch.equal(r, r2)  # chosen untouched
-    first = int((c != r).nonzero()[0])            # the first input id where the answers part
+    first = int((c != r).nonzero()[0])  # the first input id where the answers part
     kept = (rt2 != S.IGNORE).nonzero().flatten().tolist()
     # The rejected side keeps the answer tokens up to and including the prediction of that id.
     assert kept == [j for j in (rt != S.IGNORE).nonzero().flatten().tolist() if j < first]
@@ -116,15 +118,19 @@ def test_rejected_to_divergence_scores_the_rejected_answer_up_to_its_first_wrong
     # The shared prefix scores the same on both sides: only the first wrong token is left in the margin.
     model = _model(tok)
     from kiln.post.losses import sequence_logprobs
+
     logits_c, logits_r = model(c[None]), model(r[None])
     shared = (rt2 != S.IGNORE) & (torch.arange(48) < first - 1)
-    torch.testing.assert_close(sequence_logprobs(logits_c, torch.where(shared, ct, S.IGNORE)[None]),
-                               sequence_logprobs(logits_r, torch.where(shared, rt2, S.IGNORE)[None]))
+    torch.testing.assert_close(
+        sequence_logprobs(logits_c, torch.where(shared, ct, S.IGNORE)[None]),
+        sequence_logprobs(logits_r, torch.where(shared, rt2, S.IGNORE)[None]),
+    )
 
 
 def test_stage_compile_inherits_train_compile_unless_the_stage_sets_it():
     from kiln.config import load_recipe
-    recipe = load_recipe("recipes/tiny.toml")            # compiles pretraining, not its post stages
+
+    recipe = load_recipe("recipes/tiny.toml")  # compiles pretraining, not its post stages
     assert recipe.train.compile is True
     assert recipe.sft.train.train_config(recipe.train).compile is False
     assert recipe.grpo.train.train_config(recipe.train).compile is False
@@ -136,10 +142,11 @@ def test_stage_compile_inherits_train_compile_unless_the_stage_sets_it():
 
 def test_grpo_prompt_seed_draws_train_problems_sft_did_not_see():
     from kiln.config import load_recipe
+
     base = load_recipe("recipes/tiny.toml", ["grpo.prompt_seed=0", "tasks.train_per_family=300"])
     fresh = load_recipe("recipes/tiny.toml", ["grpo.prompt_seed=1", "tasks.train_per_family=300"])
     sft_problems = S.train_tasks(base.tasks)
-    assert post.rl_prompts(base) == sft_problems          # prompt_seed = tasks.seed: the SFT problems
+    assert post.rl_prompts(base) == sft_problems  # prompt_seed = tasks.seed: the SFT problems
     pool = post.rl_prompts(fresh)
     assert len(pool) == len(sft_problems)
     seen = {ex["id"] for ex in sft_problems}
@@ -150,6 +157,7 @@ def test_grpo_prompt_seed_draws_train_problems_sft_did_not_see():
 
 def test_post_stages_do_not_inherit_the_pretraining_batch_ramp():
     from kiln.config import load_recipe
+
     recipe = load_recipe("recipes/tiny.toml", ["train.batch_ramp_steps=30", "train.batch_ramp_start_tokens=2048"])
     cfg = recipe.sft.train.train_config(recipe.train)
     cfg.validate()

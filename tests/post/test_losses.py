@@ -28,6 +28,7 @@ def _assert_same_grads(ours, theirs, *shapes, atol=1e-10):
 
 # --------------------------------------------------------------------------------------- log-probs
 
+
 def test_token_logprobs_matches_naive_and_ignores_minus_100():
     logits = torch.randn(2, 5, 11)
     targets = torch.randint(0, 11, (2, 5))
@@ -47,10 +48,12 @@ def test_sequence_logprobs_sum_and_average_over_mask():
     targets[1, 3] = -100
     mask = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
     lp = L.token_logprobs(logits, targets)
-    torch.testing.assert_close(L.sequence_logprobs(logits, targets, mask),
-                               torch.stack([lp[0, 1:].sum(), lp[1, :3].sum()]))
-    torch.testing.assert_close(L.sequence_logprobs(logits, targets, mask, average=True),
-                               torch.stack([lp[0, 1:].mean(), lp[1, :3].mean()]))
+    torch.testing.assert_close(
+        L.sequence_logprobs(logits, targets, mask), torch.stack([lp[0, 1:].sum(), lp[1, :3].sum()])
+    )
+    torch.testing.assert_close(
+        L.sequence_logprobs(logits, targets, mask, average=True), torch.stack([lp[0, 1:].mean(), lp[1, :3].mean()])
+    )
 
 
 def test_token_entropy():
@@ -61,21 +64,24 @@ def test_token_entropy():
 
 # --------------------------------------------------------------------------------- reward and DPO
 
+
 def test_bradley_terry_worked_numbers_and_accuracy():
     one, zero = torch.tensor([1.0]), torch.tensor([0.0])
     assert L.bradley_terry_loss(one, zero).item() == pytest.approx(0.3132616875, abs=1e-7)
     assert L.bradley_terry_loss(one, zero, margin=0.5).item() == pytest.approx(0.4740769842, abs=1e-7)
-    assert L.bradley_terry_loss(one, zero, margin=torch.tensor([0.5])).item() == pytest.approx(0.4740769842,
-                                                                                               abs=1e-7)
+    assert L.bradley_terry_loss(one, zero, margin=torch.tensor([0.5])).item() == pytest.approx(0.4740769842, abs=1e-7)
     acc = L.pairwise_accuracy(torch.tensor([1.0, 0.0, 2.0, 1.0]), torch.tensor([0.0, 1.0, 2.0, -1.0]))
     assert acc.item() == 0.5  # the tie counts as wrong
 
 
 def test_bradley_terry_gradient_matches_direct():
     margin = torch.rand(4, dtype=D)
-    _assert_same_grads(lambda c, r: L.bradley_terry_loss(c, r, margin, center_coef=0.01),
-                       lambda c, r: (torch.log1p(torch.exp(-(c - r - margin)))).mean()
-                       + 0.01 * ((c + r) ** 2).mean(), (4,), (4,))
+    _assert_same_grads(
+        lambda c, r: L.bradley_terry_loss(c, r, margin, center_coef=0.01),
+        lambda c, r: (torch.log1p(torch.exp(-(c - r - margin)))).mean() + 0.01 * ((c + r) ** 2).mean(),
+        (4,),
+        (4,),
+    )
 
 
 def _dpo_worked():
@@ -112,8 +118,9 @@ def test_dpo_rejects_bad_settings():
         L.dpo_loss(*x, loss_type="ipo")
 
 
-@pytest.mark.parametrize("loss_type,eps", [("sigmoid", 0.0), ("sigmoid", 0.1), ("hinge", 0.0),
-                                           ("ipo", 0.0), ("robust", 0.2)])
+@pytest.mark.parametrize(
+    "loss_type,eps", [("sigmoid", 0.0), ("sigmoid", 0.1), ("hinge", 0.0), ("ipo", 0.0), ("robust", 0.2)]
+)
 def test_dpo_gradient_matches_direct(loss_type, eps):
     beta, lc, lr = 0.3, torch.tensor([3.0, 5, 1, 2], dtype=D), torch.tensor([2.0, 4, 6, 1], dtype=D)
 
@@ -128,8 +135,14 @@ def test_dpo_gradient_matches_direct(loss_type, eps):
             return (((pc - rc) / lc - (pr - rr) / lr - 1 / (2 * beta)) ** 2).mean()
         return ((-(1 - eps) * sig(beta * h) + eps * sig(-beta * h)) / (1 - 2 * eps)).mean()
 
-    ours = lambda *a: L.dpo_loss(*a, beta=beta, loss_type=loss_type, label_smoothing=eps,  # noqa: E731
-                                 chosen_lengths=lc, rejected_lengths=lr)[0]
+    ours = lambda *a: L.dpo_loss(  # noqa: E731
+        *a,
+        beta=beta,
+        loss_type=loss_type,
+        label_smoothing=eps,  # noqa: E731
+        chosen_lengths=lc,
+        rejected_lengths=lr,
+    )[0]
     xs = _assert_same_grads(ours, direct, (4,), (4,), (4,), (4,))
     if loss_type == "sigmoid" and eps == 0:
         # Closed form: dL/d policy_chosen = -beta * sigmoid(-beta h) / B.
@@ -138,6 +151,7 @@ def test_dpo_gradient_matches_direct(loss_type, eps):
 
 
 # ------------------------------------------------------------------------------------------- KL
+
 
 def test_kl_estimators_worked_numbers():
     logp, ref = torch.tensor([-1.0]), torch.tensor([-1.2])
@@ -176,6 +190,7 @@ def test_kl_masked_positions_are_zero_with_finite_gradient():
 
 # ------------------------------------------------------------------------------------ whitening
 
+
 def test_whiten_and_masked_stats():
     x = torch.randn(3, 6)
     mask = torch.rand(3, 6) > 0.3
@@ -187,12 +202,12 @@ def test_whiten_and_masked_stats():
     assert sel.std().item() == pytest.approx(1.0, abs=1e-5)  # unbiased std (TRL), not population
     kept = L.whiten(x, mask, shift_mean=False)[mask]
     assert kept.mean().item() == pytest.approx(x[mask].mean().item(), abs=1e-5)
-    assert L.masked_var(x, mask, unbiased=False).item() == pytest.approx(x[mask].var(unbiased=False).item(),
-                                                                          rel=1e-5)
+    assert L.masked_var(x, mask, unbiased=False).item() == pytest.approx(x[mask].var(unbiased=False).item(), rel=1e-5)
     assert L.masked_mean(x, torch.zeros_like(mask)).item() == 0.0
 
 
 # ------------------------------------------------------------------------------------------- GAE
+
 
 def _gae_by_hand(r, v, gamma, lam):
     adv, nxt_v, nxt_a = [0.0] * len(r), 0.0, 0.0
@@ -224,6 +239,7 @@ def test_gae_with_padding_and_holes_matches_hand_recursion():
 
 
 # ------------------------------------------------------------------------------------------- PPO
+
 
 def test_ppo_policy_clipping_by_hand():
     # ratio 1.5 / A +1: clipped at 1.2 -> -1.2. ratio 0.5 / A -1: clipped at 0.8 -> 0.8.
@@ -287,12 +303,15 @@ def test_ppo_value_loss_by_hand_and_gradient():
 
 # ------------------------------------------------------------------------------------------ GRPO
 
+
 def test_group_advantages_worked_numbers():
     adv = L.group_advantages(torch.tensor([1.0, 0, 0, 1, 3, 3, 3, 3]), group_size=4)
-    torch.testing.assert_close(adv, torch.tensor([0.8658754298, -0.8658754298, -0.8658754298, 0.8658754298,
-                                                  0, 0, 0, 0]))
-    torch.testing.assert_close(L.group_advantages(torch.tensor([1.0, 0, 0, 1]), 4, scale="none"),
-                               torch.tensor([0.5, -0.5, -0.5, 0.5]))
+    torch.testing.assert_close(
+        adv, torch.tensor([0.8658754298, -0.8658754298, -0.8658754298, 0.8658754298, 0, 0, 0, 0])
+    )
+    torch.testing.assert_close(
+        L.group_advantages(torch.tensor([1.0, 0, 0, 1]), 4, scale="none"), torch.tensor([0.5, -0.5, -0.5, 0.5])
+    )
     r = torch.tensor([1.0, 0, 2, 6])
     batch = L.group_advantages(r, 2, scale="batch")
     torch.testing.assert_close(batch, torch.tensor([0.5, -0.5, -2, 2]) / (r.std() + 1e-4))
@@ -321,8 +340,7 @@ def test_grpo_aggregation_on_policy_by_hand():
     logp, _, _, adv, mask = _grpo_batch()
     lens = mask.sum(-1).to(D)
     # On-policy ratio is 1: each counted token contributes -A of its sequence.
-    expect = {"grpo": (-adv).mean(), "dapo": (-adv * lens).sum() / lens.sum(),
-              "dr_grpo": (-adv * lens).sum() / (3 * 8)}
+    expect = {"grpo": (-adv).mean(), "dapo": (-adv * lens).sum() / lens.sum(), "dr_grpo": (-adv * lens).sum() / (3 * 8)}
     for loss_type, want in expect.items():
         loss, stats = L.grpo_loss(logp, None, adv, mask, loss_type=loss_type, max_len=8)
         assert loss.item() == pytest.approx(want.item(), abs=1e-12), loss_type
@@ -350,8 +368,9 @@ def test_grpo_gradient_matches_direct(loss_type):
         return per_tok.sum() / mask.sum()
 
     def ours(logp):
-        return L.grpo_loss(logp, old, adv, mask, eps=eps, eps_high=eps_high, beta=beta, ref_logp=ref,
-                           loss_type=loss_type)[0]
+        return L.grpo_loss(
+            logp, old, adv, mask, eps=eps, eps_high=eps_high, beta=beta, ref_logp=ref, loss_type=loss_type
+        )[0]
 
     logp = _grpo_batch()[0].requires_grad_()
     torch.testing.assert_close(ours(logp), direct(logp))
@@ -368,6 +387,7 @@ def test_grpo_rejects_bad_settings():
 
 # ---------------------------------------------------------------------------------- distillation
 
+
 def _distill_batch():
     s, t = torch.randn(2, 4, 9, dtype=D), torch.randn(2, 4, 9, dtype=D)
     targets = torch.randint(0, 9, (2, 4))
@@ -381,8 +401,15 @@ def test_distill_kl_matches_kl_div(kind):
     valid = targets != -100
     ls, lt = s.log_softmax(-1), t.log_softmax(-1)
     # F.kl_div(input, target) is KL(target || input): forward KL(teacher || student) is kl_div(ls, lt).
-    ref = (F.kl_div(ls, lt, reduction="none", log_target=True) if kind == "forward"
-           else F.kl_div(lt, ls, reduction="none", log_target=True)).sum(-1)[valid].mean()
+    ref = (
+        (
+            F.kl_div(ls, lt, reduction="none", log_target=True)
+            if kind == "forward"
+            else F.kl_div(lt, ls, reduction="none", log_target=True)
+        )
+        .sum(-1)[valid]
+        .mean()
+    )
     torch.testing.assert_close(L.distill_loss(s, t, targets, kind=kind, alpha=1.0), ref)
     ce = F.cross_entropy(s.flatten(0, 1), targets.flatten(), ignore_index=-100)
     torch.testing.assert_close(L.distill_loss(s, t, targets, kind=kind, alpha=0.0), ce)
@@ -390,8 +417,15 @@ def test_distill_kl_matches_kl_div(kind):
     torch.testing.assert_close(mixed, 0.3 * ref + 0.7 * ce)
     # T^2 scaling of the soft term at temperature 2
     ls2, lt2 = (s / 2).log_softmax(-1), (t / 2).log_softmax(-1)
-    ref2 = (F.kl_div(ls2, lt2, reduction="none", log_target=True) if kind == "forward"
-            else F.kl_div(lt2, ls2, reduction="none", log_target=True)).sum(-1)[valid].mean()
+    ref2 = (
+        (
+            F.kl_div(ls2, lt2, reduction="none", log_target=True)
+            if kind == "forward"
+            else F.kl_div(lt2, ls2, reduction="none", log_target=True)
+        )
+        .sum(-1)[valid]
+        .mean()
+    )
     torch.testing.assert_close(L.distill_loss(s, t, targets, kind=kind, temperature=2.0, alpha=1.0), 4 * ref2)
 
 
@@ -420,27 +454,39 @@ def test_distill_gradient_matches_direct_and_teacher_gets_none():
 
 # ----------------------------------------------------- TRL's own code on the same tensors (optional)
 
+
 @pytest.fixture(scope="module")
 def trl():
     pytest.importorskip("trl")
     import trl as trl_module
     from trl.trainer import utils
-    return SimpleNamespace(utils=utils, GRPOTrainer=trl_module.GRPOTrainer, DPOTrainer=trl_module.DPOTrainer,
-                           gkd=pytest.importorskip("trl.experimental.gkd").GKDTrainer)
+
+    return SimpleNamespace(
+        utils=utils,
+        GRPOTrainer=trl_module.GRPOTrainer,
+        DPOTrainer=trl_module.DPOTrainer,
+        gkd=pytest.importorskip("trl.experimental.gkd").GKDTrainer,
+    )
 
 
 def _fake_accelerator():
-    return SimpleNamespace(gather=lambda x: x, gather_for_metrics=lambda x: x,
-                           reduce=lambda x, reduction="sum": x, num_processes=1, device="cpu")
+    return SimpleNamespace(
+        gather=lambda x: x,
+        gather_for_metrics=lambda x: x,
+        reduce=lambda x, reduction="sum": x,
+        num_processes=1,
+        device="cpu",
+    )
 
 
 def test_trl_logprobs_std_and_gkd_agree(trl):
     logits, targets = torch.randn(2, 5, 13), torch.randint(0, 13, (2, 5))
-    torch.testing.assert_close(L.token_logprobs(logits, targets, 0.8),
-                               trl.utils.selective_log_softmax(logits, targets, temperature=0.8))
+    torch.testing.assert_close(
+        L.token_logprobs(logits, targets, 0.8), trl.utils.selective_log_softmax(logits, targets, temperature=0.8)
+    )
     r = torch.tensor([1.0, 0, 0, 1, 0.3, 0.9, 0.2, 0.4])
     grouped = r.view(-1, 4)
-    want = ((grouped - grouped.mean(1, keepdim=True)) / (trl.utils.nanstd(grouped, dim=1)[:, None] + 1e-4))
+    want = (grouped - grouped.mean(1, keepdim=True)) / (trl.utils.nanstd(grouped, dim=1)[:, None] + 1e-4)
     torch.testing.assert_close(L.group_advantages(r, 4), want.flatten())
     s, t, targets = _distill_batch()
     for beta, kind in ((0.0, "forward"), (1.0, "reverse")):
@@ -454,19 +500,38 @@ def test_grpo_matches_trl(trl, loss_type):
     logp = _grpo_batch()[0].requires_grad_()
     fake = SimpleNamespace(
         _get_per_token_logps_and_entropies=lambda *a, **k: (logp, torch.zeros_like(logp), None),
-        top_entropy_quantile=1.0, off_policy_mask_threshold=None, importance_sampling_level="token",
-        beta=0.04, loss_type=loss_type, epsilon_low=0.2, epsilon_high=0.28, use_vllm=False,
-        vllm_importance_sampling_correction=False, model=SimpleNamespace(training=True),
-        current_gradient_accumulation_steps=1, max_completion_length=5, _entropy_bonus_enabled=False,
-        aux_loss_enabled=False, _metrics=defaultdict(lambda: defaultdict(list)), accelerator=_fake_accelerator(),
-        args=SimpleNamespace(use_bias_correction_kl=False, delta=None, steps_per_generation=1))
-    inputs = {"prompt_ids": torch.zeros(3, 1, dtype=torch.long), "prompt_mask": torch.ones(3, 1),
-              "completion_ids": torch.zeros(3, 5, dtype=torch.long), "completion_mask": mask,
-              "advantages": adv, "old_per_token_logps": old, "ref_per_token_logps": ref,
-              "num_items_in_batch": mask.sum()}
+        top_entropy_quantile=1.0,
+        off_policy_mask_threshold=None,
+        importance_sampling_level="token",
+        beta=0.04,
+        loss_type=loss_type,
+        epsilon_low=0.2,
+        epsilon_high=0.28,
+        use_vllm=False,
+        vllm_importance_sampling_correction=False,
+        model=SimpleNamespace(training=True),
+        current_gradient_accumulation_steps=1,
+        max_completion_length=5,
+        _entropy_bonus_enabled=False,
+        aux_loss_enabled=False,
+        _metrics=defaultdict(lambda: defaultdict(list)),
+        accelerator=_fake_accelerator(),
+        args=SimpleNamespace(use_bias_correction_kl=False, delta=None, steps_per_generation=1),
+    )
+    inputs = {
+        "prompt_ids": torch.zeros(3, 1, dtype=torch.long),
+        "prompt_mask": torch.ones(3, 1),
+        "completion_ids": torch.zeros(3, 5, dtype=torch.long),
+        "completion_mask": mask,
+        "advantages": adv,
+        "old_per_token_logps": old,
+        "ref_per_token_logps": ref,
+        "num_items_in_batch": mask.sum(),
+    }
     theirs = trl.GRPOTrainer._compute_loss(fake, None, inputs)
-    ours = L.grpo_loss(logp, old, adv, mask, eps=0.2, eps_high=0.28, beta=0.04, ref_logp=ref,
-                       loss_type=loss_type, max_len=5)[0]
+    ours = L.grpo_loss(
+        logp, old, adv, mask, eps=0.2, eps_high=0.28, beta=0.04, ref_logp=ref, loss_type=loss_type, max_len=5
+    )[0]
     torch.testing.assert_close(ours, theirs)
     torch.testing.assert_close(torch.autograd.grad(ours, logp)[0], torch.autograd.grad(theirs, logp)[0])
 
@@ -478,19 +543,48 @@ def test_dpo_matches_trl(trl, loss_type, eps):
     completion = torch.tensor([[0, 0, 1, 1, 1, 1], [0, 1, 1, 1, 0, 0], [0, 0, 1, 1, 0, 0], [0, 1, 1, 1, 1, 1]])
     per_tok = (-torch.rand(4, 5, generator=g, dtype=D) * 2 * completion[:, 1:]).requires_grad_()
     ref = -torch.rand(4, generator=g, dtype=D) * 6
-    out = SimpleNamespace(log_probs=per_tok, entropy=torch.zeros(4, 5), mean_logits=torch.zeros(4, 5),
-                          is_top1=torch.zeros(4, 5, dtype=torch.bool))
+    out = SimpleNamespace(
+        log_probs=per_tok,
+        entropy=torch.zeros(4, 5),
+        mean_logits=torch.zeros(4, 5),
+        is_top1=torch.zeros(4, 5, dtype=torch.bool),
+    )
     fake = SimpleNamespace(
-        model=SimpleNamespace(training=True), accelerator=_fake_accelerator(), aux_loss_enabled=False,
-        ld_alpha=None, precompute_ref_logps=True, f_divergence_type="reverse_kl", loss_types=[loss_type],
-        loss_weights=[1.0], beta=0.1, label_smoothing=eps, use_weighting=False,
-        _metrics=defaultdict(lambda: defaultdict(list)), _total_train_tokens=0, _tp_size=1)
-    inputs = {"input_ids": torch.zeros(4, 6, dtype=torch.long), "attention_mask": torch.ones(4, 6),
-              "completion_mask": completion, "ref_chosen_logps": ref[:2], "ref_rejected_logps": ref[2:]}
+        model=SimpleNamespace(training=True),
+        accelerator=_fake_accelerator(),
+        aux_loss_enabled=False,
+        ld_alpha=None,
+        precompute_ref_logps=True,
+        f_divergence_type="reverse_kl",
+        loss_types=[loss_type],
+        loss_weights=[1.0],
+        beta=0.1,
+        label_smoothing=eps,
+        use_weighting=False,
+        _metrics=defaultdict(lambda: defaultdict(list)),
+        _total_train_tokens=0,
+        _tp_size=1,
+    )
+    inputs = {
+        "input_ids": torch.zeros(4, 6, dtype=torch.long),
+        "attention_mask": torch.ones(4, 6),
+        "completion_mask": completion,
+        "ref_chosen_logps": ref[:2],
+        "ref_rejected_logps": ref[2:],
+    }
     theirs = trl.DPOTrainer._compute_loss(fake, lambda **k: out, inputs, False)
     seq = per_tok.sum(-1)
     lens = completion.sum(-1)
-    ours = L.dpo_loss(seq[:2], seq[2:], ref[:2], ref[2:], beta=0.1, loss_type=loss_type, label_smoothing=eps,
-                      chosen_lengths=lens[:2], rejected_lengths=lens[2:])[0]
+    ours = L.dpo_loss(
+        seq[:2],
+        seq[2:],
+        ref[:2],
+        ref[2:],
+        beta=0.1,
+        loss_type=loss_type,
+        label_smoothing=eps,
+        chosen_lengths=lens[:2],
+        rejected_lengths=lens[2:],
+    )[0]
     torch.testing.assert_close(ours, theirs)
     torch.testing.assert_close(torch.autograd.grad(ours, per_tok)[0], torch.autograd.grad(theirs, per_tok)[0])

@@ -6,8 +6,15 @@ import pytest
 import torch
 
 from kiln.errors import DataError
-from kiln.post.data import (IGNORE_INDEX, _best_fit_decreasing, pack_sft, read_preferences, read_prompts, read_sft,
-                            write_jsonl)
+from kiln.post.data import (
+    IGNORE_INDEX,
+    _best_fit_decreasing,
+    pack_sft,
+    read_preferences,
+    read_prompts,
+    read_sft,
+    write_jsonl,
+)
 
 U = lambda text: {"role": "user", "content": text}  # noqa: E731
 A = lambda text: {"role": "assistant", "content": text}  # noqa: E731
@@ -28,12 +35,16 @@ def write_lines(path, lines):
 
 SFT_GOOD = [
     ({"messages": [U("hi"), A("hello")]}, [U("hi"), A("hello")]),
-    ({"messages": [S("be brief"), U("2+2?"), A("4"), U("and 3+3?"), A("6")]},
-     [S("be brief"), U("2+2?"), A("4"), U("and 3+3?"), A("6")]),
+    (
+        {"messages": [S("be brief"), U("2+2?"), A("4"), U("and 3+3?"), A("6")]},
+        [S("be brief"), U("2+2?"), A("4"), U("and 3+3?"), A("6")],
+    ),
     ({"prompt": "What is 1+1?", "response": "2"}, [U("What is 1+1?"), A("2")]),
     ({"prompt": "q", "response": "r", "system": "sys"}, [S("sys"), U("q"), A("r")]),
-    ({"messages": [U("x"), {"role": "assistant", "content": "y", "name": "bot"}], "system": "s"},
-     [S("s"), U("x"), A("y")]),
+    (
+        {"messages": [U("x"), {"role": "assistant", "content": "y", "name": "bot"}], "system": "s"},
+        [S("s"), U("x"), A("y")],
+    ),
 ]
 SFT_BAD = [  # (line, reason)
     (b'{"messages": [', "bad_json"),
@@ -91,8 +102,10 @@ def test_read_sft_gzip_parquet_and_folders(tmp_path):
     (data / "sub").mkdir(parents=True)
     with gzip.open(data / "a.jsonl.gz", "wt") as fh:
         fh.write(json.dumps({"prompt": "p1", "response": "r1"}) + "\n")
-    rows = [{"messages": [U("p2"), A("r2")], "prompt": None, "response": None},
-            {"messages": None, "prompt": "p3", "response": "r3"}]
+    rows = [
+        {"messages": [U("p2"), A("r2")], "prompt": None, "response": None},
+        {"messages": None, "prompt": "p3", "response": "r3"},
+    ]
     pq.write_table(pa.Table.from_pylist(rows), data / "sub" / "b.parquet")
     (data / "README.md").write_text("# not data: skipped inside a folder")
     examples, stats = read_sft(data)
@@ -104,8 +117,11 @@ def test_read_sft_gzip_parquet_and_folders(tmp_path):
 
 def test_nothing_valid_is_a_clear_error(tmp_path):
     path = write_lines(tmp_path / "bad.jsonl", [b"{oops", {"messages": [U("q")]}])
-    with pytest.raises(DataError, match=r"no valid SFT records; 2 rejected \(bad_json=1, no_assistant=1\); "
-                                        r"first: .*bad.jsonl:1 bad_json"):
+    with pytest.raises(
+        DataError,
+        match=r"no valid SFT records; 2 rejected \(bad_json=1, no_assistant=1\); "
+        r"first: .*bad.jsonl:1 bad_json",
+    ):
         read_sft(path)
     write_lines(tmp_path / "empty.jsonl", [])
     with pytest.raises(DataError, match="no SFT records"):
@@ -116,11 +132,14 @@ def test_nothing_valid_is_a_clear_error(tmp_path):
 
 # ---- preferences and prompts -------------------------------------------------------------------------
 
+
 def test_read_preferences_formats_and_rejections(tmp_path):
     good = [
         ({"prompt": "2+2?", "chosen": "4", "rejected": "5"}, ([U("2+2?")], "4", "5")),
-        ({"prompt": [U("hi"), A("hello"), U("2+2?")], "chosen": [A("4")], "rejected": [A("22")], "system": "s"},
-         ([S("s"), U("hi"), A("hello"), U("2+2?")], "4", "22")),
+        (
+            {"prompt": [U("hi"), A("hello"), U("2+2?")], "chosen": [A("4")], "rejected": [A("22")], "system": "s"},
+            ([S("s"), U("hi"), A("hello"), U("2+2?")], "4", "22"),
+        ),
         ({"chosen": [U("q"), A("good")], "rejected": [U("q"), A("bad")]}, ([U("q")], "good", "bad")),
     ]
     bad = [
@@ -140,21 +159,32 @@ def test_read_preferences_formats_and_rejections(tmp_path):
     assert pairs == [want for _, want in good]
     assert stats["reasons"] == {reason: 1 for _, reason in bad}
     lines = [json.loads(x) for x in (tmp_path / "rejected.jsonl").read_text().splitlines()]
-    assert [(r["line"], r["reason"]) for r in lines] == [(len(good) + 1 + i, reason) for i, (_, reason) in enumerate(bad)]
+    assert [(r["line"], r["reason"]) for r in lines] == [
+        (len(good) + 1 + i, reason) for i, (_, reason) in enumerate(bad)
+    ]
 
 
 def test_read_prompts_ids_answers_and_extra_fields(tmp_path):
-    path = write_lines(tmp_path / "prompts.jsonl", [
-        {"prompt": "What is 2+2?", "answer": 4, "task": "arithmetic", "difficulty": 1},
-        {"prompt": [S("s"), U("Name a colour")], "id": "c1"},
-        {"prompt": "q", "answer": [4]},
-        {"prompt": "q", "task": 5},
-        {"answer": "4"},
-    ])
+    path = write_lines(
+        tmp_path / "prompts.jsonl",
+        [
+            {"prompt": "What is 2+2?", "answer": 4, "task": "arithmetic", "difficulty": 1},
+            {"prompt": [S("s"), U("Name a colour")], "id": "c1"},
+            {"prompt": "q", "answer": [4]},
+            {"prompt": "q", "task": 5},
+            {"answer": "4"},
+        ],
+    )
     prompts, stats = read_prompts(path)
     assert prompts == [
-        {"id": "prompts.jsonl:1", "difficulty": 1, "messages": [U("What is 2+2?")], "prompt": "What is 2+2?",
-         "answer": "4", "task": "arithmetic"},
+        {
+            "id": "prompts.jsonl:1",
+            "difficulty": 1,
+            "messages": [U("What is 2+2?")],
+            "prompt": "What is 2+2?",
+            "answer": "4",
+            "task": "arithmetic",
+        },
         {"id": "c1", "messages": [S("s"), U("Name a colour")], "prompt": "Name a colour", "answer": None, "task": None},
     ]
     assert stats["reasons"] == {"bad_answer": 1, "bad_task": 1, "missing_prompt": 1}
@@ -162,6 +192,7 @@ def test_read_prompts_ids_answers_and_extra_fields(tmp_path):
 
 def test_generated_tasks_round_trip_through_jsonl(tmp_path):
     from kiln.post.tasks import generate_tasks, grade
+
     tasks = generate_tasks("arithmetic", 20, split="heldout", seed=3)
     prompts, _ = read_prompts(write_jsonl(tmp_path / "heldout.jsonl", tasks))
     for original, read in zip(tasks, prompts):
@@ -171,6 +202,7 @@ def test_generated_tasks_round_trip_through_jsonl(tmp_path):
 
 
 # ---- packing -------------------------------------------------------------------------------------------
+
 
 def reference_bfd(lengths, capacity):
     """Best-fit-decreasing the slow, obvious way: each item (longest first, ties by index) goes to
@@ -227,7 +259,7 @@ def test_packed_rows_reproduce_every_conversation(tmp_path):
             pos = [t for t in range(T) if docs[t] == d]
             assert pos == list(range(pos[0], pos[0] + len(pos)))  # contiguous
             ids, mask = tokenized[source]
-            ids, mask = ids[:seq_len + 1], mask[:seq_len + 1]
+            ids, mask = ids[: seq_len + 1], mask[: seq_len + 1]
             n = len(pos)
             # Every token is an input, except the last one of a conversation that ends the row.
             assert n == len(ids) or (n == len(ids) - 1 and pos[-1] == T - 1)
@@ -243,8 +275,11 @@ def test_packed_rows_reproduce_every_conversation(tmp_path):
     long = [i for i, (ids, _) in enumerate(tokenized[:150]) if len(ids) > seq_len + 1]
     assert rows.stats["truncated"] == len(long) > 0
     assert rows.stats["dropped"] == 1 and rows.stats["rows"] == len(rows)
-    assert rows.stats["target_tokens"] == sum(int((r.targets != IGNORE_INDEX).sum()) for r in rows) == \
-        sum(sum(mask[1:seq_len + 1]) for _, mask in tokenized[:150])
+    assert (
+        rows.stats["target_tokens"]
+        == sum(int((r.targets != IGNORE_INDEX).sum()) for r in rows)
+        == sum(sum(mask[1 : seq_len + 1]) for _, mask in tokenized[:150])
+    )
 
 
 def test_pack_rendered_task_conversations(tmp_path):
@@ -252,9 +287,8 @@ def test_pack_rendered_task_conversations(tmp_path):
     from kiln.data.config import TokenizerConfig
     from kiln.data.tokenizer import Tokenizer, train_tokenizer
     from kiln.post.chat import render_conversations
-    from kiln.post.tasks import task_sft_examples
+    from kiln.post.tasks import generate_tasks, task_sft_examples
 
-    from kiln.post.tasks import generate_tasks
     conversations = task_sft_examples(generate_tasks("sort", 60) + generate_tasks("arithmetic", 60))
     texts = [m["content"] for c in conversations for m in c]
     train_tokenizer(texts, TokenizerConfig(vocab_size=512), tmp_path, heldout=[])

@@ -19,7 +19,7 @@ from kiln.model import ModelConfig, build_model
 from kiln.post.chat import render_prompt
 from kiln.post.config import StageTrainConfig, TaskConfig
 from kiln.post.losses import token_logprobs
-from kiln.post.ppo import (PPOConfig, make_ppo_loss, make_rollout, model_reward, run_ppo)
+from kiln.post.ppo import PPOConfig, make_ppo_loss, make_rollout, model_reward, run_ppo
 from kiln.post.rm import HEAD, attach_scalar_head, load_scalar_model, sequence_scores
 from kiln.post.tasks import FAMILIES, generate_tasks
 from kiln.train.checkpoint import complete_checkpoints, load_weights, save_weights
@@ -36,8 +36,9 @@ def tok(tmp_path_factory):
 
 
 def model_cfg(tok, **overrides):
-    return ModelConfig(**{**dict(vocab_size=tok.vocab_size, dim=32, n_layers=2, n_heads=4, max_seq_len=64),
-                          **overrides})
+    return ModelConfig(
+        **{**dict(vocab_size=tok.vocab_size, dim=32, n_layers=2, n_heads=4, max_seq_len=64), **overrides}
+    )
 
 
 def tiny_models(tok, std=0.3):
@@ -73,8 +74,15 @@ def test_first_rollout_has_zero_kl_and_unit_ratio(tok, temperature):
     rollout = make_rollout(actor, critic, reference, tok, examples, prompts, first_token_reward(tok), cfg, SEQ, seed=5)
     mask = rollout.mask
     n = len(prompts)
-    for t in (rollout.logprobs, rollout.ref_logprobs, rollout.values, rollout.rewards, rollout.advantages,
-              rollout.returns, rollout.kl):
+    for t in (
+        rollout.logprobs,
+        rollout.ref_logprobs,
+        rollout.values,
+        rollout.rewards,
+        rollout.advantages,
+        rollout.returns,
+        rollout.kl,
+    ):
         assert t.shape == (n, SEQ)
         assert (t[~mask] == 0).all()  # nothing leaks onto prompt or padding positions
     assert rollout.scores.shape == (n,)
@@ -92,8 +100,9 @@ def test_first_rollout_has_zero_kl_and_unit_ratio(tok, temperature):
     # First minibatch before any update: the ratio is exactly 1, nothing is clipped.
     sink = []
     make_ppo_loss(cfg, sink)(actor, rollout.training_tensors())
-    stats = dict(zip(("policy_loss", "value_loss", "clip_fraction", "approx_kl", "entropy", "value_error"),
-                     sink[0].tolist()))
+    stats = dict(
+        zip(("policy_loss", "value_loss", "clip_fraction", "approx_kl", "entropy", "value_error"), sink[0].tolist())
+    )
     assert stats["approx_kl"] == 0.0 and stats["clip_fraction"] == 0.0
     assert stats["entropy"] > 0
 
@@ -119,8 +128,9 @@ def test_learned_reward_model_scores_the_last_token(tok, tmp_path):
     examples, prompts = prompts_of(tok, 5)
     completions = [[40 + i] * (i + 1) + [tok.token_id("<|end|>")] for i in range(5)]  # different lengths
     scores = model_reward(loaded, tok, batch_size=2)(examples, prompts, completions)
-    expected = [sequence_scores(rm, torch.tensor([p + c]), torch.tensor([len(p + c) - 1]))
-                for p, c in zip(prompts, completions)]
+    expected = [
+        sequence_scores(rm, torch.tensor([p + c]), torch.tensor([len(p + c) - 1])) for p, c in zip(prompts, completions)
+    ]
     assert torch.allclose(scores, torch.cat(expected), atol=1e-5)
 
 
@@ -134,9 +144,22 @@ def make_recipe(ppo: PPOConfig):
 
 def stage_config(**overrides):
     # Four rollout cycles of 32 completions, two optimizer steps on each.
-    return PPOConfig(max_new_tokens=4, ppo_epochs=2, minibatches=1, **overrides,
-                     train=StageTrainConfig(lr=2e-2, max_steps=8, warmup_steps=0, seq_len=SEQ,
-                                            micro_batch_size=32, eval_every=4, eval_batches=1, ckpt_every=4))
+    return PPOConfig(
+        max_new_tokens=4,
+        ppo_epochs=2,
+        minibatches=1,
+        **overrides,
+        train=StageTrainConfig(
+            lr=2e-2,
+            max_steps=8,
+            warmup_steps=0,
+            seq_len=SEQ,
+            micro_batch_size=32,
+            eval_every=4,
+            eval_batches=1,
+            ckpt_every=4,
+        ),
+    )
 
 
 def save_init(tok, folder, std=0.3):
@@ -154,13 +177,19 @@ def expected_first_token_reward(model, tok):
     ids = torch.tensor([p + [tok.token_id("<|pad|>")] * (width - len(p)) for p in prompts])
     last = torch.tensor([len(p) - 1 for p in prompts])
     probs = model(ids)[torch.arange(len(prompts)), last].softmax(-1)
-    return probs[:, :tok.vocab_size // 2].sum(-1).mean().item()
+    return probs[:, : tok.vocab_size // 2].sum(-1).mean().item()
 
 
 def test_ppo_stage_moves_the_policy_towards_the_reward(tok, tmp_path):
     save_init(tok, tmp_path / "init")
-    stats = run_ppo(make_recipe(stage_config()), tmp_path / "ppo", tmp_path / "init", tok, resume="none",
-                    reward_fn=first_token_reward(tok))
+    stats = run_ppo(
+        make_recipe(stage_config()),
+        tmp_path / "ppo",
+        tmp_path / "init",
+        tok,
+        resume="none",
+        reward_fn=first_token_reward(tok),
+    )
     init, _ = load_model(tmp_path / "init")
     policy, _ = load_model(tmp_path / "ppo" / "policy")  # the actor alone loads as a plain model
     before, after = expected_first_token_reward(init, tok), expected_first_token_reward(policy, tok)
@@ -221,6 +250,7 @@ def test_stage_with_a_reward_model_as_reward_and_critic(tok, tmp_path):
 
 def test_lora_adapts_the_actor_while_the_critic_trains_fully(tok, tmp_path):
     from kiln.peft.config import PeftConfig
+
     save_init(tok, tmp_path / "init")
     recipe = make_recipe(stage_config())
     recipe.ppo.train = dataclasses.replace(recipe.ppo.train, max_steps=2)
@@ -237,12 +267,15 @@ def test_lora_adapts_the_actor_while_the_critic_trains_fully(tok, tmp_path):
     assert not torch.equal(policy.layers[0].attn.wqkv.weight, init_state["layers.0.attn.wqkv.weight"])
 
 
-@pytest.mark.parametrize("change, key", [
-    ({"temperature": 0.0}, "ppo.temperature"),
-    ({"kl_estimator": "k4"}, "ppo.kl_estimator"),
-    ({"train": StageTrainConfig(eval_every=4, ckpt_every=6)}, "ppo.train.ckpt_every"),
-    ({"train": StageTrainConfig(eval_every=3, ckpt_every=8)}, "ppo.train.eval_every"),
-])
+@pytest.mark.parametrize(
+    "change, key",
+    [
+        ({"temperature": 0.0}, "ppo.temperature"),
+        ({"kl_estimator": "k4"}, "ppo.kl_estimator"),
+        ({"train": StageTrainConfig(eval_every=4, ckpt_every=6)}, "ppo.train.ckpt_every"),
+        ({"train": StageTrainConfig(eval_every=3, ckpt_every=8)}, "ppo.train.eval_every"),
+    ],
+)
 def test_config_errors_name_the_key(tok, tmp_path, change, key):
     with pytest.raises(ConfigError) as err:
         run_ppo(make_recipe(PPOConfig(**change)), tmp_path / "ppo", tmp_path / "init", tok)
@@ -264,7 +297,7 @@ def test_engine_logprob_fields_are_what_make_rollout_relies_on(tok):
     _, prompts = prompts_of(tok, 1)
     out = Engine(actor).generate(prompts, max_new_tokens=4, temperature=0.5, seed=0)[0]
     ids = torch.tensor([prompts[0] + out.ids])
-    logits = actor(ids[:, :-1])[0, len(prompts[0]) - 1:]
+    logits = actor(ids[:, :-1])[0, len(prompts[0]) - 1 :]
     targets = torch.tensor(out.ids)
     tempered = token_logprobs(logits[None] / 0.5, targets[None])[0]
     assert torch.allclose(tempered, torch.tensor(out.temperature_logprobs), atol=1e-4)
@@ -276,10 +309,14 @@ def test_stage_configs_load_without_torch():
     # and their defaults must validate (every recipe validates every section, used or not).
     import subprocess
     import sys
-    code = ("import sys; from kiln.post.rm import RMConfig; from kiln.post.ppo import PPOConfig; "
-            "from kiln.post.distill import DistillConfig; RMConfig().validate(); PPOConfig().validate(); "
-            "DistillConfig().validate(); print('torch' in sys.modules)")
+
+    code = (
+        "import sys; from kiln.post.rm import RMConfig; from kiln.post.ppo import PPOConfig; "
+        "from kiln.post.distill import DistillConfig; RMConfig().validate(); PPOConfig().validate(); "
+        "DistillConfig().validate(); print('torch' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
     from kiln.post import distill, losses, ppo
+
     assert ppo.KL_ESTIMATORS == losses.KL_ESTIMATORS and distill.DISTILL_KINDS == losses.DISTILL_KINDS

@@ -14,8 +14,16 @@ from kiln.data.tokenizer import Tokenizer, train_tokenizer
 from kiln.errors import ConfigError
 from kiln.model import ModelConfig, build_model
 from kiln.post.config import StageTrainConfig, TaskConfig
-from kiln.post.rm import (RMConfig, attach_scalar_head, load_scalar_model, make_rm_loss, preference_accuracy,
-                          rm_rows, run_rm, sequence_scores)
+from kiln.post.rm import (
+    RMConfig,
+    attach_scalar_head,
+    load_scalar_model,
+    make_rm_loss,
+    preference_accuracy,
+    rm_rows,
+    run_rm,
+    sequence_scores,
+)
 from kiln.post.stages import heldout_tasks
 from kiln.post.tasks import FAMILIES, generate_tasks, task_preference_pairs
 from kiln.train.checkpoint import read_manifest, save_weights
@@ -30,15 +38,17 @@ def tok(tmp_path_factory):
 
 
 def model_cfg(tok, **overrides):
-    return ModelConfig(**{**dict(vocab_size=tok.vocab_size, dim=32, n_layers=2, n_heads=4, max_seq_len=64),
-                          **overrides})
+    return ModelConfig(
+        **{**dict(vocab_size=tok.vocab_size, dim=32, n_layers=2, n_heads=4, max_seq_len=64), **overrides}
+    )
 
 
 def make_recipe(families, rm: RMConfig, train_per_family=400, heldout_per_family=100):
     recipe = Recipe()
     recipe.train = dataclasses.replace(recipe.train, precision="fp32", peak_flops=1e12, log_every=10)
-    recipe.tasks = TaskConfig(families=families, train_per_family=train_per_family,
-                              heldout_per_family=heldout_per_family)
+    recipe.tasks = TaskConfig(
+        families=families, train_per_family=train_per_family, heldout_per_family=heldout_per_family
+    )
     recipe.rm = rm
     return recipe
 
@@ -60,8 +70,8 @@ def test_scalar_head_gives_one_value_per_token(tok, tied):
 
 def _hidden(model, ids):
     x = model.tok_embeddings(ids)
-    cos = model.rope_cos[:ids.shape[1]].unsqueeze(1)
-    sin = model.rope_sin[:ids.shape[1]].unsqueeze(1)
+    cos = model.rope_cos[: ids.shape[1]].unsqueeze(1)
+    sin = model.rope_sin[: ids.shape[1]].unsqueeze(1)
     for block in model.layers:
         x = block(x, cos, sin)
     return x
@@ -76,9 +86,9 @@ def test_reward_is_read_at_the_last_real_token(tok):
     chosen, last = torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])
     end = tok.token_id("<|end|>")
     assert all(chosen[i, last[i]] == end for i in range(len(rows)))  # the closing <|end|> is scored
-    assert all((chosen[i, last[i] + 1:] == tok.token_id("<|pad|>")).all() for i in range(len(rows)))
+    assert all((chosen[i, last[i] + 1 :] == tok.token_id("<|pad|>")).all() for i in range(len(rows)))
     scores = sequence_scores(model, chosen, last)
-    alone = [model(chosen[i:i + 1, :last[i] + 1])[0, -1, 0] for i in range(len(rows))]
+    alone = [model(chosen[i : i + 1, : last[i] + 1])[0, -1, 0] for i in range(len(rows))]
     assert torch.allclose(scores, torch.stack(alone), atol=1e-5)
     # More padding changes nothing: causal attention keeps it away from the scored token.
     wider = F.pad(chosen, (0, 10), value=tok.token_id("<|pad|>"))
@@ -93,8 +103,8 @@ def test_loss_is_bradley_terry_with_margin(tok):
     batch = tuple(torch.stack(p) for p in zip(*rows))
     loss, counted = make_rm_loss(RMConfig(margin=0.5))(model, batch)
     assert counted == 8
-    rc = torch.stack([model(r[0][None, :r[1] + 1])[0, -1, 0] for r in rows])
-    rr = torch.stack([model(r[2][None, :r[3] + 1])[0, -1, 0] for r in rows])
+    rc = torch.stack([model(r[0][None, : r[1] + 1])[0, -1, 0] for r in rows])
+    rr = torch.stack([model(r[2][None, : r[3] + 1])[0, -1, 0] for r in rows])
     expected = -torch.log(torch.sigmoid(rc - rr - 0.5)).mean()
     assert torch.allclose(loss, expected, atol=1e-5)
     plain, _ = make_rm_loss(RMConfig())(model, batch)
@@ -105,8 +115,11 @@ def test_rm_learns_to_rank_correct_over_wrong(tok, tmp_path):
     torch.manual_seed(0)
     cfg = model_cfg(tok)
     save_weights(tmp_path / "init", cfg, build_model(cfg).state_dict())
-    rm = RMConfig(train=StageTrainConfig(lr=1e-3, max_steps=40, warmup_steps=2, seq_len=32, micro_batch_size=16,
-                                         eval_every=20, ckpt_every=20))
+    rm = RMConfig(
+        train=StageTrainConfig(
+            lr=1e-3, max_steps=40, warmup_steps=2, seq_len=32, micro_batch_size=16, eval_every=20, ckpt_every=20
+        )
+    )
     stats = run_rm(make_recipe(["sort"], rm), tmp_path / "rm", tmp_path / "init", tok, resume="none")
     before, after = stats["before"]["heldout"], stats["after"]["heldout"]
     assert after["pairs"] == 100
@@ -134,11 +147,14 @@ def test_pairs_from_files_hold_some_out_and_quarantine_bad_lines(tok, tmp_path):
     lines = [json.dumps({"prompt": p[0]["content"], "chosen": c, "rejected": r}) for p, c, r in pairs]
     lines.insert(7, json.dumps({"prompt": "no answers here"}))
     (tmp_path / "prefs.jsonl").write_text("\n".join(lines) + "\n")
-    rm = RMConfig(files=[str(tmp_path / "prefs.jsonl")], heldout_fraction=0.1,
-                  train=StageTrainConfig(max_steps=2, warmup_steps=0, seq_len=32, micro_batch_size=8, eval_every=2,
-                                         ckpt_every=2))
-    stats = run_rm(make_recipe(["sort"], rm, heldout_per_family=10), tmp_path / "rm", tmp_path / "init", tok,
-                   resume="none")
+    rm = RMConfig(
+        files=[str(tmp_path / "prefs.jsonl")],
+        heldout_fraction=0.1,
+        train=StageTrainConfig(max_steps=2, warmup_steps=0, seq_len=32, micro_batch_size=8, eval_every=2, ckpt_every=2),
+    )
+    stats = run_rm(
+        make_recipe(["sort"], rm, heldout_per_family=10), tmp_path / "rm", tmp_path / "init", tok, resume="none"
+    )
     assert stats["data"]["pairs"] == 54 and stats["data"]["heldout_pairs"] == 6
     assert stats["data"]["files"]["rejected"] == 1
     assert len((tmp_path / "rm" / "rejected.jsonl").read_text().splitlines()) == 1
@@ -154,9 +170,14 @@ def test_language_model_is_not_a_reward_model(tok, tmp_path):
         load_scalar_model(tmp_path / "missing", key="ppo.reward")
 
 
-@pytest.mark.parametrize("change, key", [({"margin": -1.0}, "rm.margin"),
-                                         ({"heldout_fraction": 0.0}, "rm.heldout_fraction"),
-                                         ({"train": StageTrainConfig(lr=0.0)}, "rm.train.lr")])
+@pytest.mark.parametrize(
+    "change, key",
+    [
+        ({"margin": -1.0}, "rm.margin"),
+        ({"heldout_fraction": 0.0}, "rm.heldout_fraction"),
+        ({"train": StageTrainConfig(lr=0.0)}, "rm.train.lr"),
+    ],
+)
 def test_config_errors_name_the_key(tok, tmp_path, change, key):
     with pytest.raises(ConfigError) as err:
         run_rm(make_recipe(["sort"], RMConfig(**change)), tmp_path / "rm", tmp_path / "init", tok)

@@ -4,15 +4,54 @@ import pytest
 
 from kiln.errors import ConfigError
 from kiln.post import tasks
-from kiln.post.tasks import (FAMILIES, answer_kind, extract_answer, generate_tasks, grade, task_preference_pairs,
-                             task_sft_examples)
+from kiln.post.tasks import (
+    FAMILIES,
+    answer_kind,
+    extract_answer,
+    generate_tasks,
+    grade,
+    task_preference_pairs,
+    task_sft_examples,
+)
 
 # Conversion factors written out here, not imported, so a wrong table in the module shows.
-TO_BASE = {"mm": 1, "cm": 10, "m": 1000, "km": 1_000_000, "mg": 1, "g": 1000, "kg": 1_000_000,
-           "tonne": 1_000_000_000, "tonnes": 1_000_000_000, "mL": 1, "L": 1000, "cent": 1, "cents": 1,
-           "dollar": 100, "dollars": 100, "second": 1, "seconds": 1, "minute": 60, "minutes": 60, "hour": 3600,
-           "hours": 3600, "day": 86400, "days": 86400, "week": 604800, "weeks": 604800, "inch": 1, "inches": 1,
-           "foot": 12, "feet": 12, "yard": 36, "yards": 36, "month": 1, "months": 1, "year": 12, "years": 12}
+TO_BASE = {
+    "mm": 1,
+    "cm": 10,
+    "m": 1000,
+    "km": 1_000_000,
+    "mg": 1,
+    "g": 1000,
+    "kg": 1_000_000,
+    "tonne": 1_000_000_000,
+    "tonnes": 1_000_000_000,
+    "mL": 1,
+    "L": 1000,
+    "cent": 1,
+    "cents": 1,
+    "dollar": 100,
+    "dollars": 100,
+    "second": 1,
+    "seconds": 1,
+    "minute": 60,
+    "minutes": 60,
+    "hour": 3600,
+    "hours": 3600,
+    "day": 86400,
+    "days": 86400,
+    "week": 604800,
+    "weeks": 604800,
+    "inch": 1,
+    "inches": 1,
+    "foot": 12,
+    "feet": 12,
+    "yard": 36,
+    "yards": 36,
+    "month": 1,
+    "months": 1,
+    "year": 12,
+    "years": 12,
+}
 
 WORD_PROBLEMS = [  # (pattern, answer from the numbers in order, positions that commute)
     (r"\w+ has (\d+) \w+ and gets (\d+) more\. How many does \w+ have now\?", lambda a, b: a + b, True),
@@ -20,8 +59,16 @@ WORD_PROBLEMS = [  # (pattern, answer from the numbers in order, positions that 
     (r"\w+ buys (\d+) bags with (\d+) \w+ in each\. How many \w+ is that\?", lambda a, b: a * b, True),
     (r"\w+ shares (\d+) \w+ equally among (\d+) friends\. How many does each friend get\?", lambda a, b: a // b, False),
     (r"\w+ has (\d+) \w+, buys (\d+) more and gives (\d+) away\. How many are left\?", lambda a, b, c: a + b - c, True),
-    (r"\w+ has (\d+) \w+ and buys (\d+) bags with (\d+) in each\. How many \w+ now\?", lambda c, a, b: a * b + c, False),
-    (r"\w+ has (\d+) \w+ and gives (\d+) to each of (\d+) friends\. How many are left\?", lambda a, b, c: a - b * c, False),
+    (
+        r"\w+ has (\d+) \w+ and buys (\d+) bags with (\d+) in each\. How many \w+ now\?",
+        lambda c, a, b: a * b + c,
+        False,
+    ),
+    (
+        r"\w+ has (\d+) \w+ and gives (\d+) to each of (\d+) friends\. How many are left\?",
+        lambda a, b, c: a - b * c,
+        False,
+    ),
 ]
 
 
@@ -76,6 +123,7 @@ def test_answers_are_right_and_splits_are_disjoint(family):
 
 def test_config_families_match():
     from kiln.post.config import TASK_FAMILIES
+
     assert tuple(TASK_FAMILIES) == FAMILIES
 
 
@@ -95,10 +143,15 @@ def test_difficulty_grows(family):
     assert sizes[0] < sizes[1] < sizes[2]
 
 
-@pytest.mark.parametrize("kwargs,key", [
-    ({"family": "calculus"}, "family"), ({"split": "test"}, "split"), ({"difficulty": 4}, "difficulty"),
-    ({"n": -1}, "n"),
-])
+@pytest.mark.parametrize(
+    "kwargs,key",
+    [
+        ({"family": "calculus"}, "family"),
+        ({"split": "test"}, "split"),
+        ({"difficulty": 4}, "difficulty"),
+        ({"n": -1}, "n"),
+    ],
+)
 def test_bad_arguments_name_the_key(kwargs, key):
     args = {"family": "arithmetic", "n": 3, **kwargs}
     with pytest.raises(ConfigError) as err:
@@ -110,6 +163,7 @@ def test_exhausted_problem_space_is_an_error_not_a_hang(monkeypatch):
     def tiny(rng, level):
         x = rng.randint(0, 9)
         return str(x), f"Echo {x}", str(x), [str(x + 1)]
+
     monkeypatch.setitem(tasks.GENERATORS, "arithmetic", tiny)
     train = [k for k in map(str, range(10)) if tasks.split_of("arithmetic", k) == "train"]
     assert len(generate_tasks("arithmetic", len(train))) == len(train)
@@ -122,14 +176,42 @@ def test_exhausted_problem_space_is_an_error_not_a_hang(monkeypatch):
 # ---- graders ---------------------------------------------------------------------------------------
 
 NUMBER = {"task": "arithmetic", "answer": "1234"}
-NUMBER_RIGHT = ["1234", "  1234  ", "1234<|end|>", "1234<|end|>5678", "1234<|endoftext|>99", "The answer is 1234.",
-                "1,234", "1234.0", "12+35=1234", "x = 1234\n", "1234 apples"]
+NUMBER_RIGHT = [
+    "1234",
+    "  1234  ",
+    "1234<|end|>",
+    "1234<|end|>5678",
+    "1234<|endoftext|>99",
+    "The answer is 1234.",
+    "1,234",
+    "1234.0",
+    "12+35=1234",
+    "x = 1234\n",
+    "1234 apples",
+]
 NUMBER_WRONG = ["1235", "", "no idea", "-1234", "12 34", "1234 or 1235", "1234.5", "123<|end|>4", "12340"]
 LIST = {"task": "sort", "answer": "apple fig pear"}
-LIST_RIGHT = ["apple fig pear", "  apple   fig pear ", "apple, fig, pear", "Apple Fig Pear", "apple fig pear.",
-              "Sorted: apple fig pear", "apple fig pear<|end|>more", "apple fig pear\nbecause a < f < p", "\napple fig pear"]
-LIST_WRONG = ["apple pear fig", "apple fig", "apple fig pear kiwi", "apple fig pear because", "applefigpear", "",
-              "pear fig apple", "apple<|end|> fig pear"]
+LIST_RIGHT = [
+    "apple fig pear",
+    "  apple   fig pear ",
+    "apple, fig, pear",
+    "Apple Fig Pear",
+    "apple fig pear.",
+    "Sorted: apple fig pear",
+    "apple fig pear<|end|>more",
+    "apple fig pear\nbecause a < f < p",
+    "\napple fig pear",
+]
+LIST_WRONG = [
+    "apple pear fig",
+    "apple fig",
+    "apple fig pear kiwi",
+    "apple fig pear because",
+    "applefigpear",
+    "",
+    "pear fig apple",
+    "apple<|end|> fig pear",
+]
 
 
 @pytest.mark.parametrize("text", NUMBER_RIGHT)
@@ -184,8 +266,8 @@ def test_every_answer_grades_right_and_every_distractor_wrong(family):
 def test_sft_examples_and_preference_pairs():
     generated = generate_tasks("convert", 30, difficulty=2, seed=4)
     assert task_sft_examples(generated) == [
-        [{"role": "user", "content": ex["prompt"]}, {"role": "assistant", "content": ex["answer"]}]
-        for ex in generated]
+        [{"role": "user", "content": ex["prompt"]}, {"role": "assistant", "content": ex["answer"]}] for ex in generated
+    ]
     examples = generate_tasks("word_problem", 100, difficulty=3, seed=4)
     pairs = task_preference_pairs(examples, seed=4)
     assert pairs == task_preference_pairs(examples, seed=4)

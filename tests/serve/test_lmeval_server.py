@@ -12,12 +12,12 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from serve_helpers import ForcesToken, serving
 
 from kiln.data.config import TokenizerConfig
 from kiln.data.tokenizer import Tokenizer, train_tokenizer
 from kiln.model import ModelConfig, build_model
 from kiln.train.checkpoint import save_weights
-from serve_helpers import ForcesToken, serving
 
 KEY = "sk-lmeval"
 NAME = "tiny"
@@ -28,27 +28,39 @@ def _write_tasks(data: Path) -> list[str]:
     """Three custom lm-eval tasks over local JSONL (no network): multiple choice with acc and
     acc_norm, rolling perplexity, and greedy generation until a stop string."""
     pairs = [(2, 3), (7, 1), (4, 4), (9, 2), (3, 8), (6, 5), (1, 1), (5, 7), (8, 6), (2, 9)]
-    rows = [{"question": f"What is {a} plus {b}?", "choices": [str(a + b), str(a * b), str(a - b), "none of these"],
-             "answer": i % 4} for i, (a, b) in enumerate(pairs)]
+    rows = [
+        {
+            "question": f"What is {a} plus {b}?",
+            "choices": [str(a + b), str(a * b), str(a - b), "none of these"],
+            "answer": i % 4,
+        }
+        for i, (a, b) in enumerate(pairs)
+    ]
     data.mkdir()
     (data / "mc.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    texts = ["def add(a, b):\n    return a + b\n", "The quick brown fox jumps over the lazy dog. " * 2,
-             "import os\nprint(os.getcwd())\n"]
+    texts = [
+        "def add(a, b):\n    return a + b\n",
+        "The quick brown fox jumps over the lazy dog. " * 2,
+        "import os\nprint(os.getcwd())\n",
+    ]
     (data / "ppl.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     common = f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}/FILE\ntest_split: test\n"
     (data / "srv_mc.yaml").write_text(
         "task: srv_mc\n" + common.replace("FILE", "mc.jsonl") + "output_type: multiple_choice\n"
-        "doc_to_text: \"{{question}}\\nAnswer:\"\ndoc_to_choice: \"{{choices}}\"\ndoc_to_target: answer\n"
-        "metric_list:\n  - metric: acc\n  - metric: acc_norm\n")
+        'doc_to_text: "{{question}}\\nAnswer:"\ndoc_to_choice: "{{choices}}"\ndoc_to_target: answer\n'
+        "metric_list:\n  - metric: acc\n  - metric: acc_norm\n"
+    )
     (data / "srv_ppl.yaml").write_text(
         "task: srv_ppl\n" + common.replace("FILE", "ppl.jsonl") + "output_type: loglikelihood_rolling\n"
-        "doc_to_text: \"\"\ndoc_to_target: \"{{text}}\"\nmetric_list:\n  - metric: word_perplexity\n"
-        "  - metric: byte_perplexity\n  - metric: bits_per_byte\n")
+        'doc_to_text: ""\ndoc_to_target: "{{text}}"\nmetric_list:\n  - metric: word_perplexity\n'
+        "  - metric: byte_perplexity\n  - metric: bits_per_byte\n"
+    )
     (data / "srv_gen.yaml").write_text(
         "task: srv_gen\n" + common.replace("FILE", "mc.jsonl") + "output_type: generate_until\n"
-        "doc_to_text: \"Question: {{question}}\\nAnswer:\"\ndoc_to_target: \"{{choices[answer]}}\"\n"
-        "generation_kwargs:\n  until: [\"\\n\\n\", \"Question:\"]\n  max_gen_toks: 12\n  do_sample: false\n"
-        "metric_list:\n  - metric: exact_match\n")
+        'doc_to_text: "Question: {{question}}\\nAnswer:"\ndoc_to_target: "{{choices[answer]}}"\n'
+        'generation_kwargs:\n  until: ["\\n\\n", "Question:"]\n  max_gen_toks: 12\n  do_sample: false\n'
+        "metric_list:\n  - metric: exact_match\n"
+    )
     return ["srv_mc", "srv_ppl", "srv_gen"]
 
 
@@ -59,8 +71,10 @@ def test_special_tokens_are_left_out_of_generated_text_unless_asked(tmp_path):
 
     from kiln.serve.app import create_app
 
-    texts = [p.read_text(encoding="utf-8", errors="replace")[:3000]
-             for p in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:15]]
+    texts = [
+        p.read_text(encoding="utf-8", errors="replace")[:3000]
+        for p in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:15]
+    ]
     train_tokenizer(texts, TokenizerConfig(vocab_size=600), tmp_path / "tok", heldout=[])
     tok = Tokenizer.load(tmp_path / "tok")
     torch.manual_seed(0)
@@ -69,9 +83,17 @@ def test_special_tokens_are_left_out_of_generated_text_unless_asked(tmp_path):
     prompt = tok.encode("import os")
     model = ForcesToken(build_model(cfg).eval(), user, len(prompt) + 3, onward=False)
     with TestClient(create_app(model, tok, model_name="m")) as client:
+
         def complete(**extra):
-            body = {"model": "m", "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
-                    "logprobs": 0, **extra}
+            body = {
+                "model": "m",
+                "prompt": prompt,
+                "max_tokens": 6,
+                "temperature": 0,
+                "ignore_eos": True,
+                "logprobs": 0,
+                **extra,
+            }
             return client.post("/v1/completions", json=body).json()
 
         plain, raw = complete(), complete(skip_special_tokens=False)
@@ -96,13 +118,16 @@ def test_lm_eval_scores_the_same_through_the_hf_export_and_the_server(tmp_path, 
     from kiln.serve.app import create_app
     from kiln.serve.cli import load_for_inference
 
-    texts = [p.read_text(encoding="utf-8", errors="replace")[:6000]
-             for p in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:40]]
+    texts = [
+        p.read_text(encoding="utf-8", errors="replace")[:6000]
+        for p in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:40]
+    ]
     train_tokenizer(texts, TokenizerConfig(vocab_size=700), tmp_path / "tok", heldout=[])
     tok = Tokenizer.load(tmp_path / "tok")
     torch.manual_seed(3)
-    cfg = ModelConfig(vocab_size=tok.vocab_size, dim=48, n_layers=2, n_heads=4, n_kv_heads=2,
-                      max_seq_len=MAX_SEQ_LEN, init_std=0.1)
+    cfg = ModelConfig(
+        vocab_size=tok.vocab_size, dim=48, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=MAX_SEQ_LEN, init_std=0.1
+    )
     ckpt = save_weights(tmp_path / "ckpt", cfg, build_model(cfg).state_dict(), {"step": 1})
     shutil.copy(tok.path, Path(ckpt) / "tokenizer.json")
     export_checkpoint_to_hf(ckpt, tok.path, tmp_path / "hf", chat=False)
@@ -110,13 +135,16 @@ def test_lm_eval_scores_the_same_through_the_hf_export_and_the_server(tmp_path, 
     manager = TaskManager(include_path=str(tmp_path / "data"))
     common = dict(tasks=tasks, num_fewshot=0, log_samples=True, task_manager=manager)
 
-    hf = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={tmp_path / 'hf'},dtype=float32",
-                                 batch_size=4, device="cpu", **common)
+    hf = lm_eval.simple_evaluate(
+        model="hf", model_args=f"pretrained={tmp_path / 'hf'},dtype=float32", batch_size=4, device="cpu", **common
+    )
 
     # What `kiln serve CKPT --api-key KEY` loads and runs (fp32 on CPU).
-    model, served_tok = load_for_inference(argparse.Namespace(checkpoint=str(ckpt), tokenizer=None,
-                                                              device="cpu", dtype="auto"))
+    model, served_tok = load_for_inference(
+        argparse.Namespace(checkpoint=str(ckpt), tokenizer=None, device="cpu", dtype="auto")
+    )
     from lm_eval.utils import RemoteTokenizer
+
     remote_calls = []
     encode = RemoteTokenizer.encode
     monkeypatch.setattr(RemoteTokenizer, "encode", lambda self, text: remote_calls.append(text) or encode(self, text))
@@ -124,8 +152,10 @@ def test_lm_eval_scores_the_same_through_the_hf_export_and_the_server(tmp_path, 
     served = {}
     with serving(create_app(model, served_tok, model_name=NAME, api_keys=[KEY])) as (server_base, _):
         # max_length is the model's context (lm-eval's default of 2048 would send inputs the server refuses).
-        base = (f"model={NAME},base_url={server_base}/v1/completions,auth_token={KEY},max_length={MAX_SEQ_LEN},"
-                "batch_size=4,num_concurrent=2,max_retries=1,tokenized_requests=True")
+        base = (
+            f"model={NAME},base_url={server_base}/v1/completions,auth_token={KEY},max_length={MAX_SEQ_LEN},"
+            "batch_size=4,num_concurrent=2,max_retries=1,tokenized_requests=True"
+        )
         # tokenizer_backend auto: lm-eval finds /tokenizer_info and /tokenize and tokenizes through the
         # server, so the client needs no copy of the tokenizer; or it reads the HF export's tokenizer.
         hf_tokenizer = f",tokenizer_backend=huggingface,tokenizer={tmp_path / 'hf'}"
@@ -137,13 +167,15 @@ def test_lm_eval_scores_the_same_through_the_hf_export_and_the_server(tmp_path, 
     for backend, out in served.items():
         worst = _assert_same_scores(out, hf)
         ours, theirs = out["results"], hf["results"]
-        print(f"\nlm-eval, hf vs local-completions ({backend} tokenizer): "
-              f"srv_mc acc {theirs['srv_mc']['acc,none']:.4f} / {ours['srv_mc']['acc,none']:.4f}, "
-              f"acc_norm {theirs['srv_mc']['acc_norm,none']:.4f} / {ours['srv_mc']['acc_norm,none']:.4f}; "
-              f"srv_ppl word_perplexity {theirs['srv_ppl']['word_perplexity,none']:.6g} / "
-              f"{ours['srv_ppl']['word_perplexity,none']:.6g}; "
-              f"srv_gen exact_match {theirs['srv_gen']['exact_match,none']} / {ours['srv_gen']['exact_match,none']}; "
-              f"largest per-choice log-likelihood gap {worst:.2e}")
+        print(
+            f"\nlm-eval, hf vs local-completions ({backend} tokenizer): "
+            f"srv_mc acc {theirs['srv_mc']['acc,none']:.4f} / {ours['srv_mc']['acc,none']:.4f}, "
+            f"acc_norm {theirs['srv_mc']['acc_norm,none']:.4f} / {ours['srv_mc']['acc_norm,none']:.4f}; "
+            f"srv_ppl word_perplexity {theirs['srv_ppl']['word_perplexity,none']:.6g} / "
+            f"{ours['srv_ppl']['word_perplexity,none']:.6g}; "
+            f"srv_gen exact_match {theirs['srv_gen']['exact_match,none']} / {ours['srv_gen']['exact_match,none']}; "
+            f"largest per-choice log-likelihood gap {worst:.2e}"
+        )
 
 
 def _assert_same_scores(served: dict, hf: dict) -> float:
@@ -168,7 +200,8 @@ def _assert_same_scores(served: dict, hf: dict) -> float:
         assert [bool(r[0][1]) for r in a["resps"]] == [bool(r[0][1]) for r in b["resps"]]
     served_ppl, hf_ppl = _by_doc(served["samples"]["srv_ppl"]), _by_doc(hf["samples"]["srv_ppl"])
     assert [float(s["resps"][0][0]) for s in served_ppl] == pytest.approx(
-        [float(s["resps"][0][0]) for s in hf_ppl], abs=1e-3)
+        [float(s["resps"][0][0]) for s in hf_ppl], abs=1e-3
+    )
     # The generations hold special tokens (<|system|>, ...): the server leaves them out of the text,
     # as transformers' decode in lm-eval's HF backend does.
     served_gen, hf_gen = _by_doc(served["samples"]["srv_gen"]), _by_doc(hf["samples"]["srv_gen"])

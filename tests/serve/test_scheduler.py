@@ -2,12 +2,12 @@ import threading
 
 import pytest
 import torch
+from serve_helpers import ForcesToken
 
 from kiln.errors import ConfigError
 from kiln.infer.engine import Engine, KVCache, SamplingParams
 from kiln.model import ModelConfig, build_model
-from kiln.serve.scheduler import (Busy, GenerationRequest, PromptScores, Scheduler, SchedulerError, TokenEvent)
-from serve_helpers import ForcesToken
+from kiln.serve.scheduler import Busy, GenerationRequest, PromptScores, Scheduler, SchedulerError, TokenEvent
 
 PROMPTS = [[5, 17, 42], [1, 2, 3, 4, 5, 6, 7, 8, 9], [9], [33, 2, 250, 7, 7]]
 
@@ -18,10 +18,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.fixture(scope="module")
 def model():
     torch.manual_seed(0)
-    return build_model(ModelConfig(vocab_size=300, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=48,
-                                   init_std=0.2)).eval()
-
-
+    return build_model(
+        ModelConfig(vocab_size=300, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=48, init_std=0.2)
+    ).eval()
 
 
 class Gate(torch.nn.Module):
@@ -84,7 +83,7 @@ def test_extended_cache_decodes_like_one_prefilled_together(model):
         cache = KVCache.for_model(model, len(prompts), max_len)
         tokens = torch.zeros(len(prompts), max(map(len, prompts)), dtype=torch.long)
         for i, p in enumerate(prompts):
-            tokens[i, :len(p)] = torch.tensor(p)
+            tokens[i, : len(p)] = torch.tensor(p)
         logits = model(tokens, kv_cache=cache)
         cache.set_lengths([len(p) for p in prompts])
         return cache, logits[torch.arange(len(prompts)), torch.tensor([len(p) - 1 for p in prompts])]
@@ -120,8 +119,19 @@ def test_each_request_gets_what_the_engine_gives_it_alone(model, byte_tokenizer,
     engine = Engine(model, byte_tokenizer)
     for (prompt, n, params, kw), handle in zip(cases, handles):
         _, events = collect(handle)
-        expected = list(engine.stream(prompt, n, params.temperature, params.top_k, params.top_p, params.min_p,
-                                      params.repetition_penalty, stop_token_ids=(0,), **kw))
+        expected = list(
+            engine.stream(
+                prompt,
+                n,
+                params.temperature,
+                params.top_k,
+                params.top_p,
+                params.min_p,
+                params.repetition_penalty,
+                stop_token_ids=(0,),
+                **kw,
+            )
+        )
         assert [e.id for e in events] == [t.id for t in expected]
         assert [e.text for e in events] == [t.text for t in expected]
         assert [e.finish_reason for e in events] == [t.finish_reason for t in expected]
@@ -163,9 +173,13 @@ def test_joining_rows_leave_running_rows_unchanged(model, scheduler_for):
 def test_stop_token_and_length(model, scheduler_for):
     end = 3
     scheduler = scheduler_for(ForcesToken(model, end, at=10))
-    handles = scheduler.submit([GenerationRequest(PROMPTS[0], 20, SamplingParams(temperature=0), stop_token_ids=[end]),
-                                GenerationRequest(PROMPTS[0], 4, SamplingParams(temperature=0), stop_token_ids=[end]),
-                                GenerationRequest(PROMPTS[0], 20, SamplingParams(temperature=0))])
+    handles = scheduler.submit(
+        [
+            GenerationRequest(PROMPTS[0], 20, SamplingParams(temperature=0), stop_token_ids=[end]),
+            GenerationRequest(PROMPTS[0], 4, SamplingParams(temperature=0), stop_token_ids=[end]),
+            GenerationRequest(PROMPTS[0], 20, SamplingParams(temperature=0)),
+        ]
+    )
     stopped, short, ignoring = (collect(h)[1] for h in handles)
     # Prompt of 3 tokens: positions 3..9 are free, the token at position 10 is the stop token.
     assert len(stopped) == 8 and stopped[-1].id == end and stopped[-1].finish_reason == "stop"
@@ -184,9 +198,12 @@ def test_context_limit_ends_with_length(model, scheduler_for):
 def test_prompt_and_top_logprobs(model, scheduler_for):
     scheduler = scheduler_for(model)
     prompt = PROMPTS[3]
-    handles = scheduler.submit([GenerationRequest(prompt, 3, SamplingParams(temperature=0), logprobs=4,
-                                                  prompt_logprobs=True),
-                                GenerationRequest(prompt, 0, logprobs=0, prompt_logprobs=True)])
+    handles = scheduler.submit(
+        [
+            GenerationRequest(prompt, 3, SamplingParams(temperature=0), logprobs=4, prompt_logprobs=True),
+            GenerationRequest(prompt, 0, logprobs=0, prompt_logprobs=True),
+        ]
+    )
     scores, events = collect(handles[0])
     reference = model(torch.tensor([prompt + [e.id for e in events[:-1]]]))[0].float().log_softmax(-1)
     assert scores.logprobs[0] is None and scores.top[0] is None
@@ -206,8 +223,12 @@ def test_prompt_and_top_logprobs(model, scheduler_for):
 def test_cancelled_request_leaves_and_others_continue(model, scheduler_for):
     gated = Gate(model, hold=3)
     scheduler = scheduler_for(gated)
-    doomed, kept = scheduler.submit([GenerationRequest(PROMPTS[0], 40, SamplingParams(temperature=0)),
-                                     GenerationRequest(PROMPTS[2], 20, SamplingParams(temperature=0))])
+    doomed, kept = scheduler.submit(
+        [
+            GenerationRequest(PROMPTS[0], 40, SamplingParams(temperature=0)),
+            GenerationRequest(PROMPTS[2], 20, SamplingParams(temperature=0)),
+        ]
+    )
     assert gated.reached.wait(30)
     doomed.cancel()
     gated.open.set()
@@ -219,11 +240,15 @@ def test_cancelled_request_leaves_and_others_continue(model, scheduler_for):
 def test_bad_requests_busy_and_failures(model, scheduler_for):
     gated = Gate(model, hold=2)
     scheduler = scheduler_for(gated, max_batch=1, max_waiting=1)
-    for request, key in ((GenerationRequest([], 3), "prompt"), (GenerationRequest([1] * 48, 3), "prompt"),
-                         (GenerationRequest([1], 3, logprobs=21), "logprobs"), (GenerationRequest([400], 3), "prompt"),
-                         (GenerationRequest([1], 3, SamplingParams(top_p=0)), "top_p"),
-                         (GenerationRequest([1], -1), "max_tokens"),
-                         (GenerationRequest([1], 3, stop_strings=["x"]), "stop")):
+    for request, key in (
+        (GenerationRequest([], 3), "prompt"),
+        (GenerationRequest([1] * 48, 3), "prompt"),
+        (GenerationRequest([1], 3, logprobs=21), "logprobs"),
+        (GenerationRequest([400], 3), "prompt"),
+        (GenerationRequest([1], 3, SamplingParams(top_p=0)), "top_p"),
+        (GenerationRequest([1], -1), "max_tokens"),
+        (GenerationRequest([1], 3, stop_strings=["x"]), "stop"),
+    ):
         with pytest.raises(ConfigError) as err:
             scheduler.submit([request])
         assert err.value.key == key
@@ -250,8 +275,9 @@ def test_events_reach_an_asyncio_consumer(model, scheduler_for):
     scheduler = scheduler_for(model)
 
     async def main():
-        [handle] = scheduler.submit([GenerationRequest(PROMPTS[0], 6, SamplingParams(temperature=0))],
-                                    loop=asyncio.get_running_loop())
+        [handle] = scheduler.submit(
+            [GenerationRequest(PROMPTS[0], 6, SamplingParams(temperature=0))], loop=asyncio.get_running_loop()
+        )
         return [event async for event in handle]
 
     events = asyncio.run(main())

@@ -17,6 +17,7 @@ import httpx
 import openai
 import pytest
 import torch
+from serve_helpers import ForcesToken, serving
 
 from kiln.data.config import TokenizerConfig
 from kiln.data.tokenizer import Tokenizer, train_tokenizer
@@ -26,7 +27,6 @@ from kiln.post.chat import ChatTokens, render_prompt
 from kiln.serve.app import create_app
 from kiln.serve.cli import add_serve_parsers, load_for_inference, run_chat
 from kiln.train.checkpoint import save_weights
-from serve_helpers import ForcesToken, serving
 
 KEY = "sk-kiln-test"
 NAME = "tiny"
@@ -37,13 +37,16 @@ LIMIT = 100
 def checkpoint(tmp_path_factory):
     """A saved checkpoint with its tokenizer.json beside it, as `kiln serve` finds them."""
     root = tmp_path_factory.mktemp("serve")
-    texts = [p.read_text(encoding="utf-8", errors="replace")[:6000]
-             for p in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:40]]
+    texts = [
+        p.read_text(encoding="utf-8", errors="replace")[:6000]
+        for p in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:40]
+    ]
     train_tokenizer(texts, TokenizerConfig(vocab_size=600), root / "tok", heldout=[])
     tok = Tokenizer.load(root / "tok")
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=tok.vocab_size, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=128,
-                      init_std=0.2)
+    cfg = ModelConfig(
+        vocab_size=tok.vocab_size, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=128, init_std=0.2
+    )
     save_weights(root / "ckpt", cfg, build_model(cfg).state_dict(), {"step": 0})
     shutil.copy(root / "tok" / "tokenizer.json", root / "ckpt" / "tokenizer.json")
     return root / "ckpt"
@@ -58,8 +61,16 @@ def loaded(checkpoint):
 @pytest.fixture(scope="module")
 def server(loaded):
     model, tok = loaded
-    app = create_app(model, tok, model_name=NAME, api_keys=[KEY], max_body_bytes=64 * 1024, max_tokens_limit=LIMIT,
-                     max_batch=32, max_waiting=64)
+    app = create_app(
+        model,
+        tok,
+        model_name=NAME,
+        api_keys=[KEY],
+        max_body_bytes=64 * 1024,
+        max_tokens_limit=LIMIT,
+        max_batch=32,
+        max_waiting=64,
+    )
     with serving(app) as (base, _):
         yield base, app
 
@@ -98,24 +109,31 @@ def test_completion_equals_engine_with_exact_usage(loaded, client):
     prompt = "def main():\n    return"
     ids = tok.encode(prompt)
     expected = Engine(model, tok).generate([ids], 12, temperature=0)[0]
-    out = client.completions.create(model=NAME, prompt=prompt, max_tokens=12, temperature=0,
-                                    extra_body={"ignore_eos": True})
+    out = client.completions.create(
+        model=NAME, prompt=prompt, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert out.object == "text_completion" and out.id.startswith("cmpl-")
     assert out.choices[0].text == expected.text and out.choices[0].finish_reason == "length"
-    assert (out.usage.prompt_tokens, out.usage.completion_tokens, out.usage.total_tokens) == (len(ids), 12, len(ids) + 12)
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens, out.usage.total_tokens) == (
+        len(ids),
+        12,
+        len(ids) + 12,
+    )
     # A stop string taken from the greedy text ends the completion just before it.
     stop = expected.text[3:6]
-    cut = client.completions.create(model=NAME, prompt=prompt, max_tokens=12, temperature=0, stop=[stop],
-                                    extra_body={"ignore_eos": True})
-    assert cut.choices[0].finish_reason == "stop" and cut.choices[0].text == expected.text[:expected.text.index(stop)]
+    cut = client.completions.create(
+        model=NAME, prompt=prompt, max_tokens=12, temperature=0, stop=[stop], extra_body={"ignore_eos": True}
+    )
+    assert cut.choices[0].finish_reason == "stop" and cut.choices[0].text == expected.text[: expected.text.index(stop)]
     assert cut.usage.completion_tokens < 12
 
 
 def test_token_id_prompts_batched_with_n(loaded, client):
     model, tok = loaded
     prompts = [[5, 100, 200], [300, 301, 302, 303, 9]]
-    out = client.completions.create(model=NAME, prompt=prompts, max_tokens=6, temperature=0, n=2,
-                                    extra_body={"ignore_eos": True})
+    out = client.completions.create(
+        model=NAME, prompt=prompts, max_tokens=6, temperature=0, n=2, extra_body={"ignore_eos": True}
+    )
     assert [c.index for c in out.choices] == [0, 1, 2, 3]
     expected = Engine(model, tok).generate(prompts, 6, temperature=0)
     assert [c.text for c in out.choices] == [expected[0].text] * 2 + [expected[1].text] * 2
@@ -123,8 +141,9 @@ def test_token_id_prompts_batched_with_n(loaded, client):
 
 
 def test_seeded_sampling_is_reproducible_and_choices_differ(client):
-    kwargs = dict(model=NAME, prompt="import", max_tokens=16, temperature=1.0, n=3, seed=42,
-                  extra_body={"ignore_eos": True})
+    kwargs = dict(
+        model=NAME, prompt="import", max_tokens=16, temperature=1.0, n=3, seed=42, extra_body={"ignore_eos": True}
+    )
     first, second = client.completions.create(**kwargs), client.completions.create(**kwargs)
     texts = [c.text for c in first.choices]
     assert texts == [c.text for c in second.choices]
@@ -147,8 +166,9 @@ def stream_text(chunks):
 def test_streamed_completion_equals_non_streamed(client):
     kwargs = dict(model=NAME, prompt=["class Foo:", "x = ["], max_tokens=20, temperature=0, n=2)
     plain = client.completions.create(**kwargs)
-    texts, finishes, usage_chunks, chunks = stream_text(client.completions.create(
-        **kwargs, stream=True, stream_options={"include_usage": True}))
+    texts, finishes, usage_chunks, chunks = stream_text(
+        client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
+    )
     assert texts == {c.index: c.text for c in plain.choices}
     assert finishes == {c.index: [c.finish_reason] for c in plain.choices}  # exactly one finish chunk per choice
     assert len(usage_chunks) == 1 and chunks[-1] is usage_chunks[0] and chunks[-1].choices == []
@@ -159,8 +179,12 @@ def test_streamed_completion_equals_non_streamed(client):
 
 def test_chat_equals_engine_and_stream(loaded, client):
     model, tok = loaded
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a prime."},
-                {"role": "assistant", "content": "7"}, {"role": "user", "content": "Another?"}]
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Name a prime."},
+        {"role": "assistant", "content": "7"},
+        {"role": "user", "content": "Another?"},
+    ]
     prompt = render_prompt(tok, messages)
     expected = Engine(model, tok).generate([prompt], 15, temperature=0, stop_token_ids=ChatTokens(tok).stop)[0]
     out = client.chat.completions.create(model=NAME, messages=messages, max_tokens=15, temperature=0)
@@ -168,9 +192,16 @@ def test_chat_equals_engine_and_stream(loaded, client):
     assert out.choices[0].message.content == expected.text
     assert out.choices[0].finish_reason == expected.finish_reason
     assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (len(prompt), len(expected.ids))
-    texts, finishes, usage_chunks, chunks = stream_text(client.chat.completions.create(
-        model=NAME, messages=messages, max_tokens=15, temperature=0, stream=True,
-        stream_options={"include_usage": True}))
+    texts, finishes, usage_chunks, chunks = stream_text(
+        client.chat.completions.create(
+            model=NAME,
+            messages=messages,
+            max_tokens=15,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert texts == {0: expected.text} and finishes == {0: [expected.finish_reason]}
     assert chunks[0].choices[0].delta.role == "assistant"
     assert all(c.choices[0].delta.role in (None, "assistant") for c in chunks if c.choices)
@@ -187,8 +218,9 @@ def test_chat_stops_at_end_of_turn_and_reports_logprobs(loaded):
     app = create_app(ForcesToken(model, end, at), tok, model_name=NAME)
     with serving(app) as (base, _):
         client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
-        out = client.chat.completions.create(model=NAME, messages=messages, max_tokens=30, temperature=0,
-                                             logprobs=True, top_logprobs=3)
+        out = client.chat.completions.create(
+            model=NAME, messages=messages, max_tokens=30, temperature=0, logprobs=True, top_logprobs=3
+        )
         choice = out.choices[0]
         assert choice.finish_reason == "stop" and out.usage.completion_tokens == 6
         assert "<|end|>" not in choice.message.content
@@ -218,8 +250,15 @@ def test_echo_logprobs_serve_lm_eval_loglikelihood(loaded, server):
     base, _ = server
     context, continuation = tok.encode("def add(a, b):\n"), tok.encode("    return a + b")
     ids = context + continuation
-    payload = {"model": NAME, "prompt": [ids, ids[:4]], "temperature": 0, "max_tokens": 1, "logprobs": 1,
-               "echo": True, "seed": 1234}
+    payload = {
+        "model": NAME,
+        "prompt": [ids, ids[:4]],
+        "temperature": 0,
+        "max_tokens": 1,
+        "logprobs": 1,
+        "echo": True,
+        "seed": 1234,
+    }
     out = post(base, "/v1/completions", payload).json()
     choices = sorted(out["choices"], key=lambda c: c["index"])
     reference = model(torch.tensor([ids])).float().log_softmax(-1)[0]
@@ -230,8 +269,10 @@ def test_echo_logprobs_serve_lm_eval_loglikelihood(loaded, server):
     score = sum(lp["token_logprobs"][ctxlen:-1])
     expected = sum(reference[t - 1, ids[t]].item() for t in range(ctxlen, len(ids)))
     assert score == pytest.approx(expected, abs=1e-3)
-    is_greedy = all(tok_lp == max(top.values()) for tok_lp, top in
-                    zip(lp["token_logprobs"][ctxlen:-1], lp["top_logprobs"][ctxlen:-1]))
+    is_greedy = all(
+        tok_lp == max(top.values())
+        for tok_lp, top in zip(lp["token_logprobs"][ctxlen:-1], lp["top_logprobs"][ctxlen:-1])
+    )
     assert is_greedy == all(reference[t - 1].argmax().item() == ids[t] for t in range(ctxlen, len(ids)))
     assert choices[0]["text"].startswith("def add(a, b):\n    return a + b")
     assert lp["text_offset"][:3] == [0, len(tok.decode(ids[:1])), len(tok.decode(ids[:2]))]
@@ -274,28 +315,34 @@ def test_bad_requests_get_4xx_and_the_server_stays_healthy(server, client):
 
     error(post(base, "/v1/completions", b'{"model": "tiny", "prompt": "x",'), 400)
     error(post(base, "/v1/chat/completions", b"\xff\xfe not json"), 400)
-    assert error(post(base, "/v1/completions", {"model": NAME, "prompt": "x", "temperature": "hot"}), 400)["param"] \
+    assert (
+        error(post(base, "/v1/completions", {"model": NAME, "prompt": "x", "temperature": "hot"}), 400)["param"]
         == "temperature"
+    )
     assert error(post(base, "/v1/completions", {"model": NAME}), 400)["param"] == "prompt"
     huge = {"model": NAME, "prompt": "x" * 100_000}
     assert error(post(base, "/v1/completions", huge), 413)["code"] == "request_too_large"
     chunked = post(base, "/v1/completions", iter([json.dumps(huge).encode()]))  # no Content-Length
     assert error(chunked, 413)["code"] == "request_too_large"
-    for body, param in (({"prompt": "x", "max_tokens": LIMIT + 1}, "max_tokens"),
-                        ({"prompt": "x", "logprobs": 21}, "logprobs"),
-                        ({"prompt": "x", "top_p": 0}, "top_p"),
-                        ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
-                        ({"prompt": [], "max_tokens": 1}, "prompt"),
-                        ({"prompt": [[1, 2, 10**6]]}, "prompt"),
-                        ({"prompt": "x " * 200}, "prompt"),
-                        ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
-                        ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
-                        ({"prompt": "x", "n": 0}, "n")):
+    for body, param in (
+        ({"prompt": "x", "max_tokens": LIMIT + 1}, "max_tokens"),
+        ({"prompt": "x", "logprobs": 21}, "logprobs"),
+        ({"prompt": "x", "top_p": 0}, "top_p"),
+        ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": [], "max_tokens": 1}, "prompt"),
+        ({"prompt": [[1, 2, 10**6]]}, "prompt"),
+        ({"prompt": "x " * 200}, "prompt"),
+        ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+        ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+        ({"prompt": "x", "n": 0}, "n"),
+    ):
         assert error(post(base, "/v1/completions", {"model": NAME, **body}), 400)["param"] == param
-    for body, param in (({"messages": [{"role": "robot", "content": "hi"}]}, "messages"),
-                        ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
-                        ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools"),
-                        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages")):
+    for body, param in (
+        ({"messages": [{"role": "robot", "content": "hi"}]}, "messages"),
+        ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
+        ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
+    ):
         assert error(post(base, "/v1/chat/completions", {"model": NAME, **body}), 400)["param"] == param
     assert error(post(base, "/v1/completions", {"model": "gpt-4", "prompt": "x"}), 404)["code"] == "model_not_found"
     error(httpx.get(base + "/v1/nowhere"), 404)
@@ -346,9 +393,15 @@ def test_load_32_concurrent_streaming_clients(server):
         start = time.perf_counter()
         first, text, usage = None, "", None
         stream = await client.chat.completions.create(
-            model=NAME, messages=[{"role": "user", "content": f"Question number {i}?"}], max_tokens=tokens,
-            temperature=0.8, seed=i, stream=True, stream_options={"include_usage": True},
-            extra_body={"ignore_eos": True})
+            model=NAME,
+            messages=[{"role": "user", "content": f"Question number {i}?"}],
+            max_tokens=tokens,
+            temperature=0.8,
+            seed=i,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
         async for chunk in stream:
             if chunk.choices and chunk.choices[0].delta.content and first is None:
                 first = time.perf_counter() - start
@@ -369,11 +422,13 @@ def test_load_32_concurrent_streaming_clients(server):
     latencies = sorted(r[0] for r in results)
     ttft = sorted(r[1] for r in results if r[1] is not None)
     quantiles = statistics.quantiles(latencies, n=20)
-    print(f"\nload: {clients} streaming clients x {tokens} tokens in {wall:.2f} s = "
-          f"{clients * tokens / wall:.0f} tokens/s; latency p50 {statistics.median(latencies):.3f} s "
-          f"p95 {quantiles[18]:.3f} s; first token p50 {statistics.median(ttft):.3f} s; "
-          f"rows per step max {app.state.scheduler.stats['max_rows']}, "
-          f"steps {app.state.scheduler.stats['steps'] - before['steps']}")
+    print(
+        f"\nload: {clients} streaming clients x {tokens} tokens in {wall:.2f} s = "
+        f"{clients * tokens / wall:.0f} tokens/s; latency p50 {statistics.median(latencies):.3f} s "
+        f"p95 {quantiles[18]:.3f} s; first token p50 {statistics.median(ttft):.3f} s; "
+        f"rows per step max {app.state.scheduler.stats['max_rows']}, "
+        f"steps {app.state.scheduler.stats['steps'] - before['steps']}"
+    )
     assert app.state.scheduler.stats["max_rows"] > 1  # requests shared decode steps
 
 
@@ -381,24 +436,57 @@ def test_kiln_chat_keeps_history(checkpoint, loaded):
     model, tok = loaded
     parser = argparse.ArgumentParser()
     add_serve_parsers(parser.add_subparsers(dest="verb"))
-    args = parser.parse_args(["chat", str(checkpoint), "--temperature", "0", "--max-new-tokens", "10",
-                              "--system", "You are terse.", "--device", "cpu"])
+    args = parser.parse_args(
+        [
+            "chat",
+            str(checkpoint),
+            "--temperature",
+            "0",
+            "--max-new-tokens",
+            "10",
+            "--system",
+            "You are terse.",
+            "--device",
+            "cpu",
+        ]
+    )
     out, err = io.StringIO(), io.StringIO()
-    assert run_chat(args, stdin=io.StringIO("Hello there\n\nWhat next?\n/reset\nWhat next?\n"), stdout=out,
-                    stderr=err) == 0
+    assert (
+        run_chat(args, stdin=io.StringIO("Hello there\n\nWhat next?\n/reset\nWhat next?\n"), stdout=out, stderr=err)
+        == 0
+    )
     engine, stop = Engine(model, tok), ChatTokens(tok).stop
     history = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hello there"}]
     first = engine.generate([render_prompt(tok, history)], 10, temperature=0, stop_token_ids=stop)[0].text
     history += [{"role": "assistant", "content": first}, {"role": "user", "content": "What next?"}]
     second = engine.generate([render_prompt(tok, history)], 10, temperature=0, stop_token_ids=stop)[0].text
-    fresh = engine.generate([render_prompt(tok, [history[0], history[-1]])], 10, temperature=0,
-                            stop_token_ids=stop)[0].text
+    fresh = engine.generate([render_prompt(tok, [history[0], history[-1]])], 10, temperature=0, stop_token_ids=stop)[
+        0
+    ].text
     assert out.getvalue() == f"{first}\n{second}\n{fresh}\n"
     assert second != fresh  # the second turn saw the first exchange; after /reset it is gone
     # The same through a real pipe into the command.
-    piped = subprocess.run([sys.executable, "-m", "kiln.serve.cli", "chat", str(checkpoint), "--temperature", "0",
-                            "--max-new-tokens", "10", "--system", "You are terse.", "--device", "cpu"],
-                           input="Hello there\nWhat next?\n", capture_output=True, text=True, timeout=120)
+    piped = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kiln.serve.cli",
+            "chat",
+            str(checkpoint),
+            "--temperature",
+            "0",
+            "--max-new-tokens",
+            "10",
+            "--system",
+            "You are terse.",
+            "--device",
+            "cpu",
+        ],
+        input="Hello there\nWhat next?\n",
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert piped.returncode == 0, piped.stderr
     assert piped.stdout == f"{first}\n{second}\n"
 
@@ -418,8 +506,13 @@ def test_chat_page_streams_an_answer_in_chromium(server, client):
         pytest.skip("no chromium on PATH")
     base, _ = server
     question = "What is a list?"
-    expected = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": question}],
-                                              max_tokens=12, temperature=0).choices[0].message.content
+    expected = (
+        client.chat.completions.create(
+            model=NAME, messages=[{"role": "user", "content": question}], max_tokens=12, temperature=0
+        )
+        .choices[0]
+        .message.content
+    )
     assert len(expected) > 5
     with sync_api.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
@@ -442,10 +535,16 @@ def test_chat_page_streams_an_answer_in_chromium(server, client):
             page.fill("#input", follow)
             page.click("#send")
             page.wait_for_selector('.assistant:nth-of-type(4)[data-state="done"]', timeout=60_000)
-            history = [{"role": "user", "content": question}, {"role": "assistant", "content": expected},
-                       {"role": "user", "content": follow}]
-            again = client.chat.completions.create(model=NAME, messages=history, max_tokens=12,
-                                                   temperature=0).choices[0].message.content
+            history = [
+                {"role": "user", "content": question},
+                {"role": "assistant", "content": expected},
+                {"role": "user", "content": follow},
+            ]
+            again = (
+                client.chat.completions.create(model=NAME, messages=history, max_tokens=12, temperature=0)
+                .choices[0]
+                .message.content
+            )
             texts = page.eval_on_selector_all(".assistant", "es => es.map(e => e.textContent)")
             assert texts == [expected, again]
             assert page.query_selector(".error") is None

@@ -23,9 +23,22 @@ def pack(tmp_path_factory, tiny_pack_factory):
 
 
 def _cfg(**overrides):
-    base = dict(seq_len=16, micro_batch_size=4, global_batch_tokens=4 * MICRO, max_steps=8, lr=1e-2, warmup_steps=2,
-                precision="fp32", log_every=1, eval_every=100, eval_batches=2, ckpt_every=4, peak_flops=1e12,
-                batch_ramp_steps=6, batch_ramp_start_tokens=MICRO)
+    base = dict(
+        seq_len=16,
+        micro_batch_size=4,
+        global_batch_tokens=4 * MICRO,
+        max_steps=8,
+        lr=1e-2,
+        warmup_steps=2,
+        precision="fp32",
+        log_every=1,
+        eval_every=100,
+        eval_batches=2,
+        ckpt_every=4,
+        peak_flops=1e12,
+        batch_ramp_steps=6,
+        batch_ramp_start_tokens=MICRO,
+    )
     return TrainConfig(**{**base, **overrides})
 
 
@@ -52,13 +65,14 @@ def test_ramped_run_logs_and_counts_the_tokens_it_read(pack, tmp_path):
     def count(micro_batches, **kwargs):
         calls.append(len(micro_batches))
         return step(micro_batches, **kwargs)
+
     trainer.train_step = count
     summary = trainer.fit()
     expected = [1, 1, 2, 2, 3, 3, 4, 4]
     assert calls == expected
     train = [r for r in _log(out) if r["kind"] == "train"]
     assert [r["batch_tokens"] for r in train] == [a * MICRO for a in expected]
-    assert [r["tokens_seen"] for r in train] == [sum(expected[:i + 1]) * MICRO for i in range(8)]
+    assert [r["tokens_seen"] for r in train] == [sum(expected[: i + 1]) * MICRO for i in range(8)]
     assert summary["tokens_seen"] == sum(expected) * MICRO
     events = [r for r in _log(out) if r["kind"] == "event"]
     assert [(r["step"], r["type"]) for r in events] == [(0, "batch_ramp"), (6, "batch_ramp")]
@@ -80,20 +94,28 @@ def test_resume_in_the_middle_of_the_ramp_equals_an_uninterrupted_run(pack, tmp_
     assert manifest["step"] == expected_manifest["step"] == 8
     for name, tensor in expected.items():
         assert torch.equal(got[name], tensor), name
-    assert manifest["loader"] == expected_manifest["loader"] and manifest["tokens_seen"] == expected_manifest["tokens_seen"]
+    assert (
+        manifest["loader"] == expected_manifest["loader"]
+        and manifest["tokens_seen"] == expected_manifest["tokens_seen"]
+    )
     straight_train = {r["step"]: r for r in _log(straight) if r["kind"] == "train"}
     for r in (r for r in _log(resumed) if r["kind"] == "train"):
         assert (r["loss"], r["batch_tokens"], r["tokens_seen"]) == (
-            straight_train[r["step"]]["loss"], straight_train[r["step"]]["batch_tokens"],
-            straight_train[r["step"]]["tokens_seen"])
+            straight_train[r["step"]]["loss"],
+            straight_train[r["step"]]["batch_tokens"],
+            straight_train[r["step"]]["tokens_seen"],
+        )
 
 
-@pytest.mark.parametrize("overrides, key", [
-    (["train.batch_ramp_steps=5"], "train.batch_ramp_start_tokens"),  # no start given
-    (["train.batch_ramp_steps=5", "train.batch_ramp_start_tokens=32768"], "train.batch_ramp_start_tokens"),
-    (["train.batch_ramp_steps=5", "train.batch_ramp_start_tokens=1000"], "train.batch_ramp_start_tokens"),
-    (["train.batch_ramp_steps=-1"], "train.batch_ramp_steps"),
-])
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["train.batch_ramp_steps=5"], "train.batch_ramp_start_tokens"),  # no start given
+        (["train.batch_ramp_steps=5", "train.batch_ramp_start_tokens=32768"], "train.batch_ramp_start_tokens"),
+        (["train.batch_ramp_steps=5", "train.batch_ramp_start_tokens=1000"], "train.batch_ramp_start_tokens"),
+        (["train.batch_ramp_steps=-1"], "train.batch_ramp_steps"),
+    ],
+)
 def test_config_errors_name_the_key(overrides, key):
     with pytest.raises(ConfigError) as err:
         load_recipe(None, overrides)

@@ -8,8 +8,16 @@ import pytest
 import torch
 
 from kiln.model import ModelConfig, build_model
-from kiln.train.checkpoint import (CheckpointError, CheckpointManager, capture_rng_state, complete_checkpoints,
-                                   load_weights, resolve_checkpoint, restore_rng_state, save_weights)
+from kiln.train.checkpoint import (
+    CheckpointError,
+    CheckpointManager,
+    capture_rng_state,
+    complete_checkpoints,
+    load_weights,
+    resolve_checkpoint,
+    restore_rng_state,
+    save_weights,
+)
 from kiln.train.config import TrainConfig
 from kiln.train.optim import build_optimizer
 
@@ -30,8 +38,7 @@ def _train_state(model):
 
 
 def _save(manager, step, model, is_best=False):
-    return manager.save(step, CFG, model.state_dict(), _train_state(model), {"tokens_seen": step * 10},
-                        is_best=is_best)
+    return manager.save(step, CFG, model.state_dict(), _train_state(model), {"tokens_seen": step * 10}, is_best=is_best)
 
 
 def _assert_same(a: dict, b: dict):
@@ -64,8 +71,11 @@ def test_load_weights_resolves_root_and_stage_folder(tmp_path):
     _save(manager, 1, _model(1))
     newest = _model(2)
     _save(manager, 2, newest)
-    for path in (tmp_path / "pretrain", tmp_path / "pretrain" / "checkpoints",
-                 tmp_path / "pretrain" / "checkpoints" / "step-00000002"):
+    for path in (
+        tmp_path / "pretrain",
+        tmp_path / "pretrain" / "checkpoints",
+        tmp_path / "pretrain" / "checkpoints" / "step-00000002",
+    ):
         assert resolve_checkpoint(path).name == "step-00000002"
         _, state, manifest = load_weights(path)
         assert manifest["step"] == 2 and manifest["tokens_seen"] == 20
@@ -205,8 +215,10 @@ def test_stale_latest_pointer_falls_back_to_newest_complete(tmp_path):
     for step in (1, 2):
         _save(manager, step, _model(step))
     (root / "latest").write_text("step-00000003\n")
-    with pytest.warns(UserWarning, match="names 'step-00000003', which is not a complete checkpoint; "
-                                         "using the newest complete one, step-00000002"):
+    with pytest.warns(
+        UserWarning,
+        match="names 'step-00000003', which is not a complete checkpoint; using the newest complete one, step-00000002",
+    ):
         assert resolve_checkpoint(root).name == "step-00000002"
     for step in (1, 2):
         (root / f"step-{step:08d}" / "manifest.json").unlink()
@@ -249,8 +261,9 @@ def test_manifest_damage_that_keeps_valid_json_is_detected(tmp_path):
     root = tmp_path / "ckpt"
     manager = CheckpointManager(root, keep_last=3)
     _save(manager, 1, _model(1))
-    folder = manager.save(2, CFG, _model(2).state_dict(), _train_state(_model(2)),
-                          {"tokens_seen": 20, "loader": {"position": 12345}})
+    folder = manager.save(
+        2, CFG, _model(2).state_dict(), _train_state(_model(2)), {"tokens_seen": 20, "loader": {"position": 12345}}
+    )
     text = (folder / "manifest.json").read_text()
     assert '"position": 12345' in text
     (folder / "manifest.json").write_text(text.replace('"position": 12345', '"position": 12845'))
@@ -264,22 +277,28 @@ def test_manifest_damage_that_keeps_valid_json_is_detected(tmp_path):
 
 # ---- sharded (torch.distributed.checkpoint) checkpoints ----------------------------------------
 
+
 def _save_sharded(manager, step, seed):
     from kiln.parallel.checkpoint import ShardedSaver
+
     model = _model(seed)
     opt = build_optimizer(model, TrainConfig())
     model(torch.randint(0, 64, (2, 8))).float().mean().backward()
     opt.step()
     with warnings.catch_warnings():  # DCP in one process without a process group: intended here
         warnings.simplefilter("ignore", UserWarning)
-        ShardedSaver(manager).save(step, CFG, model, opt, {"scaler": {}, "loop": {"step": step}},
-                                   {"tokens_seen": step})
+        ShardedSaver(manager).save(step, CFG, model, opt, {"scaler": {}, "loop": {"step": step}}, {"tokens_seen": step})
     return model
 
 
-@pytest.mark.parametrize("target, damage, expected", [
-    ("sharded/__0_0.distcp", "flip", "corrupted"), ("sharded/.metadata", "truncate", "truncated"),
-    ("train_state.pt", "flip", "corrupted")])
+@pytest.mark.parametrize(
+    "target, damage, expected",
+    [
+        ("sharded/__0_0.distcp", "flip", "corrupted"),
+        ("sharded/.metadata", "truncate", "truncated"),
+        ("train_state.pt", "flip", "corrupted"),
+    ],
+)
 def test_sharded_checkpoint_corruption_detected_and_fallback(tmp_path, target, damage, expected):
     root = tmp_path / "ckpt"
     manager = CheckpointManager(root, keep_last=3)
@@ -293,7 +312,7 @@ def test_sharded_checkpoint_corruption_detected_and_fallback(tmp_path, target, d
     if damage == "flip":
         data[len(data) // 3] ^= 0x10
     else:
-        del data[len(data) // 2:]
+        del data[len(data) // 2 :]
     path.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match=f"{path}: .*{expected}"):
         manager.load(folder)
@@ -307,6 +326,7 @@ def test_sharded_checkpoint_corruption_detected_and_fallback(tmp_path, target, d
 
 
 # ---- through `kiln pretrain` -------------------------------------------------------------------
+
 
 def _recipe(tmp_path, tiny_pack_factory) -> tuple[Path, Path]:
     tiny_pack_factory(tmp_path / "run" / "pack")
@@ -342,6 +362,7 @@ def test_pretrain_cli_resumes_from_newest_complete_checkpoint(tmp_path, tiny_pac
     and the step-6 weights damaged: it warns, resumes from step 4, and ends where the first run did.
     An explicit --resume of the damaged checkpoint is an error naming the file."""
     from kiln.cli import main
+
     recipe, stage = _recipe(tmp_path, tiny_pack_factory)
     assert main(["pretrain", str(recipe)]) == 0
     root = stage / "checkpoints"
@@ -372,6 +393,7 @@ def test_pretrain_cli_resumes_from_newest_complete_checkpoint(tmp_path, tiny_pac
     assert not (root / ".tmp-step-00000008").exists()
     _, redone, _ = load_weights(stage)
     _assert_same(redone, final)
-    steps = [r["step"] for r in map(json.loads, (stage / "metrics.jsonl").read_text().splitlines())
-             if r["kind"] == "train"]
+    steps = [
+        r["step"] for r in map(json.loads, (stage / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "train"
+    ]
     assert steps == sorted(set(steps)) and steps[-1] == 8

@@ -64,10 +64,15 @@ peak_flops = 1e12
 threads = 1
 """
 
+
 def _timing_key(key: str) -> bool:
     """Metrics that measure the machine rather than the computation."""
-    return (key.startswith("sys/") or key in ("tokens_per_s", "mfu", "hfu", "peak_mem_mb")
-            or key.endswith("_s") or "time" in key)
+    return (
+        key.startswith("sys/")
+        or key in ("tokens_per_s", "mfu", "hfu", "peak_mem_mb")
+        or key.endswith("_s")
+        or "time" in key
+    )
 
 
 def _make_run(root: Path, pack_factory, max_steps: int) -> tuple[Path, Path]:
@@ -83,8 +88,13 @@ def _launch(recipe: Path, log: Path) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     # Output goes to a file: a pipe nobody reads would block the child once full.
     with open(log, "a") as f:
-        return subprocess.Popen([sys.executable, "-m", "kiln.cli", "pretrain", str(recipe)], env=env, cwd=REPO,
-                                stdout=f, stderr=subprocess.STDOUT)
+        return subprocess.Popen(
+            [sys.executable, "-m", "kiln.cli", "pretrain", str(recipe)],
+            env=env,
+            cwd=REPO,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+        )
 
 
 class FolderEvents:
@@ -97,8 +107,13 @@ class FolderEvents:
     def __init__(self, folder: Path):
         self.libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
         self.fd = self.libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
-        if self.fd < 0 or self.libc.inotify_add_watch(
-                self.fd, str(folder).encode(), self.IN_CREATE | self.IN_MOVED_FROM | self.IN_DELETE) < 0:
+        if (
+            self.fd < 0
+            or self.libc.inotify_add_watch(
+                self.fd, str(folder).encode(), self.IN_CREATE | self.IN_MOVED_FROM | self.IN_DELETE
+            )
+            < 0
+        ):
             raise OSError(ctypes.get_errno(), f"inotify on {folder}")
 
     def read(self, timeout: float) -> list[tuple[str, str]]:
@@ -115,7 +130,7 @@ class FolderEvents:
         offset = 0
         while offset < len(data):
             _, mask, _, length = struct.unpack_from("iIII", data, offset)
-            name = data[offset + 16: offset + 16 + length].rstrip(b"\0").decode()
+            name = data[offset + 16 : offset + 16 + length].rstrip(b"\0").decode()
             offset += 16 + length
             events.append(("created" if mask & self.IN_CREATE else "gone", name))
         return events
@@ -126,7 +141,7 @@ class FolderEvents:
 
 def _newest_step(root: Path) -> int:
     found = complete_checkpoints(root)
-    return int(found[-1].name[len("step-"):]) if found else 0
+    return int(found[-1].name[len("step-") :]) if found else 0
 
 
 def _check_folder_invariants(root: Path) -> None:
@@ -163,7 +178,7 @@ def _kill_run(recipe: Path, stage: Path, log: Path, mode: str, rng: random.Rando
             for kind, name in events.read(wait):
                 if name.startswith(".tmp-step-"):
                     if kind == "created":
-                        saves.append(int(name[len(".tmp-step-"):]))
+                        saves.append(int(name[len(".tmp-step-") :]))
                         open_saves.add(name)
                     else:
                         open_saves.discard(name)
@@ -173,13 +188,14 @@ def _kill_run(recipe: Path, stage: Path, log: Path, mode: str, rng: random.Rando
                 # "checkpoint": within the save's few tens of milliseconds; "step": anywhere in the
                 # next few steps (training, evaluation, logging, the next save, pruning).
                 # On a quiet machine a save of this tiny model lasts a few milliseconds.
-                fire_at = time.monotonic() + (rng.uniform(0.0, 0.004) if mode == "checkpoint"
-                                              else rng.uniform(0.0, 0.08))
+                fire_at = time.monotonic() + (
+                    rng.uniform(0.0, 0.004) if mode == "checkpoint" else rng.uniform(0.0, 0.08)
+                )
         code = proc.wait()
         for kind, name in events.read(0.0):
             if name.startswith(".tmp-step-"):
                 if kind == "created":
-                    saves.append(int(name[len(".tmp-step-"):]))
+                    saves.append(int(name[len(".tmp-step-") :]))
                     open_saves.add(name)
                 else:
                     open_saves.discard(name)
@@ -190,8 +206,14 @@ def _kill_run(recipe: Path, stage: Path, log: Path, mode: str, rng: random.Rando
     if code == -signal.SIGKILL and open_saves:
         name = open_saves.pop()
         mid_write = {name: sorted(p.name for p in (root / name).iterdir())}
-    return {"mode": mode, "code": code, "resumable": resumable, "saves": saves, "mid_write": mid_write,
-            "seconds": round(time.monotonic() - started, 2)}
+    return {
+        "mode": mode,
+        "code": code,
+        "resumable": resumable,
+        "saves": saves,
+        "mid_write": mid_write,
+        "seconds": round(time.monotonic() - started, 2),
+    }
 
 
 def _log(stage: Path) -> list[dict]:
@@ -217,8 +239,9 @@ def _assert_same_run(stage: Path, reference: Path) -> None:
     assert summary["best_step"] == summary_ref["best_step"]
 
 
-def _fault_injection(tmp_path, pack_factory, modes: list[str], max_steps: int, seed: int,
-                     time_limit_s: float, enough=lambda kills: False) -> list[dict]:
+def _fault_injection(
+    tmp_path, pack_factory, modes: list[str], max_steps: int, seed: int, time_limit_s: float, enough=lambda kills: False
+) -> list[dict]:
     """Kill a run once per entry of `modes` (or until `enough(kills)`), restart it a last time to
     finish, and check it against an uninterrupted run; returns what each kill hit."""
     rng = random.Random(seed)
@@ -247,8 +270,9 @@ def _fault_injection(tmp_path, pack_factory, modes: list[str], max_steps: int, s
     resumable = _newest_step(stage / "checkpoints")
     code = _launch(recipe, log).wait()
     assert code == 0, f"the final restart failed; see {log}:\n{log.read_text()[-3000:]}"
-    assert ref_proc.wait(timeout=max(deadline - time.monotonic(), 1)) == 0, \
-        (tmp_path / "reference.log").read_text()[-3000:]
+    assert ref_proc.wait(timeout=max(deadline - time.monotonic(), 1)) == 0, (tmp_path / "reference.log").read_text()[
+        -3000:
+    ]
     summary = json.loads((stage / "summary.json").read_text())
     if resumable:
         assert summary["resumed_from"].endswith(f"step-{resumable:08d}")
@@ -256,8 +280,9 @@ def _fault_injection(tmp_path, pack_factory, modes: list[str], max_steps: int, s
     _assert_same_run(stage, reference)
 
     mid_write = [k for k in kills if k["mid_write"] is not None]
-    print(f"\n{len(kills)} kills, {len(mid_write)} inside a checkpoint write; "
-          f"{time.monotonic() - started:.1f} s in all")
+    print(
+        f"\n{len(kills)} kills, {len(mid_write)} inside a checkpoint write; {time.monotonic() - started:.1f} s in all"
+    )
     for k in kills:
         print(f"  {k}")
     return kills
@@ -271,8 +296,15 @@ def test_three_kills_resume_to_identical_run(tmp_path, tiny_pack_factory):
     # Three kills, one of them inside a checkpoint write; a "checkpoint" kill that came after the
     # save it aimed at had finished is retried, at most twice.
     modes = ["checkpoint", "step", "startup", "checkpoint", "checkpoint"]
-    kills = _fault_injection(tmp_path, tiny_pack_factory, modes, max_steps=24, seed=7, time_limit_s=300,
-                             enough=lambda kills: len(kills) >= 3 and _mid_write(kills))
+    kills = _fault_injection(
+        tmp_path,
+        tiny_pack_factory,
+        modes,
+        max_steps=24,
+        seed=7,
+        time_limit_s=300,
+        enough=lambda kills: len(kills) >= 3 and _mid_write(kills),
+    )
     assert all(k["code"] == -signal.SIGKILL for k in kills)
     assert _mid_write(kills), kills
 

@@ -12,11 +12,11 @@ from kiln.config import load_recipe
 from kiln.data.loader import TokenLoader
 from kiln.errors import ConfigError
 from kiln.model import ModelConfig, build_model
+from kiln.train import trainer as trainer_module
 from kiln.train.checkpoint import load_weights
 from kiln.train.config import TrainConfig
 from kiln.train.guard import GuardConfig, LossGuard, TrainingDiverged, grad_group
 from kiln.train.schedule import lr_at
-from kiln.train import trainer as trainer_module
 from kiln.train.trainer import Trainer, next_token_loss
 
 MODEL = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32)
@@ -25,6 +25,7 @@ BAD_STEP = 10
 
 
 # ---- the detector --------------------------------------------------------------------------------
+
 
 def _noisy(n, level=2.0, amplitude=0.05):
     """A deterministic wobble around `level`: mean `level`, std about amplitude / sqrt(2)."""
@@ -41,6 +42,7 @@ def test_spike_is_a_rise_of_k_sigma_over_the_window_mean():
         for loss in history:
             assert guard.check(loss, 1.0) is None
         return guard
+
     assert primed().check(mean + 5.95 * std, 1.0) is None
     guard = primed()
     flagged = guard.check(mean + 6.05 * std, 1.0)
@@ -108,12 +110,19 @@ def test_max_events_and_state_round_trip():
     assert not LossGuard(GuardConfig(max_events=0)).exhausted()
 
 
-@pytest.mark.parametrize("override, key", [
-    ("action=retry", "train.guard.action"), ("window=1", "train.guard.window"),
-    ("min_history=500", "train.guard.min_history"), ("lr_factor=0", "train.guard.lr_factor"),
-    ("lr_factor=1.5", "train.guard.lr_factor"), ("spike_sigma=-1", "train.guard.spike_sigma"),
-    ("max_events=-1", "train.guard.max_events"), ("spike_min_rise=nan", "train.guard.spike_min_rise"),
-])
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("action=retry", "train.guard.action"),
+        ("window=1", "train.guard.window"),
+        ("min_history=500", "train.guard.min_history"),
+        ("lr_factor=0", "train.guard.lr_factor"),
+        ("lr_factor=1.5", "train.guard.lr_factor"),
+        ("spike_sigma=-1", "train.guard.spike_sigma"),
+        ("max_events=-1", "train.guard.max_events"),
+        ("spike_min_rise=nan", "train.guard.spike_min_rise"),
+    ],
+)
 def test_config_errors_name_the_key(override, key):
     with pytest.raises(ConfigError) as err:
         load_recipe(None, [f"train.guard.{override}"])
@@ -121,14 +130,22 @@ def test_config_errors_name_the_key(override, key):
 
 
 def test_grad_groups_of_the_transformer():
-    model = build_model(ModelConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, max_seq_len=32, vocab_size=64,
-                                    pos="learned"))
+    model = build_model(
+        ModelConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, max_seq_len=32, vocab_size=64, pos="learned")
+    )
     groups = {name: grad_group(name) for name, _ in model.named_parameters()}
     assert groups == {
-        "tok_embeddings.weight": "embed", "pos_embeddings.weight": "embed",
-        "layers.0.attn_norm.weight": "norm", "layers.0.attn.wqkv.weight": "attn", "layers.0.attn.wo.weight": "attn",
-        "layers.0.ffn_norm.weight": "norm", "layers.0.ffn.w13.weight": "mlp", "layers.0.ffn.w2.weight": "mlp",
-        "norm.weight": "norm", "output.weight": "head"}
+        "tok_embeddings.weight": "embed",
+        "pos_embeddings.weight": "embed",
+        "layers.0.attn_norm.weight": "norm",
+        "layers.0.attn.wqkv.weight": "attn",
+        "layers.0.attn.wo.weight": "attn",
+        "layers.0.ffn_norm.weight": "norm",
+        "layers.0.ffn.w13.weight": "mlp",
+        "layers.0.ffn.w2.weight": "mlp",
+        "norm.weight": "norm",
+        "output.weight": "head",
+    }
     assert grad_group("layers.3.attn.q_norm.weight") == "norm"
     assert grad_group("layers.0.attn.wqkv.lora_a") == "attn"
     assert grad_group("_orig_mod.layers.0.ffn.experts.w1") == "mlp"
@@ -137,15 +154,28 @@ def test_grad_groups_of_the_transformer():
 
 # ---- planted bad batches in real runs ------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def pack(tmp_path_factory, tiny_pack_factory):
     return tiny_pack_factory(tmp_path_factory.mktemp("pack"))
 
 
 def _cfg(**guard):
-    return TrainConfig(seq_len=16, micro_batch_size=4, global_batch_tokens=64, max_steps=STEPS, lr=1e-2,
-                       warmup_steps=2, precision="fp32", log_every=1, eval_every=STEPS, eval_batches=4,
-                       ckpt_every=4, peak_flops=1e12, guard=GuardConfig(**guard))
+    return TrainConfig(
+        seq_len=16,
+        micro_batch_size=4,
+        global_batch_tokens=64,
+        max_steps=STEPS,
+        lr=1e-2,
+        warmup_steps=2,
+        precision="fp32",
+        log_every=1,
+        eval_every=STEPS,
+        eval_batches=4,
+        ckpt_every=4,
+        peak_flops=1e12,
+        guard=GuardConfig(**guard),
+    )
 
 
 def _log(out: Path) -> list[dict]:
@@ -159,6 +189,7 @@ def _events(out: Path) -> list[tuple[int, str]]:
 def _poison(trainer: Trainer, steps, how: str):
     """From inside the model: at the given optimizer steps (1-based) the embeddings become NaN, or
     the logits are scaled up 100x (a loss in the hundreds: a spike, with finite values)."""
+
     def nan_embeddings(module, args, output):
         if trainer.step + 1 in steps and torch.is_grad_enabled():
             return output * float("nan")
@@ -184,10 +215,13 @@ def clean(pack, tmp_path_factory):
     return summary, _log(out)
 
 
-@pytest.mark.parametrize("how, guard", [
-    ("nan", {}),
-    ("spike", {"spike_sigma": 6.0, "window": 8, "min_history": 4}),
-])
+@pytest.mark.parametrize(
+    "how, guard",
+    [
+        ("nan", {}),
+        ("spike", {"spike_sigma": 6.0, "window": 8, "min_history": 4}),
+    ],
+)
 def test_skip_drops_the_bad_step_and_the_run_tracks_the_clean_one(pack, tmp_path, clean, how, guard):
     clean_summary, clean_log = clean
     out = tmp_path / "guarded"
@@ -202,6 +236,7 @@ def test_skip_drops_the_bad_step_and_the_run_tracks_the_clean_one(pack, tmp_path
         if trainer.step == BAD_STEP:  # the flagged step left every weight as it was
             assert all(torch.equal(v, before[k]) for k, v in trainer.model.state_dict().items())
         return stats
+
     trainer.train_step = spy
     summary = trainer.fit()
     kind = "nan" if how == "nan" else "spike"
@@ -222,7 +257,7 @@ def test_skip_drops_the_bad_step_and_the_run_tracks_the_clean_one(pack, tmp_path
     clean_train = [r for r in clean_log if r["kind"] == "train"]
     assert [r["step"] for r in train] == list(range(1, STEPS + 1))
     # Before the bad step the two runs are the same run.
-    assert [r["loss"] for r in train[:BAD_STEP - 1]] == [r["loss"] for r in clean_train[:BAD_STEP - 1]]
+    assert [r["loss"] for r in train[: BAD_STEP - 1]] == [r["loss"] for r in clean_train[: BAD_STEP - 1]]
     assert train[-1]["tokens_seen"] == clean_train[-1]["tokens_seen"]
 
 
@@ -246,13 +281,17 @@ def test_rollback_reloads_the_checkpoint_skips_the_window_and_lowers_lr(pack, tm
         after["checkpoint"] = load_weights(out / "checkpoints" / "step-00000008")[1]
         after["adam_steps"] = {float(state["step"]) for state in trainer.optimizer.state.values()}
         after["loader"] = trainer.train_loader.state_dict()
+
     respond_and_look.__wrapped__ = trainer_module.respond
     monkeypatch.setattr(trainer_module, "respond", respond_and_look)
     summary = trainer.fit()
 
     events = [r for r in _log(out) if r["kind"] == "event"]
-    assert [(r["step"], r["type"]) for r in events] == [(BAD_STEP, "nan"), (BAD_STEP, "rollback"),
-                                                         (BAD_STEP, "lr_lowered")]
+    assert [(r["step"], r["type"]) for r in events] == [
+        (BAD_STEP, "nan"),
+        (BAD_STEP, "rollback"),
+        (BAD_STEP, "lr_lowered"),
+    ]
     rollback = events[1]
     assert rollback["checkpoint"] == "step-00000008" and rollback["checkpoint_step"] == 8
     assert rollback["skipped_steps"] == 2 and rollback["skipped_micro_batches"] == 2

@@ -12,14 +12,33 @@ from kiln.train.metrics import MetricsLogger, flatten_config, mlflow_key, scalar
 
 CONFIG = {"train": {"lr": 3e-4, "max_steps": 3, "loggers": ["tensorboard"]}, "model": {"dim": 64}}
 TRAIN = [
-    {"kind": "train", "step": 1, "loss": 4.0, "lr": 1e-4, "grad_norm": 2.0, "grad_norm/attn": 1.5,
-     "sys/cpu_percent": 12.5, "note": "text is not a metric", "flag": True, "bad": math.nan},
-    {"kind": "train", "step": 2, "loss": 3.5, "lr": 2e-4, "grad_norm": 1.0, "grad_norm/attn": 0.5,
-     "sys/cpu_percent": 20.0},
+    {
+        "kind": "train",
+        "step": 1,
+        "loss": 4.0,
+        "lr": 1e-4,
+        "grad_norm": 2.0,
+        "grad_norm/attn": 1.5,
+        "sys/cpu_percent": 12.5,
+        "note": "text is not a metric",
+        "flag": True,
+        "bad": math.nan,
+    },
+    {
+        "kind": "train",
+        "step": 2,
+        "loss": 3.5,
+        "lr": 2e-4,
+        "grad_norm": 1.0,
+        "grad_norm/attn": 0.5,
+        "sys/cpu_percent": 20.0,
+    },
 ]
 VAL = {"kind": "val", "step": 2, "val_loss": 3.75, "val_bpb": 1.25, "tokens_seen": 4096}
-SPIKES = [{"kind": "event", "step": 2, "type": "spike", "loss": 9.0, "mean": 3.6},
-          {"kind": "event", "step": 3, "type": "spike", "loss": 8.0, "mean": 3.5}]
+SPIKES = [
+    {"kind": "event", "step": 2, "type": "spike", "loss": 9.0, "mean": 3.6},
+    {"kind": "event", "step": 3, "type": "spike", "loss": 8.0, "mean": 3.5},
+]
 
 
 def write_run(out, loggers, **kwargs):
@@ -30,15 +49,24 @@ def write_run(out, loggers, **kwargs):
 
 
 def test_scalars_keeps_finite_numbers_grouped_by_kind():
-    assert scalars(TRAIN[0]) == {"train/loss": 4.0, "train/lr": 1e-4, "train/grad_norm": 2.0,
-                                 "train/grad_norm/attn": 1.5, "sys/cpu_percent": 12.5}
+    assert scalars(TRAIN[0]) == {
+        "train/loss": 4.0,
+        "train/lr": 1e-4,
+        "train/grad_norm": 2.0,
+        "train/grad_norm/attn": 1.5,
+        "sys/cpu_percent": 12.5,
+    }
     assert scalars(VAL) == {"val/val_loss": 3.75, "val/val_bpb": 1.25, "val/tokens_seen": 4096.0}
     assert scalars({"step": 1, "loss": 2.0}) == {"train/loss": 2.0}  # no kind: a training record
 
 
 def test_flatten_config_and_mlflow_keys():
-    assert flatten_config(CONFIG) == {"train.lr": 3e-4, "train.max_steps": 3, "train.loggers": ["tensorboard"],
-                                      "model.dim": 64}
+    assert flatten_config(CONFIG) == {
+        "train.lr": 3e-4,
+        "train.max_steps": 3,
+        "train.loggers": ["tensorboard"],
+        "model.dim": 64,
+    }
     assert mlflow_key("train/grad_norm/attn") == "train.grad_norm.attn"
     assert mlflow_key("sys/gpu_mem_mb") == "sys.gpu_mem_mb"
     assert mlflow_key("eval/acc@1 (%)") == "eval.acc_1 ___"
@@ -82,10 +110,14 @@ def test_unknown_logger_names_the_key_and_the_known_ones(tmp_path):
         assert name in err.value.message
 
 
-@pytest.mark.parametrize("name, modules, extra", [
-    ("wandb", ["wandb"], "wandb"),
-    ("mlflow", ["mlflow", "mlflow.entities", "mlflow.tracking"], "mlflow"),
-    ("tensorboard", ["torch.utils.tensorboard"], "tensorboard")])
+@pytest.mark.parametrize(
+    "name, modules, extra",
+    [
+        ("wandb", ["wandb"], "wandb"),
+        ("mlflow", ["mlflow", "mlflow.entities", "mlflow.tracking"], "mlflow"),
+        ("tensorboard", ["torch.utils.tensorboard"], "tensorboard"),
+    ],
+)
 def test_missing_backend_package_says_what_to_install(tmp_path, monkeypatch, name, modules, extra):
     for module in modules:  # None in sys.modules makes `import module` raise ImportError, even if loaded
         monkeypatch.setitem(sys.modules, module, None)
@@ -134,11 +166,11 @@ def read_wandb_records(path):
         if left < 7:  # too little room for a chunk header: the writer padded to the next block
             pos += left
             continue
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
         if length == 0 and kind == 0:
             pos += left
             continue
-        pending += data[pos + 7:pos + 7 + length]
+        pending += data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):  # a full record, or the last chunk of one
             record = wandb_internal_pb2.Record()
@@ -193,8 +225,9 @@ def test_mlflow_file_store_reads_back(tmp_path, monkeypatch):
     assert json.loads(run.data.params["train.loggers"]) == ["tensorboard"]
 
     def series(key):
-        return [(m.step, m.value) for m in sorted(client.get_metric_history(run.info.run_id, key),
-                                                  key=lambda m: m.step)]
+        return [
+            (m.step, m.value) for m in sorted(client.get_metric_history(run.info.run_id, key), key=lambda m: m.step)
+        ]
 
     # "grad_norm" and "grad_norm/attn" both kept: "/" would make one a file and the other a folder.
     assert series("train.grad_norm") == [(1, 2.0), (2, 1.0)]
@@ -259,13 +292,28 @@ def test_a_training_run_reaches_every_backend(tmp_path, monkeypatch, tiny_pack_f
     monkeypatch.delenv("WANDB_MODE", raising=False)
     monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
     pack = tiny_pack_factory(tmp_path / "pack")
-    cfg = TrainConfig(seq_len=16, micro_batch_size=4, global_batch_tokens=64, max_steps=4, lr=1e-2, warmup_steps=1,
-                      precision="fp32", log_every=2, eval_every=4, eval_batches=1, ckpt_every=4, peak_flops=1e12,
-                      loggers=["tensorboard", "wandb", "mlflow"])
+    cfg = TrainConfig(
+        seq_len=16,
+        micro_batch_size=4,
+        global_batch_tokens=64,
+        max_steps=4,
+        lr=1e-2,
+        warmup_steps=1,
+        precision="fp32",
+        log_every=2,
+        eval_every=4,
+        eval_batches=1,
+        ckpt_every=4,
+        peak_flops=1e12,
+        loggers=["tensorboard", "wandb", "mlflow"],
+    )
     out = tmp_path / "run" / "pretrain"
     Trainer(ModelConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, max_seq_len=32), cfg, pack, out).fit()
-    train = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()
-             if json.loads(line)["kind"] == "train"]
+    train = [
+        json.loads(line)
+        for line in (out / "metrics.jsonl").read_text().splitlines()
+        if json.loads(line)["kind"] == "train"
+    ]
     assert [r["step"] for r in train] == [2, 4]
     numeric = sorted(k for k in train[-1] if k not in ("kind", "step") and not isinstance(train[-1][k], bool))
     assert "grad_norm/attn" in numeric and "sys/rss_mb" in numeric
@@ -278,15 +326,20 @@ def test_a_training_run_reaches_every_backend(tmp_path, monkeypatch, tiny_pack_f
     assert "val/val_loss" in tb_tags
 
     from mlflow.tracking import MlflowClient
+
     client = MlflowClient(tracking_uri=(out / "mlruns").as_uri())
     run = client.search_runs([client.get_experiment_by_name("kiln").experiment_id])[0]
     assert run.info.run_name == "run/pretrain" and run.data.params["train.max_steps"] == "4"
     assert set(run.data.metrics) >= {mlflow_key(k if k.startswith("sys/") else f"train/{k}") for k in numeric}
     history = client.get_metric_history(run.info.run_id, "train.grad_norm.attn")
-    assert sorted((m.step, m.value) for m in history) == [(r["step"], pytest.approx(r["grad_norm/attn"]))
-                                                         for r in train]
+    assert sorted((m.step, m.value) for m in history) == [
+        (r["step"], pytest.approx(r["grad_norm/attn"])) for r in train
+    ]
 
     (wandb_file,) = (out / "wandb").glob("offline-run-*/run-*.wandb")
-    rows = [{"/".join(i.nested_key) or i.key: json.loads(i.value_json) for i in r.history.item}
-            for r in read_wandb_records(wandb_file) if r.WhichOneof("record_type") == "history"]
+    rows = [
+        {"/".join(i.nested_key) or i.key: json.loads(i.value_json) for i in r.history.item}
+        for r in read_wandb_records(wandb_file)
+        if r.WhichOneof("record_type") == "history"
+    ]
     assert [row["train/loss"] for row in rows if "train/loss" in row] == pytest.approx([r["loss"] for r in train])

@@ -41,15 +41,20 @@ def test_decay_groups_small_model():
     decay, no_decay = param_groups(model, 0.1)
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
     assert {id(p) for p in decay["params"]} == {id(model.proj.weight), id(model.head.weight)}
-    assert {id(p) for p in no_decay["params"]} == {id(model.emb.weight), id(model.norm.weight),
-                                                  id(model.norm.bias), id(model.proj.bias)}
+    assert {id(p) for p in no_decay["params"]} == {
+        id(model.emb.weight),
+        id(model.norm.weight),
+        id(model.norm.bias),
+        id(model.proj.bias),
+    }
 
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_decay_groups_transformer(tied):
     torch.manual_seed(0)
-    model = build_model(ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, max_seq_len=16,
-                                    tie_embeddings=tied, qkv_bias=True))
+    model = build_model(
+        ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, max_seq_len=16, tie_embeddings=tied, qkv_bias=True)
+    )
     groups = param_groups(model, 0.1)
     names = {id(p): n for n, p in model.named_parameters()}
     decayed = {names[id(p)] for p in groups[0]["params"]}
@@ -69,8 +74,10 @@ def test_adamw_matches_torch_reference_bit_for_bit():
     opt = build_optimizer(model, cfg)
     ref_groups = [
         {"params": [reference.proj.weight, reference.head.weight], "weight_decay": 0.3},
-        {"params": [reference.emb.weight, reference.norm.weight, reference.norm.bias, reference.proj.bias],
-         "weight_decay": 0.0},
+        {
+            "params": [reference.emb.weight, reference.norm.weight, reference.norm.bias, reference.proj.bias],
+            "weight_decay": 0.0,
+        },
     ]
     # The plain (single-tensor, for-loop) implementation, not the fused kernel build_optimizer picks.
     ref_opt = torch.optim.AdamW(ref_groups, lr=1e-2, betas=(0.8, 0.9), eps=1e-6, foreach=False)
@@ -112,8 +119,7 @@ def test_lion_matches_formula():
         opt.step()
     ids = [id(p) for p in model.parameters()]
     expected = [s.clone() for s in start]
-    expected = _lion_reference(expected, grads_per_step, lrs, 0.9, 0.99,
-                               lambda i: 0.5 if ids[i] in decayed else 0.0)
+    expected = _lion_reference(expected, grads_per_step, lrs, 0.9, 0.99, lambda i: 0.5 if ids[i] in decayed else 0.0)
     for p, e in zip(model.parameters(), expected):
         torch.testing.assert_close(p.detach(), e, rtol=0, atol=1e-7)
 

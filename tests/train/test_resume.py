@@ -45,15 +45,36 @@ def _launch(pack: Path, out: Path, precision: str, kill_at: int = 0, compile: bo
     args = {
         "model": {"dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 16},
         # Accumulation (2 micro-batches) and warmup+cosine so that every piece of state matters.
-        "train": {"seq_len": 16, "micro_batch_size": 2, "global_batch_tokens": 64, "max_steps": 12,
-                  "warmup_steps": 3, "lr": 1e-2, "precision": precision, "log_every": 1, "eval_every": 3,
-                  "eval_batches": 2, "ckpt_every": 4, "keep_last": 2, "peak_flops": 1e12, "threads": 1,
-                  "compile": compile},
-        "pack": str(pack), "out": str(out), "kill_at": kill_at,
+        "train": {
+            "seq_len": 16,
+            "micro_batch_size": 2,
+            "global_batch_tokens": 64,
+            "max_steps": 12,
+            "warmup_steps": 3,
+            "lr": 1e-2,
+            "precision": precision,
+            "log_every": 1,
+            "eval_every": 3,
+            "eval_batches": 2,
+            "ckpt_every": 4,
+            "keep_last": 2,
+            "peak_flops": 1e12,
+            "threads": 1,
+            "compile": compile,
+        },
+        "pack": str(pack),
+        "out": str(out),
+        "kill_at": kill_at,
     }
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.Popen([sys.executable, "-c", SCRIPT, json.dumps(args)], env=env, cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", SCRIPT, json.dumps(args)],
+        env=env,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _finish(proc: subprocess.Popen) -> int:
@@ -67,17 +88,23 @@ def _log(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("precision, compile", [
-    ("fp32", False), ("bf16", False),
-    # torch.compile (of the loss function with the model inside) must not break exactness either.
-    pytest.param("bf16", True, marks=pytest.mark.slow),
-])
+@pytest.mark.parametrize(
+    "precision, compile",
+    [
+        ("fp32", False),
+        ("bf16", False),
+        # torch.compile (of the loss function with the model inside) must not break exactness either.
+        pytest.param("bf16", True, marks=pytest.mark.slow),
+    ],
+)
 def test_killed_and_resumed_run_equals_uninterrupted(tmp_path, precision, compile, tiny_pack_factory):
     pack = tiny_pack_factory(tmp_path / "pack")
     straight, crashed = tmp_path / "straight", tmp_path / "crashed"
     # The two first runs are independent: run them side by side.
-    procs = [_launch(pack, straight, precision, compile=compile),
-             _launch(pack, crashed, precision, kill_at=8, compile=compile)]
+    procs = [
+        _launch(pack, straight, precision, compile=compile),
+        _launch(pack, crashed, precision, kill_at=8, compile=compile),
+    ]
     assert [_finish(p) for p in procs] == [0, -signal.SIGKILL]
 
     root = crashed / "checkpoints"
@@ -98,8 +125,9 @@ def test_killed_and_resumed_run_equals_uninterrupted(tmp_path, precision, compil
     # The resumed log replaces what the killed run logged after step 6, so the whole log matches.
     assert [(r["kind"], r["step"]) for r in got] == [(r["kind"], r["step"]) for r in expected]
     for key in ("loss", "grad_norm", "lr", "tokens_seen", "val_loss", "val_bpb"):
-        differ = [(r["kind"], r["step"], r.get(key), e.get(key)) for r, e in zip(got, expected)
-                  if r.get(key) != e.get(key)]
+        differ = [
+            (r["kind"], r["step"], r.get(key), e.get(key)) for r, e in zip(got, expected) if r.get(key) != e.get(key)
+        ]
         assert not differ, f"{key} differs (kind, step, resumed, uninterrupted): {differ}"
     assert len([r for r in got if r["kind"] == "train" and r["step"] > 6]) == 6
 

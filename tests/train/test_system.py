@@ -70,8 +70,11 @@ def test_cuda_memory_follows_a_real_allocation():
 
 # ---- progress bars ----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("rank, forced, expected", [
-    ("0", "", None), ("0", "1", True), ("0", "0", False), ("1", "1", False), ("3", "", False)])
+
+@pytest.mark.parametrize(
+    "rank, forced, expected",
+    [("0", "", None), ("0", "1", True), ("0", "0", False), ("1", "1", False), ("3", "", False)],
+)
 def test_progress_follows_rank_and_the_override(monkeypatch, rank, forced, expected):
     monkeypatch.setenv("RANK", rank)
     monkeypatch.setenv(system.PROGRESS_ENV, forced)
@@ -94,8 +97,10 @@ def _inputs(folder, files=3, docs=20):
     folder.mkdir()
     paths = []
     for f in range(files):
-        lines = [json.dumps({"id": f"{f}-{d}", "text": f"document {d} of file {f} " * 3, "source": "web"})
-                 for d in range(docs)]
+        lines = [
+            json.dumps({"id": f"{f}-{d}", "text": f"document {d} of file {f} " * 3, "source": "web"})
+            for d in range(docs)
+        ]
         path = folder / f"in-{f}.jsonl"
         path.write_text("\n".join(lines) + "\n")
         paths.append(path)
@@ -138,13 +143,19 @@ def test_tokenizer_and_pack_bars_leave_results_unchanged(tmp_path, monkeypatch, 
     for forced in ("0", "1"):
         monkeypatch.setenv(system.PROGRESS_ENV, forced)
         tok = train_tokenizer_from_corpus(corpus, TokenizerConfig(vocab_size=512), tmp_path / f"tok-{forced}")
-        stats = pack(corpus, tmp_path / f"tok-{forced}" / "tokenizer.json", PackConfig(val_fraction=0.1),
-                     tmp_path / f"pack-{forced}")
+        stats = pack(
+            corpus,
+            tmp_path / f"tok-{forced}" / "tokenizer.json",
+            PackConfig(val_fraction=0.1),
+            tmp_path / f"pack-{forced}",
+        )
         err = capsys.readouterr().err
         if forced == "1":
             assert "[pack] tokenize" in err and "60/60" in err and "tokens=" in err
-        results[forced] = (tok["tokenizer_sha256"], {k: v for k, v in stats.items()
-                                                      if k not in ("seconds", "tokens_per_second")})
+        results[forced] = (
+            tok["tokenizer_sha256"],
+            {k: v for k, v in stats.items() if k not in ("seconds", "tokens_per_second")},
+        )
     assert results["0"] == results["1"]
 
 
@@ -158,11 +169,15 @@ def test_eval_bars_count_requests_and_leave_scores_unchanged(tmp_path, monkeypat
     train_tokenizer(texts, TokenizerConfig(vocab_size=512), tmp_path / "tok", heldout=[])
     tok = Tokenizer.load(tmp_path / "tok")
     torch.manual_seed(0)
-    model = build_model(ModelConfig(vocab_size=tok.vocab_size, dim=32, n_layers=1, n_heads=4, n_kv_heads=2,
-                                    max_seq_len=64)).eval()
-    tasks = [PerplexityTask("ppl", texts),
-             GenerationTask("gen", [{"context": t[:12]} for t in texts], lambda doc, text: {"len": float(len(text))},
-                            max_gen_toks=4)]
+    model = build_model(
+        ModelConfig(vocab_size=tok.vocab_size, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, max_seq_len=64)
+    ).eval()
+    tasks = [
+        PerplexityTask("ppl", texts),
+        GenerationTask(
+            "gen", [{"context": t[:12]} for t in texts], lambda doc, text: {"len": float(len(text))}, max_gen_toks=4
+        ),
+    ]
     scores = {}
     for forced in ("0", "1"):
         monkeypatch.setenv(system.PROGRESS_ENV, forced)

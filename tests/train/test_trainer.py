@@ -20,8 +20,20 @@ def pack(tmp_path_factory, tiny_pack_factory):
 
 
 def _cfg(**overrides):
-    base = dict(seq_len=16, micro_batch_size=4, global_batch_tokens=64, max_steps=8, lr=1e-2, warmup_steps=2,
-                precision="fp32", log_every=1, eval_every=4, eval_batches=2, ckpt_every=4, peak_flops=1e12)
+    base = dict(
+        seq_len=16,
+        micro_batch_size=4,
+        global_batch_tokens=64,
+        max_steps=8,
+        lr=1e-2,
+        warmup_steps=2,
+        precision="fp32",
+        log_every=1,
+        eval_every=4,
+        eval_batches=2,
+        ckpt_every=4,
+        peak_flops=1e12,
+    )
     return TrainConfig(**{**base, **overrides})
 
 
@@ -37,8 +49,19 @@ def test_loss_falls_and_outputs(pack, tmp_path, capsys):
     assert [r["step"] for r in train] == list(range(1, 41))
     groups = {f"grad_norm/{g}" for g in ("embed", "attn", "mlp", "norm", "head")}  # untied: a head of its own
     assert {k for k in train[0] if not k.startswith("sys/")} == {
-        "kind", "step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "hfu", "peak_mem_mb", "tokens_seen",
-        "batch_tokens", *groups}
+        "kind",
+        "step",
+        "loss",
+        "lr",
+        "grad_norm",
+        "tokens_per_s",
+        "mfu",
+        "hfu",
+        "peak_mem_mb",
+        "tokens_seen",
+        "batch_tokens",
+        *groups,
+    }
     assert {"sys/cpu_percent", "sys/ram_mb", "sys/rss_mb"} <= set(train[0])
     assert all(r["batch_tokens"] == 64 and r["hfu"] == r["mfu"] for r in train)
     assert train[0]["loss"] == pytest.approx(math.log(64), abs=0.3)  # near uniform at init
@@ -94,9 +117,10 @@ def _one_step(pack, out, cfg, batch, micro, loss_fn=None):
     def capture_then_step(*args, **kwargs):
         grads.update({n: p.grad.clone() for n, p in trainer.model.named_parameters()})
         return optimizer_step(*args, **kwargs)
+
     trainer.optimizer.step = capture_then_step
     x, y = batch
-    trainer.train_step([(x[i:i + micro], y[i:i + micro]) for i in range(0, len(x), micro)])
+    trainer.train_step([(x[i : i + micro], y[i : i + micro]) for i in range(0, len(x), micro)])
     return grads, trainer.model.state_dict()
 
 
@@ -130,10 +154,12 @@ def test_accumulation_weights_uneven_micro_batches_by_tokens(pack, tmp_path):
     x, y = _batch()
     y = y.clone()
     y[:4] = 2 * (y[:4] // 2)  # first half: every target counted; second half: about half of them
-    big, _ = _one_step(pack, tmp_path / "a", _cfg(micro_batch_size=8, global_batch_tokens=128), (x, y), 8,
-                       loss_fn=masked_loss)
-    accumulated, _ = _one_step(pack, tmp_path / "b", _cfg(micro_batch_size=4, global_batch_tokens=128), (x, y), 4,
-                               loss_fn=masked_loss)
+    big, _ = _one_step(
+        pack, tmp_path / "a", _cfg(micro_batch_size=8, global_batch_tokens=128), (x, y), 8, loss_fn=masked_loss
+    )
+    accumulated, _ = _one_step(
+        pack, tmp_path / "b", _cfg(micro_batch_size=4, global_batch_tokens=128), (x, y), 4, loss_fn=masked_loss
+    )
     for name in big:
         torch.testing.assert_close(accumulated[name], big[name], rtol=1e-4, atol=1e-7)
 
@@ -172,6 +198,7 @@ def test_fp16_loss_scaler_skips_overflowing_step(pack, tmp_path):
     def overflowing(model, batch):
         loss, n_tokens = next_token_loss(model, batch)
         return loss * float("inf"), n_tokens
+
     trainer.loss_fn = overflowing
     trainer.train_step([_batch(4)])
     assert all(torch.equal(v, start[k]) for k, v in trainer.model.state_dict().items())
@@ -194,8 +221,9 @@ def test_other_optimizers_train(pack, tmp_path, optimizer):
 
 def test_early_stopping_and_best_checkpoint(pack, tmp_path):
     out = tmp_path / "run"
-    trainer = Trainer(MODEL, _cfg(max_steps=20, eval_every=1, ckpt_every=100, keep_last=1,
-                                  early_stop_patience=2), pack, out)
+    trainer = Trainer(
+        MODEL, _cfg(max_steps=20, eval_every=1, ckpt_every=100, keep_last=1, early_stop_patience=2), pack, out
+    )
     scripted = iter([3.0, 2.5, 2.6, 2.7, 1.0])
     trainer.evaluate = lambda: (v := next(scripted), v / math.log(2) / 3.0)
     summary = trainer.fit()
@@ -230,8 +258,7 @@ def test_config_errors_name_the_key(pack, tmp_path):
     with pytest.raises(ConfigError, match="seq_len"):
         Trainer(MODEL, _cfg(seq_len=64, global_batch_tokens=256), pack, tmp_path / "a")
     with pytest.raises(ConfigError, match="vocab_size"):
-        Trainer(ModelConfig(vocab_size=32, dim=32, n_layers=1, n_heads=4, max_seq_len=32), _cfg(), pack,
-                tmp_path / "b")
+        Trainer(ModelConfig(vocab_size=32, dim=32, n_layers=1, n_heads=4, max_seq_len=32), _cfg(), pack, tmp_path / "b")
 
 
 def test_default_loss_is_mean_cross_entropy():

@@ -29,6 +29,7 @@ def test_an_armed_watchdog_that_is_not_fed_fires_with_a_diagnostic(tmp_path):
     def on_timeout(text):
         texts.append(text)
         fired.set()
+
     watchdog = Watchdog(0.2, tmp_path, on_timeout=on_timeout)
     watchdog.arm("training step 7", 7)
     _blocked_in_a_recognisable_frame(fired)  # returns once the watchdog fired
@@ -104,16 +105,18 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("hang, at, what", [("step", 3, "training step 3"),
-                                            ("save", 4, "saving the checkpoint of step 4")])
+@pytest.mark.parametrize(
+    "hang, at, what", [("step", 3, "training step 3"), ("save", 4, "saving the checkpoint of step 4")]
+)
 def test_a_hung_training_process_exits_with_code_3(tmp_path, tiny_pack_factory, hang, at, what):
     pack = tiny_pack_factory(tmp_path / "pack")
     out = tmp_path / "run"
     # Generous next to a step of this model (milliseconds), so only the planted hang can fire it.
     args = {"pack": str(pack), "out": str(out), "hang": hang, "at": at, "timeout": 8.0}
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(args)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT, json.dumps(args)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == WATCHDOG_EXIT_CODE, proc.stderr[-3000:]
     diagnostic = (out / "watchdog.txt").read_text()
     assert f"step: {at}\n" in diagnostic and f"what: {what}\n" in diagnostic

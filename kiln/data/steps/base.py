@@ -40,6 +40,7 @@ def register(cls: type["Step"]) -> type["Step"]:
 @dataclass
 class StepStats:
     """What one step did in one task; tasks' stats add up with `merge`."""
+
     name: str
     docs_in: int = 0
     docs_out: int = 0
@@ -59,14 +60,29 @@ class StepStats:
         self.counters.update(other.counters)
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "docs_in": self.docs_in, "docs_out": self.docs_out,
-                "bytes_in": self.bytes_in, "bytes_out": self.bytes_out, "seconds": round(self.seconds, 3),
-                "reasons": dict(self.reasons), "counters": dict(self.counters)}
+        return {
+            "name": self.name,
+            "docs_in": self.docs_in,
+            "docs_out": self.docs_out,
+            "bytes_in": self.bytes_in,
+            "bytes_out": self.bytes_out,
+            "seconds": round(self.seconds, 3),
+            "reasons": dict(self.reasons),
+            "counters": dict(self.counters),
+        }
 
     @classmethod
     def from_dict(cls, d: dict) -> "StepStats":
-        return cls(d["name"], d["docs_in"], d["docs_out"], d["bytes_in"], d["bytes_out"], d["seconds"],
-                   Counter(d["reasons"]), Counter(d["counters"]))
+        return cls(
+            d["name"],
+            d["docs_in"],
+            d["docs_out"],
+            d["bytes_in"],
+            d["bytes_out"],
+            d["seconds"],
+            Counter(d["reasons"]),
+            Counter(d["counters"]),
+        )
 
 
 @dataclass
@@ -110,8 +126,8 @@ class Deduplicator(Filter):
 
 def build_step(name: str, params: dict, key: str) -> Step:
     """A configured step from its name and recipe table; errors name `key.<field>`."""
-    from kiln.config import _build  # the recipe loader's typed table -> dataclass conversion
     import kiln.data.steps  # noqa: F401  (registers the built-in steps)
+    from kiln.config import _build  # the recipe loader's typed table -> dataclass conversion
 
     if name not in STEPS:
         raise ConfigError(key, f"unknown step {name!r}; known: {', '.join(sorted(STEPS))}")

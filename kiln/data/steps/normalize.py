@@ -47,9 +47,14 @@ DEFAULT_BOILERPLATE = [
 UNICODE_FORMS = ("NFC", "NFKC", "none")
 
 
-def normalize_text(text: str, unicode_form: str = "NFC", remove_control_chars: bool = True,
-                   max_blank_lines: int = 2, boilerplate: re.Pattern | None = None,
-                   boilerplate_max_words: int = 20) -> tuple[str, Counter]:
+def normalize_text(
+    text: str,
+    unicode_form: str = "NFC",
+    remove_control_chars: bool = True,
+    max_blank_lines: int = 2,
+    boilerplate: re.Pattern | None = None,
+    boilerplate_max_words: int = 20,
+) -> tuple[str, Counter]:
     """The cleaned text and what changed: counts of line breaks, control characters, lines, ..."""
     counts: Counter = Counter()
     text, n = _LINE_BREAKS.subn("\n", text)
@@ -89,13 +94,14 @@ def compile_boilerplate(patterns: list[str]) -> re.Pattern:
 class Normalize(Mapper):
     """Unicode normal form, control characters, line breaks, trailing spaces, blank-line runs and
     (when `remove_boilerplate`) short boilerplate lines. Counters: what changed, summed over docs."""
+
     name = "normalize"
-    unicode_form: str = "NFC"            # "NFC" keeps compatibility characters (full-width, ligatures); "NFKC" folds them
+    unicode_form: str = "NFC"  # "NFC" keeps compatibility characters (full-width, ligatures); "NFKC" folds them
     remove_control_chars: bool = True
-    max_blank_lines: int = 2             # longer runs of blank lines collapse to this many
+    max_blank_lines: int = 2  # longer runs of blank lines collapse to this many
     remove_boilerplate: bool = False
     boilerplate_patterns: list[str] = field(default_factory=lambda: list(DEFAULT_BOILERPLATE))
-    boilerplate_max_words: int = 20      # a matching line longer than this is content that mentions the phrase
+    boilerplate_max_words: int = 20  # a matching line longer than this is content that mentions the phrase
 
     def validate(self) -> None:
         if self.unicode_form not in UNICODE_FORMS:
@@ -108,19 +114,26 @@ class Normalize(Mapper):
             try:
                 re.compile(pattern)
             except re.error as err:
-                raise ConfigError(f"boilerplate_patterns[{i}]", f"invalid regular expression {pattern!r}: {err}") from None
+                raise ConfigError(
+                    f"boilerplate_patterns[{i}]", f"invalid regular expression {pattern!r}: {err}"
+                ) from None
         if self.remove_boilerplate and not self.boilerplate_patterns:
             raise ConfigError("boilerplate_patterns", "is empty but remove_boilerplate is true")
 
     def setup(self) -> None:
-        self._boilerplate = (compile_boilerplate(self.boilerplate_patterns)
-                             if self.remove_boilerplate else None)
+        self._boilerplate = compile_boilerplate(self.boilerplate_patterns) if self.remove_boilerplate else None
 
     def apply(self, doc: dict) -> dict:
         if not hasattr(self, "_boilerplate"):
             self.setup()
-        text, counts = normalize_text(doc["text"], self.unicode_form, self.remove_control_chars,
-                                      self.max_blank_lines, self._boilerplate, self.boilerplate_max_words)
+        text, counts = normalize_text(
+            doc["text"],
+            self.unicode_form,
+            self.remove_control_chars,
+            self.max_blank_lines,
+            self._boilerplate,
+            self.boilerplate_max_words,
+        )
         if text != doc["text"]:
             self.stats.count("docs_changed")
             doc["text"] = text

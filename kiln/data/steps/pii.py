@@ -29,8 +29,14 @@ from kiln.data.steps.base import Filter, register
 from kiln.errors import ConfigError
 
 PII_TYPES = ("email", "ip", "iban", "id", "credit_card", "phone")
-PII_TOKENS = {"email": "<EMAIL>", "ip": "<IP>", "iban": "<IBAN>", "id": "<ID>",
-                "credit_card": "<CREDIT_CARD>", "phone": "<PHONE>"}
+PII_TOKENS = {
+    "email": "<EMAIL>",
+    "ip": "<IP>",
+    "iban": "<IBAN>",
+    "id": "<ID>",
+    "credit_card": "<CREDIT_CARD>",
+    "phone": "<PHONE>",
+}
 
 # Not preceded by an ASCII word character, a sign or a number's punctuation: "v1.2.3.4", "x-415..."
 # and the digits inside a longer number must not start a match.
@@ -39,39 +45,114 @@ END = r"(?![A-Za-z0-9_\-]|\.\d)"
 
 EMAIL_RE = re.compile(
     r"(?<![A-Za-z0-9._%+\-])[A-Za-z0-9._%+\-]+@(?:[A-Za-z0-9](?:[A-Za-z0-9\-]{0,61}[A-Za-z0-9])?\.)+"
-    r"[A-Za-z]{2,63}(?![A-Za-z0-9\-])")
+    r"[A-Za-z]{2,63}(?![A-Za-z0-9\-])"
+)
 
 IPV4_RE = re.compile(START + r"(?:\d{1,3}\.){3}\d{1,3}" + END)
 # Candidates only: hex groups and colons (at least two colons), maybe an IPv4 tail; `ipaddress`
 # decides. Times (12:30:45) and MAC addresses (6 groups, no "::") fail that check.
 IPV6_RE = re.compile(
     r"(?<![A-Za-z0-9_:.])(?=[0-9A-Fa-f:]*:[0-9A-Fa-f]*:)[0-9A-Fa-f:]{2,39}"
-    r"(?:(?<=:)\d{1,3}(?:\.\d{1,3}){3})?(?![A-Za-z0-9_:]|\.\d)")
+    r"(?:(?<=:)\d{1,3}(?:\.\d{1,3}){3})?(?![A-Za-z0-9_:]|\.\d)"
+)
 
 IBAN_RE = re.compile(r"(?<![A-Za-z0-9_])[A-Z]{2}\d{2}(?: ?[A-Z0-9]){10,30}(?![A-Za-z0-9_])")
 # IBAN lengths by country, from the SWIFT IBAN registry.
 IBAN_LENGTHS = {
-    "AD": 24, "AE": 23, "AL": 28, "AT": 20, "AZ": 28, "BA": 20, "BE": 16, "BG": 22, "BH": 22, "BR": 29,
-    "BY": 28, "CH": 21, "CR": 22, "CY": 28, "CZ": 24, "DE": 22, "DK": 18, "DO": 28, "EE": 20, "EG": 29,
-    "ES": 24, "FI": 18, "FO": 18, "FR": 27, "GB": 22, "GE": 22, "GI": 23, "GL": 18, "GR": 27, "GT": 28,
-    "HR": 21, "HU": 28, "IE": 22, "IL": 23, "IQ": 23, "IS": 26, "IT": 27, "JO": 30, "KW": 30, "KZ": 20,
-    "LB": 28, "LC": 32, "LI": 21, "LT": 20, "LU": 20, "LV": 21, "MC": 27, "MD": 24, "ME": 22, "MK": 19,
-    "MR": 27, "MT": 31, "MU": 30, "NL": 18, "NO": 15, "PK": 24, "PL": 28, "PS": 29, "PT": 25, "QA": 29,
-    "RO": 24, "RS": 22, "SA": 24, "SC": 31, "SE": 24, "SI": 19, "SK": 24, "SM": 27, "ST": 25, "SV": 28,
-    "TL": 23, "TN": 24, "TR": 26, "UA": 29, "VA": 22, "VG": 24, "XK": 20,
+    "AD": 24,
+    "AE": 23,
+    "AL": 28,
+    "AT": 20,
+    "AZ": 28,
+    "BA": 20,
+    "BE": 16,
+    "BG": 22,
+    "BH": 22,
+    "BR": 29,
+    "BY": 28,
+    "CH": 21,
+    "CR": 22,
+    "CY": 28,
+    "CZ": 24,
+    "DE": 22,
+    "DK": 18,
+    "DO": 28,
+    "EE": 20,
+    "EG": 29,
+    "ES": 24,
+    "FI": 18,
+    "FO": 18,
+    "FR": 27,
+    "GB": 22,
+    "GE": 22,
+    "GI": 23,
+    "GL": 18,
+    "GR": 27,
+    "GT": 28,
+    "HR": 21,
+    "HU": 28,
+    "IE": 22,
+    "IL": 23,
+    "IQ": 23,
+    "IS": 26,
+    "IT": 27,
+    "JO": 30,
+    "KW": 30,
+    "KZ": 20,
+    "LB": 28,
+    "LC": 32,
+    "LI": 21,
+    "LT": 20,
+    "LU": 20,
+    "LV": 21,
+    "MC": 27,
+    "MD": 24,
+    "ME": 22,
+    "MK": 19,
+    "MR": 27,
+    "MT": 31,
+    "MU": 30,
+    "NL": 18,
+    "NO": 15,
+    "PK": 24,
+    "PL": 28,
+    "PS": 29,
+    "PT": 25,
+    "QA": 29,
+    "RO": 24,
+    "RS": 22,
+    "SA": 24,
+    "SC": 31,
+    "SE": 24,
+    "SI": 19,
+    "SK": 24,
+    "SM": 27,
+    "ST": 25,
+    "SV": 28,
+    "TL": 23,
+    "TN": 24,
+    "TR": 26,
+    "UA": 29,
+    "VA": 22,
+    "VG": 24,
+    "XK": 20,
 }
 
 # Chinese resident identity card (GB 11643): 6-digit region (first digit 1-8), birth date
 # YYYYMMDD, 3-digit sequence, check character.
-CN_ID_RE = re.compile(r"(?<![A-Za-z0-9_])[1-8]\d{5}(?:18|19|20)\d{2}(?:0[1-9]|1[0-2])(?:0[1-9]|[12]\d|3[01])"
-                      r"\d{3}[\dXx](?![A-Za-z0-9_])")
+CN_ID_RE = re.compile(
+    r"(?<![A-Za-z0-9_])[1-8]\d{5}(?:18|19|20)\d{2}(?:0[1-9]|1[0-2])(?:0[1-9]|[12]\d|3[01])"
+    r"\d{3}[\dXx](?![A-Za-z0-9_])"
+)
 CN_ID_WEIGHTS = (7, 9, 10, 5, 8, 4, 2, 1, 6, 3, 7, 9, 10, 5, 8, 4, 2)
 CN_ID_CHECK = "10X98765432"  # ISO 7064 MOD 11-2 check character for sum % 11 = 0..10
 # US SSN, written with dashes or spaces (a bare 9-digit number is too often something else).
 SSN_RE = re.compile(START + r"(\d{3})([- ])(\d{2})\2(\d{4})" + END)
 # UK National Insurance number; the letters D, F, I, Q, U, V never appear in the prefix, O never second.
-NINO_RE = re.compile(r"(?<![A-Za-z0-9_])([A-CEGHJ-PR-TW-Z][A-CEGHJ-NPR-TW-Z]) ?\d{2} ?\d{2} ?\d{2} ?[A-D]"
-                     r"(?![A-Za-z0-9_])")
+NINO_RE = re.compile(
+    r"(?<![A-Za-z0-9_])([A-CEGHJ-PR-TW-Z][A-CEGHJ-NPR-TW-Z]) ?\d{2} ?\d{2} ?\d{2} ?[A-D]"
+    r"(?![A-Za-z0-9_])"
+)
 NINO_BAD_PREFIXES = {"BG", "GB", "KN", "NK", "NT", "TN", "ZZ"}
 
 # 13-19 digits, optionally grouped by spaces or dashes (one kind of separator).
@@ -79,11 +160,15 @@ CARD_RE = re.compile(START + r"\d(?:[ \-]?\d){12,18}" + END)
 
 # International: "+" country code (never starting with 0), then groups split by one separator each (required, so a digit
 # run has only one parse and the regex cannot backtrack explosively), or a compact "+4915112345678".
-PHONE_INTL_RE = re.compile(r"(?<![A-Za-z0-9_+])\+[1-9]\d{0,14}(?:[ .\-]?\(\d{1,4}\)[ .\-]?\d{1,6})?"
-                           r"(?:[ .\-]\d{1,6}){0,6}" + END)
+PHONE_INTL_RE = re.compile(
+    r"(?<![A-Za-z0-9_+])\+[1-9]\d{0,14}(?:[ .\-]?\(\d{1,4}\)[ .\-]?\d{1,6})?"
+    r"(?:[ .\-]\d{1,6}){0,6}" + END
+)
 # North American numbering plan: area code and exchange start with 2-9 ("123-456-7890" is none).
-PHONE_NANP_RE = re.compile(START + r"(?:1[ .\-])?(?:\([2-9]\d{2}\) ?|[2-9]\d{2}(?P<sep>[ .\-]))"
-                           r"[2-9]\d{2}(?(sep)(?P=sep)|[ .\-])\d{4}" + END)
+PHONE_NANP_RE = re.compile(
+    START + r"(?:1[ .\-])?(?:\([2-9]\d{2}\) ?|[2-9]\d{2}(?P<sep>[ .\-]))"
+    r"[2-9]\d{2}(?(sep)(?P=sep)|[ .\-])\d{4}" + END
+)
 # National numbers with a trunk prefix 0 (UK, China landlines, most of Europe): at least one
 # separator, 10-12 digits in all (so ZIP+4 "02139-4307" and dates like "01-02-2024" stay).
 PHONE_TRUNK_RE = re.compile(START + r"(?:\(0\d{1,4}\)|0\d{1,4})(?:[ \-]\d{2,8}){1,4}" + END)
@@ -110,9 +195,15 @@ def card_network_ok(digits: str) -> bool:
     if digits[0] == "4":
         return True
     two, four = int(digits[:2]), int(digits[:4])
-    return (51 <= two <= 55 or 2221 <= four <= 2720 or two in (34, 36, 37, 38, 62, 65)
-            or four == 6011 or 644 <= int(digits[:3]) <= 649 or 3528 <= four <= 3589
-            or 300 <= int(digits[:3]) <= 305)
+    return (
+        51 <= two <= 55
+        or 2221 <= four <= 2720
+        or two in (34, 36, 37, 38, 62, 65)
+        or four == 6011
+        or 644 <= int(digits[:3]) <= 649
+        or 3528 <= four <= 3589
+        or 300 <= int(digits[:3]) <= 305
+    )
 
 
 # How printed card numbers are grouped: 16 as 4x4, 19 as 4x4+3, Amex 4-6-5, Diners 4-6-4. Other
@@ -127,8 +218,7 @@ def is_credit_card(candidate: str) -> bool:
     if separators and tuple(map(len, re.split(r"[ \-]", candidate))) not in CARD_GROUPINGS:
         return False
     digits = re.sub(r"\D", "", candidate)
-    return (13 <= len(digits) <= 19 and len(set(digits)) > 1 and card_network_ok(digits)
-            and luhn_ok(digits))
+    return 13 <= len(digits) <= 19 and len(set(digits)) > 1 and card_network_ok(digits) and luhn_ok(digits)
 
 
 def iban_ok(compact: str) -> bool:
@@ -221,14 +311,15 @@ def _sub_cards(text: str) -> tuple[str, int]:
             prefix = "".join(groups[:k])
             if is_credit_card(prefix):
                 hits += 1
-                return PII_TOKENS["credit_card"] + s[len(prefix):]
+                return PII_TOKENS["credit_card"] + s[len(prefix) :]
         return s
 
     return CARD_RE.sub(replace, text), hits
 
 
-def scrub_pii(text: str, types: tuple[str, ...] | list[str] = PII_TYPES,
-              public_ips_only: bool = True) -> tuple[str, Counter]:
+def scrub_pii(
+    text: str, types: tuple[str, ...] | list[str] = PII_TYPES, public_ips_only: bool = True
+) -> tuple[str, Counter]:
     """Replace each kind of personal data in `types` by its typed token; return text and hits per kind."""
     hits: Counter = Counter()
     if "email" in types and "@" in text:
@@ -251,10 +342,15 @@ def scrub_pii(text: str, types: tuple[str, ...] | list[str] = PII_TYPES,
         text, hits["credit_card"] = _sub_cards(text)
     if "phone" in types:
         n = 0
-        for pattern, low, high in ((PHONE_INTL_RE, 8, 15), (PHONE_NANP_RE, 10, 11),
-                                   (PHONE_TRUNK_RE, 10, 12), (PHONE_CN_MOBILE_RE, 11, 11)):
-            text, k = _sub(pattern, text, PII_TOKENS["phone"],
-                           lambda m, low=low, high=high: phone_digits_ok(m.group(0), low, high))
+        for pattern, low, high in (
+            (PHONE_INTL_RE, 8, 15),
+            (PHONE_NANP_RE, 10, 11),
+            (PHONE_TRUNK_RE, 10, 12),
+            (PHONE_CN_MOBILE_RE, 11, 11),
+        ):
+            text, k = _sub(
+                pattern, text, PII_TOKENS["phone"], lambda m, low=low, high=high: phone_digits_ok(m.group(0), low, high)
+            )
             n += k
         hits["phone"] = n
     return text, +hits  # unary plus drops the kinds with no hits
@@ -269,17 +365,20 @@ class PII(Filter):
     so even a dropped document reaches rejected/ already scrubbed. Hits per kind go to
     `doc["meta"]["pii"]` (only when there are any) and to the step's counters.
     """
+
     name = "pii"
-    max_hits: int = 0                       # 0: never drop, only scrub (Dolma drops above 5)
+    max_hits: int = 0  # 0: never drop, only scrub (Dolma drops above 5)
     types: list[str] = field(default_factory=lambda: list(PII_TYPES))
-    public_ips_only: bool = True            # private/loopback/documentation IPs identify no one
+    public_ips_only: bool = True  # private/loopback/documentation IPs identify no one
 
     def validate(self) -> None:
         if self.max_hits < 0:
             raise ConfigError("max_hits", f"must be >= 0 (0 never drops), got {self.max_hits}")
         unknown = [t for t in self.types if t not in PII_TYPES]
         if unknown:
-            raise ConfigError("types", f"unknown kind(s) {', '.join(map(repr, unknown))}; known: {', '.join(PII_TYPES)}")
+            raise ConfigError(
+                "types", f"unknown kind(s) {', '.join(map(repr, unknown))}; known: {', '.join(PII_TYPES)}"
+            )
 
     def reason(self, doc: dict) -> str | None:
         text, hits = scrub_pii(doc["text"], self.types, self.public_ips_only)

@@ -17,8 +17,17 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from kiln.data.steps.base import Filter, register
-from kiln.data.steps.text import (STOP_WORDS, count_cjk_chars, is_cjk, lines, ngrams, paragraphs,
-                                  split_sentences, split_words, stop_word_lang)
+from kiln.data.steps.text import (
+    STOP_WORDS,
+    count_cjk_chars,
+    is_cjk,
+    lines,
+    ngrams,
+    paragraphs,
+    split_sentences,
+    split_words,
+    stop_word_lang,
+)
 from kiln.errors import ConfigError
 
 _HAS_LETTER = re.compile(r"[^\W\d_]")
@@ -72,17 +81,18 @@ def gopher_quality_stats(text: str, lang: str | None = None, bullets: str = "•
 @dataclass
 class GopherQuality(Filter):
     """Gopher's document-quality rules; each threshold is the paper's value."""
+
     name = "gopher_quality"
     min_doc_words: int = 50
     max_doc_words: int = 100_000
     min_avg_word_length: float = 3.0
     max_avg_word_length: float = 10.0
-    max_symbol_word_ratio: float = 0.1     # applied to "#" and to ellipses separately, as in the paper
+    max_symbol_word_ratio: float = 0.1  # applied to "#" and to ellipses separately, as in the paper
     max_bullet_lines_ratio: float = 0.9
     max_ellipsis_lines_ratio: float = 0.3
     min_alpha_words_ratio: float = 0.8
     min_stop_words: int = 2
-    bullets: str = "•‣◦⁃●○▪■-*"            # a line starting with any of these characters is a bullet line
+    bullets: str = "•‣◦⁃●○▪■-*"  # a line starting with any of these characters is a bullet line
 
     def validate(self) -> None:
         if not 0 <= self.min_doc_words <= self.max_doc_words:
@@ -153,7 +163,7 @@ def _covered_chars(lengths: list[int], starts, n: int) -> int:
     """Characters of the words covered by n-grams starting at `starts`, each word counted once."""
     covered = bytearray(len(lengths))
     for i in starts:
-        covered[i:i + n] = b"\x01" * n
+        covered[i : i + n] = b"\x01" * n
     return sum(length for length, c in zip(lengths, covered) if c)
 
 
@@ -192,8 +202,9 @@ def cjk_ngram_size(n: int, scale: float) -> int:
     return max(n, int(n * scale + 0.5))
 
 
-def gopher_repetition_stats(text: str, lang: str | None = None, top_ns=(2, 3, 4),
-                            dup_ns=(5, 6, 7, 8, 9, 10), cjk_ngram_scale: float = 1.5) -> dict:
+def gopher_repetition_stats(
+    text: str, lang: str | None = None, top_ns=(2, 3, 4), dup_ns=(5, 6, 7, 8, 9, 10), cjk_ngram_scale: float = 1.5
+) -> dict:
     """All repetition quantities: dup_lines, dup_line_chars, dup_paragraphs, dup_paragraph_chars,
     top_ngram {n: fraction}, dup_ngram {n: fraction} (n as configured; CJK text uses `cjk_ngram_size`)."""
     cjk = is_cjk(text, lang)
@@ -211,20 +222,25 @@ def gopher_repetition_stats(text: str, lang: str | None = None, top_ns=(2, 3, 4)
 @dataclass
 class GopherRepetition(Filter):
     """Gopher's repetition rules (table A1): duplicate lines and paragraphs, repeated n-grams."""
+
     name = "gopher_repetition"
     max_dup_line_fraction: float = 0.3
     max_dup_paragraph_fraction: float = 0.3
     max_dup_line_char_fraction: float = 0.2
     max_dup_paragraph_char_fraction: float = 0.2
-    top_ngram_max_fractions: dict[str, float] = field(
-        default_factory=lambda: {"2": 0.20, "3": 0.18, "4": 0.16})
+    top_ngram_max_fractions: dict[str, float] = field(default_factory=lambda: {"2": 0.20, "3": 0.18, "4": 0.16})
     dup_ngram_max_fractions: dict[str, float] = field(
-        default_factory=lambda: {"5": 0.15, "6": 0.14, "7": 0.13, "8": 0.12, "9": 0.11, "10": 0.10})
-    cjk_ngram_scale: float = 1.5           # CJK character-grams are this many times longer than word n-grams
+        default_factory=lambda: {"5": 0.15, "6": 0.14, "7": 0.13, "8": 0.12, "9": 0.11, "10": 0.10}
+    )
+    cjk_ngram_scale: float = 1.5  # CJK character-grams are this many times longer than word n-grams
 
     def validate(self) -> None:
-        for key in ("max_dup_line_fraction", "max_dup_paragraph_fraction",
-                    "max_dup_line_char_fraction", "max_dup_paragraph_char_fraction"):
+        for key in (
+            "max_dup_line_fraction",
+            "max_dup_paragraph_fraction",
+            "max_dup_line_char_fraction",
+            "max_dup_paragraph_char_fraction",
+        ):
             _check_fraction(key, getattr(self, key))
         _check_ngram_table("top_ngram_max_fractions", self.top_ngram_max_fractions)
         _check_ngram_table("dup_ngram_max_fractions", self.dup_ngram_max_fractions)
@@ -261,8 +277,14 @@ class GopherRepetition(Filter):
 # --------------------------------------------------------------------------------------------------
 # C4 (Raffel et al. 2020, section 2.2; line by line as in TFDS c4_utils.clean_page)
 
-C4_POLICY_SUBSTRINGS = ["terms of use", "privacy policy", "cookie policy", "uses cookies",
-                        "use of cookies", "use cookies"]
+C4_POLICY_SUBSTRINGS = [
+    "terms of use",
+    "privacy policy",
+    "cookie policy",
+    "uses cookies",
+    "use of cookies",
+    "use cookies",
+]
 _CITATION = re.compile(r"\[\d*\]|\[edit\]|\[citation needed\]", re.IGNORECASE)
 
 
@@ -272,19 +294,22 @@ class C4Quality(Filter):
     """C4's page cleaning. Removes lines (no end mark, too few words, a word over max_word_length,
     "javascript", a policy phrase; citation markers within lines) and drops pages ("lorem ipsum",
     "{", fewer than min_sentences sentences left). Kept pages have their text rewritten in place."""
+
     name = "c4"
-    min_words_per_line: int = 5            # TFDS c4_utils; datatrove/FineWeb use 3
-    min_sentences: int = 3                 # TFDS c4_utils; datatrove/FineWeb use 5
+    min_words_per_line: int = 5  # TFDS c4_utils; datatrove/FineWeb use 3
+    min_sentences: int = 3  # TFDS c4_utils; datatrove/FineWeb use 5
     max_word_length: int = 1000
     filter_no_terminal_punct: bool = True  # FineWeb turns this off (it removed ~30% of tokens)
-    end_marks: str = '.?!"。！？”」』'        # TFDS's . ? ! " plus CJK full stops and closing quotes
+    end_marks: str = '.?!"。！？”」』'  # TFDS's . ? ! " plus CJK full stops and closing quotes
     remove_citations: bool = True
     filter_lorem_ipsum: bool = True
     filter_javascript: bool = True
     filter_curly_bracket: bool = True
     filter_policy: bool = True
     policy_substrings: list[str] = field(default_factory=lambda: list(C4_POLICY_SUBSTRINGS))
-    keep_paragraph_breaks: bool = True     # TFDS joins kept lines with "\n"; this keeps one blank line where the page had one
+    keep_paragraph_breaks: bool = (
+        True  # TFDS joins kept lines with "\n"; this keeps one blank line where the page had one
+    )
 
     def validate(self) -> None:
         for key in ("min_words_per_line", "min_sentences"):
@@ -359,8 +384,13 @@ class C4Quality(Filter):
 # FineWeb (Penedo et al. 2024, section 3.6 "custom filters")
 
 
-def fineweb_stats(text: str, lang: str | None = None, end_marks: str = ".?!\"'。！？”’」』",
-                  short_line_length: int = 30, cjk_char_width: float = 3.0) -> dict:
+def fineweb_stats(
+    text: str,
+    lang: str | None = None,
+    end_marks: str = ".?!\"'。！？”’」』",
+    short_line_length: int = 30,
+    cjk_char_width: float = 3.0,
+) -> dict:
     """line_punct: fraction of non-empty lines ending in an end mark; short_lines: fraction of lines
     at most `short_line_length` wide (a CJK character counts `cjk_char_width`); dup_line_chars:
     characters in lines repeating an earlier line / characters in all lines; newlines_per_word."""
@@ -368,8 +398,9 @@ def fineweb_stats(text: str, lang: str | None = None, end_marks: str = ".?!\"'�
     marks = tuple(end_marks)
     n_words = len(split_words(text, is_cjk(text, lang)))
     width_extra = cjk_char_width - 1.0
-    short = sum(1 for line in ls
-                if len(line) + (width_extra * count_cjk_chars(line) if width_extra else 0) <= short_line_length)
+    short = sum(
+        1 for line in ls if len(line) + (width_extra * count_cjk_chars(line) if width_extra else 0) <= short_line_length
+    )
     return {
         "line_punct": sum(line.endswith(marks) for line in ls) / len(ls) if ls else 0.0,
         "short_lines": short / len(ls) if ls else 0.0,
@@ -382,13 +413,14 @@ def fineweb_stats(text: str, lang: str | None = None, end_marks: str = ".?!\"'�
 @dataclass
 class FineWebQuality(Filter):
     """FineWeb's three custom filters; the optional fourth is datatrove's newline-per-word rule."""
+
     name = "fineweb"
     min_line_punct_ratio: float = 0.12
     end_marks: str = ".?!\"'。！？”’」』"
     max_short_line_ratio: float = 0.67
     short_line_length: int = 30
-    cjk_char_width: float = 3.0            # a Han/kana/hangul character is ~3 Latin characters of content
-    max_dup_line_char_ratio: float = 0.1   # the FineWeb paper's value; datatrove's code default is 0.01
+    cjk_char_width: float = 3.0  # a Han/kana/hangul character is ~3 Latin characters of content
+    max_dup_line_char_ratio: float = 0.1  # the FineWeb paper's value; datatrove's code default is 0.01
     max_newline_word_ratio: float | None = None  # datatrove's FineWebQualityFilter uses 0.3; off here as in the paper
 
     def validate(self) -> None:
@@ -404,8 +436,9 @@ class FineWebQuality(Filter):
             raise ConfigError("max_newline_word_ratio", f"must be >= 0, got {self.max_newline_word_ratio}")
 
     def reason(self, doc: dict) -> str | None:
-        s = fineweb_stats(doc["text"], doc["meta"].get("lang"), self.end_marks, self.short_line_length,
-                          self.cjk_char_width)
+        s = fineweb_stats(
+            doc["text"], doc["meta"].get("lang"), self.end_marks, self.short_line_length, self.cjk_char_width
+        )
         if s["line_punct"] < self.min_line_punct_ratio:
             return "fineweb_line_punct"
         if s["short_lines"] > self.max_short_line_ratio:

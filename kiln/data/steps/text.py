@@ -20,8 +20,10 @@ import unicodedata
 
 # Han (CJK Unified Ideographs, Extension A, compatibility, Extensions B-G), the ideographic iteration
 # and zero marks (々〆〇), kana (including half-width katakana) and hangul.
-_HAN_KANA = ("\u3005-\u3007\u3040-\u309f\u30a0-\u30ff\u31f0-\u31ff\u3400-\u4dbf\u4e00-\u9fff"
-             "\uf900-\ufaff\uff66-\uff9f\U00020000-\U0003134f")
+_HAN_KANA = (
+    "\u3005-\u3007\u3040-\u309f\u30a0-\u30ff\u31f0-\u31ff\u3400-\u4dbf\u4e00-\u9fff"
+    "\uf900-\ufaff\uff66-\uff9f\U00020000-\U0003134f"
+)
 _HANGUL = "\u1100-\u11ff\u3130-\u318f\uac00-\ud7af"
 _CJK = _HAN_KANA + _HANGUL
 
@@ -145,7 +147,7 @@ def split_sentences(text: str, cjk: bool) -> list[str]:
     pattern = _SENTENCE_END_CJK if cjk else _SENTENCE_END
     out, start = [], 0
     for match in pattern.finditer(text):
-        if s := text[start:match.end()].strip():
+        if s := text[start : match.end()].strip():
             out.append(s)
         start = match.end()
     if s := text[start:].strip():

@@ -41,36 +41,250 @@ from kiln.errors import ConfigError
 # sexual or scatological vocabulary, whose density still separates abusive and pornographic pages.
 IGNORED_BY_DEFAULT = [
     # everyday words and mild oaths
-    "god", "hell", "damn", "crap", "kill", "fat", "ugly", "suck", "sucked", "sucking", "jerk", "lust",
-    "lusting", "lusty", "stupid", "dummy", "moron", "weirdo", "nimrod", "ninny", "doofus", "dopey",
-    "drunk", "stoned", "vomit", "tinkle", "potty", "pee", "poop", "fart", "hump", "rump", "tush",
-    "undies", "toots", "woody", "willies", "wedgie", "tramp", "wench", "vixen", "prude", "sissy",
-    "trashy", "tawdry", "sleaze", "sleazy", "raunch", "racy", "steamy", "vulgar", "scum", "smut",
-    "omg", "lmao", "lmfao", "wtf", "stfu", "gtfo", "maxi", "len", "pawn", "rum", "vodka", "souse",
-    "soused", "hooch", "hootch", "revue", "stroke", "strip", "screw", "screwed", "screwing", "thrust",
-    "snatch", "snuff", "sniper", "napalm", "seaman", "seamen", "sandbar", "foobar", "fubar", "organ",
-    "facial", "fingering", "penetrate", "seduce", "naked", "nude", "nudes", "sex", "sexual", "erotic",
-    "erotism", "kinky", "knob", "nob", "wad", "prig", "hoar", "lech", "whiz", "dink", "dinks",
+    "god",
+    "hell",
+    "damn",
+    "crap",
+    "kill",
+    "fat",
+    "ugly",
+    "suck",
+    "sucked",
+    "sucking",
+    "jerk",
+    "lust",
+    "lusting",
+    "lusty",
+    "stupid",
+    "dummy",
+    "moron",
+    "weirdo",
+    "nimrod",
+    "ninny",
+    "doofus",
+    "dopey",
+    "drunk",
+    "stoned",
+    "vomit",
+    "tinkle",
+    "potty",
+    "pee",
+    "poop",
+    "fart",
+    "hump",
+    "rump",
+    "tush",
+    "undies",
+    "toots",
+    "woody",
+    "willies",
+    "wedgie",
+    "tramp",
+    "wench",
+    "vixen",
+    "prude",
+    "sissy",
+    "trashy",
+    "tawdry",
+    "sleaze",
+    "sleazy",
+    "raunch",
+    "racy",
+    "steamy",
+    "vulgar",
+    "scum",
+    "smut",
+    "omg",
+    "lmao",
+    "lmfao",
+    "wtf",
+    "stfu",
+    "gtfo",
+    "maxi",
+    "len",
+    "pawn",
+    "rum",
+    "vodka",
+    "souse",
+    "soused",
+    "hooch",
+    "hootch",
+    "revue",
+    "stroke",
+    "strip",
+    "screw",
+    "screwed",
+    "screwing",
+    "thrust",
+    "snatch",
+    "snuff",
+    "sniper",
+    "napalm",
+    "seaman",
+    "seamen",
+    "sandbar",
+    "foobar",
+    "fubar",
+    "organ",
+    "facial",
+    "fingering",
+    "penetrate",
+    "seduce",
+    "naked",
+    "nude",
+    "nudes",
+    "sex",
+    "sexual",
+    "erotic",
+    "erotism",
+    "kinky",
+    "knob",
+    "nob",
+    "wad",
+    "prig",
+    "hoar",
+    "lech",
+    "whiz",
+    "dink",
+    "dinks",
     # anatomy and medicine
-    "oral", "orally", "womb", "ovum", "ovums", "ovary", "uterus", "vagina", "vulva", "labia", "hymen",
-    "penis", "penile", "penial", "phallic", "phalli", "testes", "testis", "testicle", "teste", "scrotum",
-    "semen", "sperm", "glans", "foreskin", "gonad", "gonads", "pubic", "pubis", "rectal", "rectum",
-    "rectus", "breasts", "nipple", "nipples", "teat", "clitoris", "menses", "erect", "erection",
-    "ejaculate", "orgasm", "urine", "urinal", "tampon", "herpes", "hiv", "pms", "loin", "loins",
-    "leper", "inbred", "incest", "virgin", "unwed", "lube",
+    "oral",
+    "orally",
+    "womb",
+    "ovum",
+    "ovums",
+    "ovary",
+    "uterus",
+    "vagina",
+    "vulva",
+    "labia",
+    "hymen",
+    "penis",
+    "penile",
+    "penial",
+    "phallic",
+    "phalli",
+    "testes",
+    "testis",
+    "testicle",
+    "teste",
+    "scrotum",
+    "semen",
+    "sperm",
+    "glans",
+    "foreskin",
+    "gonad",
+    "gonads",
+    "pubic",
+    "pubis",
+    "rectal",
+    "rectum",
+    "rectus",
+    "breasts",
+    "nipple",
+    "nipples",
+    "teat",
+    "clitoris",
+    "menses",
+    "erect",
+    "erection",
+    "ejaculate",
+    "orgasm",
+    "urine",
+    "urinal",
+    "tampon",
+    "herpes",
+    "hiv",
+    "pms",
+    "loin",
+    "loins",
+    "leper",
+    "inbred",
+    "incest",
+    "virgin",
+    "unwed",
+    "lube",
     # drugs, weapons and crime as reported
-    "weed", "hemp", "pot", "meth", "pcp", "toke", "ganja", "reefer", "heroin", "opium", "opiate",
-    "peyote", "valium", "junkie", "junky", "hookah", "uzi", "thug", "murder", "molest", "rape", "raped",
-    "raper", "raping", "rapist", "pedophile", "slave",
+    "weed",
+    "hemp",
+    "pot",
+    "meth",
+    "pcp",
+    "toke",
+    "ganja",
+    "reefer",
+    "heroin",
+    "opium",
+    "opiate",
+    "peyote",
+    "valium",
+    "junkie",
+    "junky",
+    "hookah",
+    "uzi",
+    "thug",
+    "murder",
+    "molest",
+    "rape",
+    "raped",
+    "raper",
+    "raping",
+    "rapist",
+    "pedophile",
+    "slave",
     # history and politics
-    "nazi", "nazism", "hitler", "reich", "kkk", "klan", "pinko",
+    "nazi",
+    "nazism",
+    "hitler",
+    "reich",
+    "kkk",
+    "klan",
+    "pinko",
     # identity terms
-    "gay", "gays", "homo", "queer", "queers", "lez", "lesbians", "lesbos", "dyke", "dykes", "gae", "gai",
-    "gey", "ghay", "ghey",
+    "gay",
+    "gays",
+    "homo",
+    "queer",
+    "queers",
+    "lez",
+    "lesbians",
+    "lesbos",
+    "dyke",
+    "dykes",
+    "gae",
+    "gai",
+    "gey",
+    "ghay",
+    "ghey",
     # names, places and other meanings (Wang is a common Chinese surname; the dong is Vietnam's currency)
-    "wang", "dong", "dick", "willy", "fanny", "paddy", "guido", "weiner", "hebe", "titi", "yury", "cipa",
-    "spac", "yaoi", "massa", "playboy", "flange", "pasty", "pastie", "sadism", "sadist", "masochist",
-    "bondage", "voyeur", "herp", "teez", "mams", "pimp",
+    "wang",
+    "dong",
+    "dick",
+    "willy",
+    "fanny",
+    "paddy",
+    "guido",
+    "weiner",
+    "hebe",
+    "titi",
+    "yury",
+    "cipa",
+    "spac",
+    "yaoi",
+    "massa",
+    "playboy",
+    "flange",
+    "pasty",
+    "pastie",
+    "sadism",
+    "sadist",
+    "masochist",
+    "bondage",
+    "voyeur",
+    "herp",
+    "teez",
+    "mams",
+    "pimp",
 ]
 
 _BUILTIN_PACKAGE = "better_profanity"
@@ -92,8 +306,11 @@ def builtin_word_list() -> list[str]:
         resource = importlib.resources.files(_BUILTIN_PACKAGE).joinpath(_BUILTIN_FILE)
         return [s for line in resource.read_text(encoding="utf-8").splitlines() if (s := line.strip())]
     except (ModuleNotFoundError, FileNotFoundError):
-        raise ConfigError("builtin_list", "needs the better-profanity package (pip install better-profanity), "
-                                          "or set builtin_list = false and give word_list_files") from None
+        raise ConfigError(
+            "builtin_list",
+            "needs the better-profanity package (pip install better-profanity), "
+            "or set builtin_list = false and give word_list_files",
+        ) from None
 
 
 class WordList:
@@ -123,8 +340,8 @@ class WordList:
                 continue
             firsts = self.firsts[n]
             for i in range(len(lowered) - n + 1):
-                if lowered[i] in firsts and tuple(lowered[i:i + n]) in phrases:
-                    hit[i:i + n] = [True] * n
+                if lowered[i] in firsts and tuple(lowered[i : i + n]) in phrases:
+                    hit[i : i + n] = [True] * n
         return sum(hit)
 
 
@@ -152,6 +369,7 @@ def import_function(spec: str) -> Callable[[str], float]:
 @dataclass
 class Toxicity(Filter):
     """Drops documents whose share of listed offensive words exceeds `max_score` (module docstring)."""
+
     name = "toxicity"
     # 0.01 = one flagged word per 100. C4 dropped a page for a single listed word, which removes
     # news, fiction and medical pages that quote one; a rate keeps a long article with an incidental
@@ -172,8 +390,9 @@ class Toxicity(Filter):
         if not 0.0 <= self.max_classifier_score <= 1.0:
             raise ConfigError("max_classifier_score", f"must be in [0, 1], got {self.max_classifier_score}")
         if not self.builtin_list and not self.word_list_files and not self.classifier:
-            raise ConfigError("builtin_list", "nothing to score with: enable builtin_list, give word_list_files "
-                                              "or a classifier")
+            raise ConfigError(
+                "builtin_list", "nothing to score with: enable builtin_list, give word_list_files or a classifier"
+            )
         if self.builtin_list:
             builtin_word_list()  # fails here, naming the package, rather than in a worker
         for i, path in enumerate(self.word_list_files):
@@ -213,8 +432,10 @@ class Toxicity(Filter):
         if self._classify is not None:
             score = float(self._classify(doc["text"]))
             if not 0.0 <= score <= 1.0:
-                raise ValueError(f"toxicity classifier {self.classifier} returned {score} for document "
-                                 f"{doc['id']!r}; it must return a score in [0, 1]")
+                raise ValueError(
+                    f"toxicity classifier {self.classifier} returned {score} for document "
+                    f"{doc['id']!r}; it must return a score in [0, 1]"
+                )
             doc["meta"]["toxicity_classifier"] = round(score, 6)
             if score > self.max_classifier_score:
                 return "toxic_classifier"

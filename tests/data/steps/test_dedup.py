@@ -34,13 +34,16 @@ def test_steps_are_registered_and_built_by_name():
     assert build_step("minhash_dedup", {"bands": 16, "rows": 7}, "data.minhash_dedup").num_perm == 112
 
 
-@pytest.mark.parametrize("step,field", [
-    (MinhashDedup(bands=10, rows=10), "bands"),
-    (MinhashDedup(ngram=0), "ngram"),
-    (SimhashDedup(max_distance=4, blocks=4), "blocks"),
-    (LineDedup(unit="sentence"), "unit"),
-    (LineDedup(buckets=0), "buckets"),
-])
+@pytest.mark.parametrize(
+    "step,field",
+    [
+        (MinhashDedup(bands=10, rows=10), "bands"),
+        (MinhashDedup(ngram=0), "ngram"),
+        (SimhashDedup(max_distance=4, blocks=4), "blocks"),
+        (LineDedup(unit="sentence"), "unit"),
+        (LineDedup(buckets=0), "buckets"),
+    ],
+)
 def test_impossible_configs_name_the_field(step, field):
     with pytest.raises(ConfigError) as err:
         step.validate()
@@ -48,12 +51,16 @@ def test_impossible_configs_name_the_field(step, field):
 
 
 def test_exact_dedup_normalises_case_and_whitespace_across_tasks(tmp_path):
-    tasks = [[doc("a", "Hello  World\n"), doc("b", "something else"), doc("c", "")],
-             [doc("d", "hello world"), doc("e", "HELLO\tWORLD "), doc("f", "Hello World!")]]
+    tasks = [
+        [doc("a", "Hello  World\n"), doc("b", "something else"), doc("c", "")],
+        [doc("d", "hello world"), doc("e", "HELLO\tWORLD "), doc("f", "Hello World!")],
+    ]
     resolved, kept, dropped = run_dedup(ExactDedup(), tasks, tmp_path)
     assert [d["id"] for d, _ in kept] == ["a", "b", "c", "f"]
     assert [(d["id"], why, d["meta"]["duplicate_of"]) for d, why in dropped] == [
-        ("d", "exact_duplicate", "a"), ("e", "exact_duplicate", "a")]
+        ("d", "exact_duplicate", "a"),
+        ("e", "exact_duplicate", "a"),
+    ]
     assert resolved["duplicates"] == 2 and resolved["clusters_with_duplicates"] == 1
 
 
@@ -72,22 +79,31 @@ def test_split_units_reassemble_the_text():
 
 
 def test_line_dedup_keeps_first_occurrence_across_tasks(tmp_path):
-    tasks = [[doc("a", "Cookie banner here\nUnique line one\nShared footer"),
-              doc("b", "unique b\nunique b")],
-             [doc("c", "COOKIE   banner here\nUnique line three\nshared footer\n"),
-              doc("d", "Shared footer\ncookie banner here")]]
+    tasks = [
+        [doc("a", "Cookie banner here\nUnique line one\nShared footer"), doc("b", "unique b\nunique b")],
+        [
+            doc("c", "COOKIE   banner here\nUnique line three\nshared footer\n"),
+            doc("d", "Shared footer\ncookie banner here"),
+        ],
+    ]
     resolved, kept, dropped = run_dedup(LineDedup(), tasks, tmp_path)
     texts = {d["id"]: d["text"] for d, _ in kept}
-    assert texts == {"a": "Cookie banner here\nUnique line one\nShared footer",
-                     "b": "unique b\nunique b",  # repeats inside one document are not its business
-                     "c": "Unique line three\n"}
+    assert texts == {
+        "a": "Cookie banner here\nUnique line one\nShared footer",
+        "b": "unique b\nunique b",  # repeats inside one document are not its business
+        "c": "Unique line three\n",
+    }
     assert [(d["id"], why) for d, why in dropped] == [("d", "line_dedup_empty")]
     assert resolved["units_removed"] == 4 and resolved["documents_edited"] == 2
 
 
 def test_line_dedup_paragraphs_and_min_chars(tmp_path):
-    tasks = [[doc("a", "First paragraph.\nStill first.\n\n}\n\nEnd."),
-              doc("b", "first paragraph. still first.\n\n}\n\nNew ending.")]]
+    tasks = [
+        [
+            doc("a", "First paragraph.\nStill first.\n\n}\n\nEnd."),
+            doc("b", "first paragraph. still first.\n\n}\n\nNew ending."),
+        ]
+    ]
     _, kept, _ = run_dedup(LineDedup(unit="paragraph", min_chars=2), tasks, tmp_path)
     assert [d["text"] for d, _ in kept] == ["First paragraph.\nStill first.\n\n}\n\nEnd.", "}\n\nNew ending."]
 
@@ -139,9 +155,11 @@ def test_minhash_dedup_chinese_uses_characters(tmp_path):
 
 def test_simhash_dedup_finds_near_duplicates_within_k_bits(tmp_path, stdlib_chunks):
     originals = stdlib_chunks(40, words=200, reverse=True)
-    tasks = [[doc(f"o{i}", t) for i, t in enumerate(originals[:20])],
-             [doc(f"o{i}", t) for i, t in enumerate(originals[20:], start=20)]
-             + [doc(f"copy{i}", t.replace(" ", "  ")) for i, t in enumerate(originals[:10])]]
+    tasks = [
+        [doc(f"o{i}", t) for i, t in enumerate(originals[:20])],
+        [doc(f"o{i}", t) for i, t in enumerate(originals[20:], start=20)]
+        + [doc(f"copy{i}", t.replace(" ", "  ")) for i, t in enumerate(originals[:10])],
+    ]
     resolved, kept, dropped = run_dedup(SimhashDedup(), tasks, tmp_path)
     assert {d["id"] for d, _ in kept} == {f"o{i}" for i in range(40)}
     assert sorted(d["meta"]["duplicate_of"] for d, _ in dropped) == sorted(f"o{i}" for i in range(10))

@@ -9,8 +9,15 @@ import pytest
 
 from kiln.data.executor import run_pipeline
 from kiln.data.steps.base import STEPS, build_step
-from kiln.data.steps.domain import (Domain, Mixture, classify_domain, code_line_share, domain_signals,
-                                    plan_mixture, unit_hash)
+from kiln.data.steps.domain import (
+    Domain,
+    Mixture,
+    classify_domain,
+    code_line_share,
+    domain_signals,
+    plan_mixture,
+    unit_hash,
+)
 from kiln.errors import ConfigError
 
 
@@ -80,8 +87,9 @@ def test_registered_and_built_by_name():
     assert mix.weights == {"web": 2.0, "code": 1.0}
 
 
-@pytest.mark.parametrize("text,expected", [(PAPER, "papers"), (NEWS, "news"), (WEB, "web"),
-                                           (DOCS_MD, "docs"), (JS, "code")])
+@pytest.mark.parametrize(
+    "text,expected", [(PAPER, "papers"), (NEWS, "news"), (WEB, "web"), (DOCS_MD, "docs"), (JS, "code")]
+)
 def test_classify_fixtures(text, expected):
     assert classify_domain(text) == expected, domain_signals(text)
 
@@ -119,7 +127,7 @@ def test_python_reference_topics_are_docs():
     topics = pytest.importorskip("pydoc_data.topics").topics
     domains = {name: classify_domain(text) for name, text in topics.items()}
     counts = Counter(domains.values())
-    assert counts["docs"] / len(topics) >= 0.85, counts   # measured 72 of 79
+    assert counts["docs"] / len(topics) >= 0.85, counts  # measured 72 of 79
     assert counts["code"] == 0
     # The misses are short entries (a few hundred characters, too few signals); long ones are all docs.
     assert all(domains[name] == "docs" for name, text in topics.items() if len(text) > 2000)
@@ -142,19 +150,30 @@ def test_domain_step_by_source_first_and_stats():
     assert step.stats.counters == Counter({"domain_code": 1, "domain_chat": 1, "domain_news": 1, "classified": 1})
 
 
-@pytest.mark.parametrize("kwargs,field", [({"code_min_share": 1.5}, "code_min_share"),
-                                          ({"docs_min_code_share": 0.6}, "docs_min_code_share"),
-                                          ({"min_signals": 0}, "min_signals"),
-                                          ({"by_source": {"a": ""}}, "by_source.a")])
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        ({"code_min_share": 1.5}, "code_min_share"),
+        ({"docs_min_code_share": 0.6}, "docs_min_code_share"),
+        ({"min_signals": 0}, "min_signals"),
+        ({"by_source": {"a": ""}}, "by_source.a"),
+    ],
+)
 def test_domain_validate(kwargs, field):
     with pytest.raises(ConfigError) as err:
         Domain(**kwargs).validate()
     assert err.value.key == field
 
 
-@pytest.mark.parametrize("kwargs,field", [({"weights": {}}, "weights"), ({"weights": {"a": -1}}, "weights.a"),
-                                          ({"weights": {"a": 0}}, "weights"),
-                                          ({"weights": {"a": 1}, "unit": "tokens"}, "unit")])
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        ({"weights": {}}, "weights"),
+        ({"weights": {"a": -1}}, "weights.a"),
+        ({"weights": {"a": 0}}, "weights"),
+        ({"weights": {"a": 1}, "unit": "tokens"}, "unit"),
+    ],
+)
 def test_mixture_validate(kwargs, field):
     with pytest.raises(ConfigError) as err:
         Mixture(**kwargs).validate()
@@ -212,7 +231,7 @@ def test_mixture_matches_weights_and_is_largest(tmp_path, unit):
     achieved = proportions(kept, unit)
     for d, w in weights.items():
         assert achieved[d] == pytest.approx(w, abs=0.01)
-        assert resolved[f"achieved_{d}"] == pytest.approx(achieved[d], abs=1e-6)   # reported = real
+        assert resolved[f"achieved_{d}"] == pytest.approx(achieved[d], abs=1e-6)  # reported = real
         assert resolved["requested"][d] == pytest.approx(w)
     # Largest achievable: the scarcest domain relative to its weight keeps (nearly) everything.
     available = proportions(docs, unit)
@@ -229,17 +248,19 @@ def test_mixture_is_deterministic_and_seeded(tmp_path):
     ids = []
     for i, (seed, split) in enumerate([(0, 1), (0, 3), (1, 1)]):
         tasks = [docs[t::split] for t in range(split)]
-        _, kept, _ = run_mixture(Mixture(weights={"web": 0.8, "code": 0.2}, unit="docs", seed=seed), tasks,
-                                 tmp_path / str(i))
+        _, kept, _ = run_mixture(
+            Mixture(weights={"web": 0.8, "code": 0.2}, unit="docs", seed=seed), tasks, tmp_path / str(i)
+        )
         ids.append(sorted(d["id"] for d in kept))
-    assert ids[0] == ids[1]      # the same documents regardless of how they are split into tasks
-    assert ids[0] != ids[2]      # another seed draws another sample
+    assert ids[0] == ids[1]  # the same documents regardless of how they are split into tasks
+    assert ids[0] != ids[2]  # another seed draws another sample
 
 
 def test_mixture_missing_and_unweighted_domains(tmp_path):
     docs = synthetic({"web": 600, "code": 300, "news": 50})
-    resolved, kept, reasons = run_mixture(Mixture(weights={"web": 0.6, "code": 0.2, "papers": 0.2}, unit="docs"),
-                                          [docs], tmp_path)
+    resolved, kept, reasons = run_mixture(
+        Mixture(weights={"web": 0.6, "code": 0.2, "papers": 0.2}, unit="docs"), [docs], tmp_path
+    )
     # papers is absent: achieved 0, and web:code keep their 3:1 ratio; news has no weight: all dropped.
     assert resolved["missing"] == ["papers"]
     assert resolved["achieved_papers"] == 0.0 and resolved["requested_papers"] == pytest.approx(0.2)

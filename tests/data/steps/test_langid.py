@@ -36,6 +36,7 @@ def doc(text):
 def english_docs():
     # Real English text nobody here wrote: Python's reference documentation.
     from pydoc_data.topics import topics
+
     return [doc(text) for _, text in sorted(topics.items())[:30]]
 
 
@@ -116,6 +117,7 @@ def test_debian_chinese_fortunes(loaded):
     # Real Chinese text nobody here wrote; the file colours its attributions with ANSI escapes.
     import os
     import re
+
     if not os.path.exists(FORTUNES_ZH):
         pytest.skip("Debian fortunes-zh is not installed (apt-get install fortunes-zh)")
     with open(FORTUNES_ZH, encoding="utf-8") as f:

@@ -59,19 +59,23 @@ def test_trailing_whitespace_and_blank_runs():
 
 
 def test_boilerplate_off_by_default_and_short_lines_only_when_on():
-    text = ("Welcome to the bakery.\n"
-            "We use cookies to improve your experience.\n"
-            "Our chocolate cookies recipe needs butter, sugar and flour.\n"
-            "Please enable JavaScript to view this page.\n"
-            "Copyright 2024 Example Ltd. All rights reserved.\n"
-            + "This long paragraph explains our privacy policy in plain words so that every visitor "
-              "understands exactly which data we keep, for how long, and why we keep it at all.")
+    text = (
+        "Welcome to the bakery.\n"
+        "We use cookies to improve your experience.\n"
+        "Our chocolate cookies recipe needs butter, sugar and flour.\n"
+        "Please enable JavaScript to view this page.\n"
+        "Copyright 2024 Example Ltd. All rights reserved.\n"
+        + "This long paragraph explains our privacy policy in plain words so that every visitor "
+        "understands exactly which data we keep, for how long, and why we keep it at all."
+    )
     assert run(Normalize(), text) == text
     step = Normalize(remove_boilerplate=True)
     out = run(step, text)
-    assert out.split("\n") == ["Welcome to the bakery.",
-                               "Our chocolate cookies recipe needs butter, sugar and flour.",
-                               text.split("\n")[-1]]
+    assert out.split("\n") == [
+        "Welcome to the bakery.",
+        "Our chocolate cookies recipe needs butter, sugar and flour.",
+        text.split("\n")[-1],
+    ]
     assert step.stats.counters["boilerplate_lines_removed"] == 3
 
 
@@ -98,8 +102,7 @@ def test_validation_names_the_key():
 
 
 def test_build_from_recipe_table_and_pickle():
-    step = build_step("normalize", {"remove_boilerplate": True, "boilerplate_patterns": ["foo bar"]},
-                      "data.normalize")
+    step = build_step("normalize", {"remove_boilerplate": True, "boilerplate_patterns": ["foo bar"]}, "data.normalize")
     step.setup()
     clone = pickle.loads(pickle.dumps(step))
     assert run(clone, "x\nfoo bar\ny") == "x\ny"
@@ -107,6 +110,7 @@ def test_build_from_recipe_table_and_pickle():
 
 def test_real_text_is_idempotent():
     from pydoc_data.topics import topics
+
     for text in list(topics.values())[:20]:
         once, _ = normalize_text(text)
         twice, counts = normalize_text(once)

@@ -5,24 +5,37 @@ from pathlib import Path
 import pytest
 
 from kiln.data.steps.base import STEPS, build_step
-from kiln.data.steps.quality import (C4Quality, FineWebQuality, GopherQuality, GopherRepetition,
-                                     cjk_ngram_size, dup_ngram_char_fraction, duplicate_fractions,
-                                     fineweb_stats, gopher_quality_stats, gopher_repetition_stats,
-                                     top_ngram_char_fraction)
+from kiln.data.steps.quality import (
+    C4Quality,
+    FineWebQuality,
+    GopherQuality,
+    GopherRepetition,
+    cjk_ngram_size,
+    dup_ngram_char_fraction,
+    duplicate_fractions,
+    fineweb_stats,
+    gopher_quality_stats,
+    gopher_repetition_stats,
+    top_ngram_char_fraction,
+)
 from kiln.errors import ConfigError
 
 ZH_FORTUNES = Path("/usr/share/games/fortunes/chinese")
 
-EN = ("The quality of a language model is limited by the data it is trained on. Before training, we "
-      "clean the corpus: duplicate pages are removed, pages that only hold navigation links are "
-      "dropped, and broken characters are replaced. The benefit is easy to see, because the model "
-      "does not spend its capacity memorising text that carries no meaning. For English text we "
-      "count words by splitting on whitespace and stripping punctuation, which matches the rules "
-      "published with the Gopher models. This method is simple, yet it works well in practice and "
-      "is fast enough to run on every document.")
-ZH = ("数据质量决定了模型的上限。我们在训练之前先清洗语料：去掉重复的网页，删除只有导航链接的页面，"
-      "并把乱码和控制字符替换掉。这样做的好处是显而易见的，模型不必浪费算力去记忆无意义的内容。"
-      "对于中文文本，我们按字计算词数，因为中文句子里没有空格。这个方法简单，但是在实践中效果很好。")
+EN = (
+    "The quality of a language model is limited by the data it is trained on. Before training, we "
+    "clean the corpus: duplicate pages are removed, pages that only hold navigation links are "
+    "dropped, and broken characters are replaced. The benefit is easy to see, because the model "
+    "does not spend its capacity memorising text that carries no meaning. For English text we "
+    "count words by splitting on whitespace and stripping punctuation, which matches the rules "
+    "published with the Gopher models. This method is simple, yet it works well in practice and "
+    "is fast enough to run on every document."
+)
+ZH = (
+    "数据质量决定了模型的上限。我们在训练之前先清洗语料：去掉重复的网页，删除只有导航链接的页面，"
+    "并把乱码和控制字符替换掉。这样做的好处是显而易见的，模型不必浪费算力去记忆无意义的内容。"
+    "对于中文文本，我们按字计算词数，因为中文句子里没有空格。这个方法简单，但是在实践中效果很好。"
+)
 
 
 def doc(text, lang=None):
@@ -30,8 +43,12 @@ def doc(text, lang=None):
 
 
 def test_all_registered():
-    for name, cls in [("gopher_quality", GopherQuality), ("gopher_repetition", GopherRepetition),
-                      ("c4", C4Quality), ("fineweb", FineWebQuality)]:
+    for name, cls in [
+        ("gopher_quality", GopherQuality),
+        ("gopher_repetition", GopherRepetition),
+        ("c4", C4Quality),
+        ("fineweb", FineWebQuality),
+    ]:
         assert STEPS[name] is cls
 
 
@@ -59,7 +76,7 @@ def test_gopher_word_count_bounds():
 
 def test_gopher_mean_word_length_bounds():
     step = GopherQuality()
-    assert step.reason(words_doc(["the", "and"] + ["cat"] * 48)) is None                 # mean 3.0
+    assert step.reason(words_doc(["the", "and"] + ["cat"] * 48)) is None  # mean 3.0
     assert step.reason(words_doc(["the", "and", "at"] + ["cat"] * 47)) == "gopher_short_words"
     long10, long17 = "abcdefghij", "abcdefghijklmnopq"
     assert step.reason(words_doc(["the", "and"] + [long10] * 46 + [long17] * 2)) is None  # mean 10.0
@@ -69,7 +86,7 @@ def test_gopher_mean_word_length_bounds():
 def test_gopher_hash_and_ellipsis_ratios_each_checked():
     step = GopherQuality()
     plain = ["the", "and"] + ["house"] * 48
-    assert step.reason(words_doc(["#" + w for w in plain[:5]] + plain[5:])) is None    # 5/50 = 0.1
+    assert step.reason(words_doc(["#" + w for w in plain[:5]] + plain[5:])) is None  # 5/50 = 0.1
     assert step.reason(words_doc(["#" + w for w in plain[:6]] + plain[6:])) == "gopher_hash_ratio"
     assert step.reason(words_doc([w + "..." for w in plain[:4]] + ["house…"] + plain[5:] + ["end."])) is None
     assert step.reason(words_doc([w + "..." for w in plain[:6]] + plain[6:] + ["end."])) == "gopher_ellipsis_ratio"
@@ -95,7 +112,7 @@ def test_gopher_ellipsis_lines():
 def test_gopher_alphabetic_words():
     step = GopherQuality()
     base = ["the", "and"] + ["house"] * 38
-    assert step.reason(words_doc(base + ["123"] * 10)) is None                        # 40/50 = 0.8
+    assert step.reason(words_doc(base + ["123"] * 10)) is None  # 40/50 = 0.8
     assert step.reason(words_doc(base[:-1] + ["123"] * 11)) == "gopher_alpha_words"
 
 
@@ -161,8 +178,14 @@ def test_cjk_ngram_sizes():
 # ---------------------------------------------------------------- Gopher repetition: thresholds
 
 
-RELAXED = dict(max_dup_line_fraction=1.0, max_dup_paragraph_fraction=1.0, max_dup_line_char_fraction=1.0,
-               max_dup_paragraph_char_fraction=1.0, top_ngram_max_fractions={}, dup_ngram_max_fractions={})
+RELAXED = dict(
+    max_dup_line_fraction=1.0,
+    max_dup_paragraph_fraction=1.0,
+    max_dup_line_char_fraction=1.0,
+    max_dup_paragraph_char_fraction=1.0,
+    top_ngram_max_fractions={},
+    dup_ngram_max_fractions={},
+)
 
 
 def only(**rule):
@@ -170,25 +193,35 @@ def only(**rule):
 
 
 def numbered(prefix, n):
-    return [f"{prefix}{i:03d}" for i in range(n)]   # equal-length distinct words
+    return [f"{prefix}{i:03d}" for i in range(n)]  # equal-length distinct words
 
 
-@pytest.mark.parametrize("sep,key,reason", [("\n", "max_dup_line_fraction", "gopher_dup_lines"),
-                                            ("\n\n", "max_dup_paragraph_fraction", "gopher_dup_paragraphs")])
+@pytest.mark.parametrize(
+    "sep,key,reason",
+    [
+        ("\n", "max_dup_line_fraction", "gopher_dup_lines"),
+        ("\n\n", "max_dup_paragraph_fraction", "gopher_dup_paragraphs"),
+    ],
+)
 def test_duplicate_line_and_paragraph_fraction(sep, key, reason):
     step = only(**{key: 0.3})
     items = [f"unique item number {w} here" for w in numbered("u", 7)]
-    assert step.reason(doc(sep.join(items + [items[0]] * 3))) is None       # 3/10
-    assert step.reason(doc(sep.join(items + [items[0]] * 4))) == reason      # 4/11
+    assert step.reason(doc(sep.join(items + [items[0]] * 3))) is None  # 3/10
+    assert step.reason(doc(sep.join(items + [items[0]] * 4))) == reason  # 4/11
 
 
-@pytest.mark.parametrize("sep,key,reason", [("\n", "max_dup_line_char_fraction", "gopher_dup_line_chars"),
-                                            ("\n\n", "max_dup_paragraph_char_fraction", "gopher_dup_paragraph_chars")])
+@pytest.mark.parametrize(
+    "sep,key,reason",
+    [
+        ("\n", "max_dup_line_char_fraction", "gopher_dup_line_chars"),
+        ("\n\n", "max_dup_paragraph_char_fraction", "gopher_dup_paragraph_chars"),
+    ],
+)
 def test_duplicate_line_and_paragraph_characters(sep, key, reason):
     step = only(**{key: 0.2})
     items = [f"unique item number {w} here" for w in numbered("u", 8)]
-    assert step.reason(doc(sep.join(items + [items[0]] * 2))) is None       # 2/10 of characters
-    assert step.reason(doc(sep.join(items + [items[0]] * 3))) == reason      # 3/11
+    assert step.reason(doc(sep.join(items + [items[0]] * 2))) is None  # 2/10 of characters
+    assert step.reason(doc(sep.join(items + [items[0]] * 3))) == reason  # 3/11
 
 
 @pytest.mark.parametrize("n,limit,keep_times,drop_times", [(2, 0.20, 5, 6), (3, 0.18, 3, 4), (4, 0.16, 2, 3)])
@@ -196,21 +229,23 @@ def test_top_ngram_thresholds(n, limit, keep_times, drop_times):
     step = only(top_ngram_max_fractions={str(n): limit})
     gram = numbered("r", n)
 
-    def text(times):   # 50 equal-length words, the n-gram repeated `times` times
+    def text(times):  # 50 equal-length words, the n-gram repeated `times` times
         return " ".join(gram * times + numbered("f", 50 - n * times))
+
     assert step.reason(doc(text(keep_times))) is None
     assert step.reason(doc(text(drop_times))) == f"gopher_top_{n}gram"
 
 
 @pytest.mark.parametrize("n", [5, 6, 7, 8, 9, 10])
 def test_duplicated_ngram_thresholds(n):
-    limit = (20 - n) / 100   # 0.15, 0.14, ..., 0.10
+    limit = (20 - n) / 100  # 0.15, 0.14, ..., 0.10
     step = only(dup_ngram_max_fractions={str(n): limit})
 
-    def text(m):   # 200 equal-length words, a block of m >= n words appearing twice
+    def text(m):  # 200 equal-length words, a block of m >= n words appearing twice
         block = numbered("r", m)
         return " ".join(block + numbered("f", 200 - 2 * m) + block)
-    m = 20 - n   # 2m of 200 words covered = the limit exactly
+
+    m = 20 - n  # 2m of 200 words covered = the limit exactly
     assert step.reason(doc(text(m))) is None
     assert step.reason(doc(text(m + 1))) == f"gopher_dup_{n}gram"
 
@@ -266,8 +301,8 @@ def test_c4_min_words_per_line_both_sides():
 
 def test_c4_min_sentences_both_sides():
     step = C4Quality()
-    assert step.reason(doc(f"{S} {S}\n{S}")) is None                        # 3 sentences
-    assert step.reason(doc(f"{S} {S}")) == "c4_too_few_sentences"           # 2
+    assert step.reason(doc(f"{S} {S}\n{S}")) is None  # 3 sentences
+    assert step.reason(doc(f"{S} {S}")) == "c4_too_few_sentences"  # 2
     # datatrove / FineWeb reading: 5 sentences, 3 words per line.
     fineweb_c4 = C4Quality(min_sentences=5, min_words_per_line=3)
     assert fineweb_c4.reason(doc(" ".join([S] * 4))) == "c4_too_few_sentences"
@@ -277,7 +312,9 @@ def test_c4_min_sentences_both_sides():
 def test_c4_max_word_length_both_sides():
     step = C4Quality()
     ok, bad = "x" * 1000, "x" * 1001
-    out, _, counts = step.clean("\n".join([S, f"A word {ok} is long but allowed.", f"A word {bad} is too long here.", S, S]))
+    out, _, counts = step.clean(
+        "\n".join([S, f"A word {ok} is long but allowed.", f"A word {bad} is too long here.", S, S])
+    )
     assert ok in out and bad not in out and counts["lines_long_word"] == 1
 
 
@@ -285,7 +322,7 @@ def test_c4_page_rules_lorem_ipsum_and_curly_bracket():
     step = C4Quality()
     original = "\n".join([S, "Lorem ipsum dolor sit amet, consectetur adipiscing elit.", S, S])
     d = doc(original)
-    assert step.reason(d) == "c4_lorem_ipsum" and d["text"] == original   # dropped docs stay as they came
+    assert step.reason(d) == "c4_lorem_ipsum" and d["text"] == original  # dropped docs stay as they came
     assert step.reason(doc("\n".join([S, "function f() { return a + b; } is code here.", S, S]))) == "c4_curly_bracket"
     # As in the reference code, only a line that passed the line rules can drop the page.
     assert step.reason(doc("\n".join([S, "if (x) {", S, S]))) is None
@@ -294,9 +331,18 @@ def test_c4_page_rules_lorem_ipsum_and_curly_bracket():
 
 def test_c4_line_rules_javascript_policy_citations():
     step = C4Quality()
-    d = doc("\n".join([S, "Please enable JavaScript in your browser to continue.",
-                       "Read our privacy policy before you sign up today.",
-                       "The tower was finished in 1889 [1] and painted often[citation needed].", S, S]))
+    d = doc(
+        "\n".join(
+            [
+                S,
+                "Please enable JavaScript in your browser to continue.",
+                "Read our privacy policy before you sign up today.",
+                "The tower was finished in 1889 [1] and painted often[citation needed].",
+                S,
+                S,
+            ]
+        )
+    )
     assert step.reason(d) is None
     assert d["text"] == "\n".join([S, "The tower was finished in 1889  and painted often.", S, S])
     c = step.stats.counters
@@ -326,17 +372,17 @@ LONG = "this line is clearly longer than thirty characters"
 def test_fineweb_line_punctuation_both_sides():
     step = FineWebQuality(max_short_line_ratio=1.0, max_dup_line_char_ratio=1.0)
     lines_ = [f"{LONG} {i}" for i in range(25)]
-    keep = [l + "." if i < 3 else l for i, l in enumerate(lines_)]          # 3/25 = 0.12
-    drop = [l + "." if i < 2 else l for i, l in enumerate(lines_)]          # 2/25
+    keep = [l + "." if i < 3 else l for i, l in enumerate(lines_)]  # 3/25 = 0.12
+    drop = [l + "." if i < 2 else l for i, l in enumerate(lines_)]  # 2/25
     assert step.reason(doc("\n".join(keep))) is None
     assert step.reason(doc("\n".join(drop))) == "fineweb_line_punct"
 
 
 def test_fineweb_short_lines_both_sides():
     step = FineWebQuality(min_line_punct_ratio=0.0, max_dup_line_char_ratio=1.0)
-    short30 = "x" * 29 + "."      # exactly 30 characters counts as short
+    short30 = "x" * 29 + "."  # exactly 30 characters counts as short
     not_short = "x" * 30 + "."
-    assert step.reason(doc("\n".join([short30, short30 + " ", not_short]))) is None   # 2/3
+    assert step.reason(doc("\n".join([short30, short30 + " ", not_short]))) is None  # 2/3
     assert step.reason(doc("\n".join([short30, "b" * 29 + ".", "c" * 29 + ".", not_short]))) == "fineweb_short_lines"
 
 
@@ -350,14 +396,14 @@ def test_fineweb_cjk_character_width():
 def test_fineweb_duplicate_line_characters_both_readings():
     step = FineWebQuality()
     items = [f"{LONG} {i:02d}." for i in range(9)]
-    assert step.reason(doc("\n".join(items + [items[0]]))) is None           # 1/10 = 0.1 (paper)
+    assert step.reason(doc("\n".join(items + [items[0]]))) is None  # 1/10 = 0.1 (paper)
     assert step.reason(doc("\n".join(items[:8] + [items[0]] * 2))) == "fineweb_dup_line_chars"
     datatrove = FineWebQuality(max_dup_line_char_ratio=0.01)
     assert datatrove.reason(doc("\n".join(items + [items[0]]))) == "fineweb_dup_line_chars"
 
 
 def test_fineweb_newline_rule_off_by_default():
-    text = "\n".join(f"Line {i} ends here." for i in range(10))   # 9 newlines, 40 words
+    text = "\n".join(f"Line {i} ends here." for i in range(10))  # 9 newlines, 40 words
     assert FineWebQuality(max_short_line_ratio=1.0).reason(doc(text)) is None
     assert FineWebQuality(max_short_line_ratio=1.0, max_newline_word_ratio=0.2).reason(doc(text)) == "fineweb_newlines"
     assert FineWebQuality(max_short_line_ratio=1.0, max_newline_word_ratio=0.3).reason(doc(text)) is None
@@ -366,13 +412,16 @@ def test_fineweb_newline_rule_off_by_default():
 # ---------------------------------------------------------------- config, pickling, real text
 
 
-@pytest.mark.parametrize("name,table,key", [
-    ("gopher_quality", {"min_alpha_words_ratio": 1.5}, "min_alpha_words_ratio"),
-    ("gopher_quality", {"min_doc_words": 200, "max_doc_words": 100}, "min_doc_words"),
-    ("c4", {"max_word_length": 0}, "max_word_length"),
-    ("fineweb", {"end_marks": ""}, "end_marks"),
-    ("fineweb", {"cjk_char_width": 0.5}, "cjk_char_width"),
-])
+@pytest.mark.parametrize(
+    "name,table,key",
+    [
+        ("gopher_quality", {"min_alpha_words_ratio": 1.5}, "min_alpha_words_ratio"),
+        ("gopher_quality", {"min_doc_words": 200, "max_doc_words": 100}, "min_doc_words"),
+        ("c4", {"max_word_length": 0}, "max_word_length"),
+        ("fineweb", {"end_marks": ""}, "end_marks"),
+        ("fineweb", {"cjk_char_width": 0.5}, "cjk_char_width"),
+    ],
+)
 def test_bad_config_names_the_key(name, table, key):
     with pytest.raises(ConfigError, match=rf"data\.{name}\.{key}"):
         build_step(name, table, f"data.{name}")
@@ -386,6 +435,7 @@ def test_steps_pickle():
 
 def test_real_english_docs():
     from pydoc_data.topics import topics
+
     prose = [t for t in topics.values() if len(t.split()) >= 300]
     assert len(prose) >= 30
     quality = [gopher_quality_stats(t) for t in prose]

@@ -2,15 +2,32 @@ from pathlib import Path
 
 import pytest
 
-from kiln.data.steps.text import (STOP_WORDS, base_lang, is_cjk, lines, ngrams, paragraphs, sentences,
-                                  stop_word_lang, words)
+from kiln.data.steps.text import (
+    STOP_WORDS,
+    base_lang,
+    is_cjk,
+    lines,
+    ngrams,
+    paragraphs,
+    sentences,
+    stop_word_lang,
+    words,
+)
 
 ZH_FORTUNES = Path("/usr/share/games/fortunes/chinese")
 
 
 def test_english_words_strip_edge_punctuation_only():
     assert words("Hello, world! Don't stop -- (yes) 3.14 ... #tag “quoted”") == [
-        "Hello", "world", "Don't", "stop", "yes", "3.14", "tag", "quoted"]
+        "Hello",
+        "world",
+        "Don't",
+        "stop",
+        "yes",
+        "3.14",
+        "tag",
+        "quoted",
+    ]
 
 
 def test_punctuation_only_tokens_are_not_words():
@@ -20,7 +37,18 @@ def test_punctuation_only_tokens_are_not_words():
 
 def test_chinese_each_character_is_a_word_and_latin_runs_are_one():
     assert words("在 Python 3.11 中使用numpy，计算「矩阵」。", "zh") == [
-        "在", "Python", "3.11", "中", "使", "用", "numpy", "计", "算", "矩", "阵"]
+        "在",
+        "Python",
+        "3.11",
+        "中",
+        "使",
+        "用",
+        "numpy",
+        "计",
+        "算",
+        "矩",
+        "阵",
+    ]
 
 
 def test_fullwidth_punctuation_splits_latin_runs_in_cjk_text():
@@ -89,6 +117,7 @@ def test_stop_words_are_gophers_list_and_language_guess():
 
 def test_real_english_docs_word_counts_track_whitespace_tokens():
     from pydoc_data.topics import topics
+
     for name in ("assignment", "if", "typesseq"):
         text = topics[name]
         n_tokens = len(text.split())

@@ -4,8 +4,14 @@ from pathlib import Path
 import pytest
 
 from kiln.data.steps.base import STEPS, build_step
-from kiln.data.steps.toxicity import (IGNORED_BY_DEFAULT, Toxicity, WordList, builtin_word_list, read_word_list,
-                                      toxicity_score)
+from kiln.data.steps.toxicity import (
+    IGNORED_BY_DEFAULT,
+    Toxicity,
+    WordList,
+    builtin_word_list,
+    read_word_list,
+    toxicity_score,
+)
 from kiln.errors import ConfigError
 
 pytest.importorskip("better_profanity")
@@ -37,16 +43,16 @@ def test_registered_and_built_by_name():
 def test_builtin_list_ships_in_the_wheel():
     entries = builtin_word_list()
     assert len(entries) > 800
-    assert all(w in {e.lower() for e in entries} for w in IGNORED_BY_DEFAULT)   # no stale ignore entries
+    assert all(w in {e.lower() for e in entries} for w in IGNORED_BY_DEFAULT)  # no stale ignore entries
 
 
 def test_score_counts_words_and_phrases():
     wl = WordList(["shit", "blow job", "sh!t"])
     assert toxicity_score("This is shit.", wl) == pytest.approx(1 / 3)
-    assert toxicity_score("a blow job here", wl) == pytest.approx(2 / 4)    # both words of the phrase
-    assert toxicity_score("a blow to the job", wl) == 0.0                    # not adjacent: no match
-    assert toxicity_score("SHIT and Sh!t", wl) == pytest.approx(2 / 3)       # case-insensitive, leetspeak entry
-    assert toxicity_score("shitake mushrooms", wl) == 0.0                    # whole words only
+    assert toxicity_score("a blow job here", wl) == pytest.approx(2 / 4)  # both words of the phrase
+    assert toxicity_score("a blow to the job", wl) == 0.0  # not adjacent: no match
+    assert toxicity_score("SHIT and Sh!t", wl) == pytest.approx(2 / 3)  # case-insensitive, leetspeak entry
+    assert toxicity_score("shitake mushrooms", wl) == 0.0  # whole words only
     assert toxicity_score("", wl) == 0.0
 
 
@@ -87,7 +93,7 @@ def test_user_list_file_chinese(tmp_path):
     assert read_word_list(path) == ["傻逼", "王八蛋"]
     step = Toxicity(builtin_list=False, word_list_files=[str(path)], max_score=0.1)
     step.validate()
-    toxic = doc("你这个傻逼王八蛋。", "zh")      # 5 of 8 character-words flagged
+    toxic = doc("你这个傻逼王八蛋。", "zh")  # 5 of 8 character-words flagged
     assert step.reason(toxic) == "toxic" and toxic["meta"]["toxicity"] == pytest.approx(5 / 8)
     # One two-character hit among 20+ characters is under 0.1: kept. "傻" alone is not an entry.
     mild = doc("今天天气很好，我们去公园散步，他说傻逼这个词不好。", "zh")
@@ -99,8 +105,8 @@ def test_classifier_hook_alongside_and_instead():
     spec = f"{__name__}:fake_classifier"
     alongside = Toxicity(classifier=spec, max_classifier_score=0.2)
     alongside.validate()
-    assert alongside.reason(doc("awful awful weather today")) == "toxic_classifier"   # 0.5 > 0.2
-    ok = doc("awful weather today and tomorrow too")                                  # 1/6 <= 0.2
+    assert alongside.reason(doc("awful awful weather today")) == "toxic_classifier"  # 0.5 > 0.2
+    ok = doc("awful weather today and tomorrow too")  # 1/6 <= 0.2
     assert alongside.reason(ok) is None
     assert ok["meta"] == {"toxicity": 0.0, "toxicity_classifier": pytest.approx(1 / 6, abs=1e-6)}
     # The list still decides first when both are on.
@@ -123,14 +129,17 @@ def test_pickles_before_and_after_setup():
     assert clone.reason(doc("fuck fuck")) == "toxic"
 
 
-@pytest.mark.parametrize("kwargs,field", [
-    ({"max_score": 1.5}, "max_score"),
-    ({"max_classifier_score": -0.1}, "max_classifier_score"),
-    ({"builtin_list": False}, "builtin_list"),
-    ({"word_list_files": ["/no/such/list.txt"]}, "word_list_files[0]"),
-    ({"classifier": "no_colon"}, "classifier"),
-    ({"classifier": "kiln.nowhere:f"}, "classifier"),
-])
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        ({"max_score": 1.5}, "max_score"),
+        ({"max_classifier_score": -0.1}, "max_classifier_score"),
+        ({"builtin_list": False}, "builtin_list"),
+        ({"word_list_files": ["/no/such/list.txt"]}, "word_list_files[0]"),
+        ({"classifier": "no_colon"}, "classifier"),
+        ({"classifier": "kiln.nowhere:f"}, "classifier"),
+    ],
+)
 def test_validate(kwargs, field):
     with pytest.raises(ConfigError) as err:
         Toxicity(**kwargs).validate()
