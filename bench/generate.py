@@ -155,8 +155,8 @@ def report_speed(rates: dict, others: list[float], max_others: float, batch: int
 
 def load_checkpoint(path):
     """(model, the validation loss its manifest records). Checkpoints written before the fused-row
-    layout change are converted by load_weights (kiln.train.checkpoint.upgrade_layout)."""
-    from kiln.train.checkpoint import load_weights
+    layout change are converted by load_weights (kiln.model.weights.upgrade_layout)."""
+    from kiln.model.weights import load_weights
 
     cfg, state, manifest = load_weights(path)
     model = build_model(cfg)

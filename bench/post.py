@@ -148,8 +148,8 @@ class StepClock:
 
 
 def kiln_trainer(init: Path, out: Path, stage_train, precision: str, loss_fn, rows):
+    from kiln.model.weights import load_weights
     from kiln.post.sources import ExampleSource
-    from kiln.train.checkpoint import load_weights
     from kiln.train.config import TrainConfig
     from kiln.train.trainer import Trainer
 
@@ -376,8 +376,8 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=Path("/tmp/kiln-bench-post"))
     args = parser.parse_args()
 
+    from kiln.data.chat import render_conversation
     from kiln.post import stages as S
-    from kiln.post.chat import render_conversation
     from kiln.post.config import DPOConfig, StageTrainConfig
     from kiln.post.tasks import task_preference_pairs, task_sft_examples
 
@@ -430,7 +430,7 @@ def main() -> None:
             lr=args.dpo_lr, max_steps=total, warmup_steps=0, seq_len=args.seq_len, micro_batch_size=args.dpo_batch
         ),
     )
-    from kiln.infer.sample import load_model
+    from kiln.model.weights import load_model
 
     reference, _ = load_model(kiln_dir)
     ref_started = time.perf_counter()

@@ -8,6 +8,7 @@ import os
 import sys
 from pathlib import Path
 
+from kiln.data.tokenizer import find_tokenizer
 from kiln.errors import ConfigError, DataError
 from kiln.train.guard import TrainingDiverged
 
@@ -118,16 +119,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def find_tokenizer(path: str | Path) -> Path:
-    """tokenizer.json in the checkpoint folder or in a run folder above it."""
-    path = Path(path).resolve()
-    for folder in [path, *path.parents]:
-        for candidate in (folder / "tokenizer.json", folder / "tokenizer" / "tokenizer.json"):
-            if candidate.is_file():
-                return candidate
-    raise DataError(f"{path}: no tokenizer.json next to the checkpoint or in its run folder; pass --tokenizer")
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -144,8 +135,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _dispatch(args: argparse.Namespace) -> int:
-    from kiln.config import POST_STAGES, STAGES, load_recipe
     from kiln.pipeline import run_recipe
+    from kiln.recipe import POST_STAGES, STAGES, load_recipe
 
     stage_of_verb = {
         "corpus": "corpus",
@@ -208,8 +199,12 @@ def _dispatch(args: argparse.Namespace) -> int:
         return 0
     if args.verb == "launch":
         from kiln.parallel.launch import run_launch
+        from kiln.recipe import load_recipe
 
-        return run_launch(args)
+        # The whole recipe is validated before a job is submitted; a path that exists only on the
+        # cluster is passed through.
+        parallel = load_recipe(args.recipe, args.overrides).parallel if Path(args.recipe).is_file() else None
+        return run_launch(args, parallel)
     if args.verb == "eval":
         from kiln.eval.cli import run_eval
 
@@ -237,7 +232,8 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.verb == "generate":
         return _generate(args)
     if args.verb == "export" and args.format == "single":
-        from kiln.train.checkpoint import load_weights, save_weights
+        from kiln.checkpoint import save_weights
+        from kiln.model.weights import load_weights
 
         cfg, state, manifest = load_weights(args.checkpoint)
         save_weights(args.out, cfg, state, {"step": manifest.get("step"), "converted_from": str(args.checkpoint)})

@@ -163,7 +163,7 @@ def export_hf(
         if all(tok.token_to_id(t) is not None for t in ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>")):
             # The chat template travels with every export, so apply_chat_template gives Kiln's ids; a
             # chat model (chat=True) also stops generating at the end of its turn.
-            from kiln.post.chat import hf_tokenizer_config_extra
+            from kiln.data.chat import hf_tokenizer_config_extra
 
             tok_config.update(hf_tokenizer_config_extra(chat=chat))
             if chat:
@@ -335,7 +335,7 @@ def import_hf(folder) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
 def import_hf_to_checkpoint(folder, out_dir) -> Path:
     """Convert an HF folder into a Kiln weights checkpoint at out_dir; its tokenizer.json is copied
     alongside when present, so `kiln generate` can use the result directly."""
-    from kiln.train.checkpoint import save_weights
+    from kiln.checkpoint import save_weights
 
     cfg, state = import_hf(folder)
     out = save_weights(out_dir, cfg, state, manifest_extra={"step": 0, "source": {"hf": str(Path(folder).resolve())}})
@@ -348,7 +348,7 @@ def import_hf_to_checkpoint(folder, out_dir) -> Path:
 def export_checkpoint_to_hf(ckpt_path, tokenizer_path, out_dir, chat: bool | None = None) -> Path:
     """Export a Kiln checkpoint (folder, checkpoints root or stage folder) to an HF folder. chat=None:
     a chat model when the checkpoint comes from a post-training stage (its recipe ran sft/dpo/grpo)."""
-    from kiln.train.checkpoint import load_weights
+    from kiln.model.weights import load_weights
 
     cfg, state, manifest = load_weights(ckpt_path)
     if chat is None:

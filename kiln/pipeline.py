@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kiln.config import POST_STAGES, STAGES, Recipe, recipe_to_dict
+from kiln.recipe import POST_STAGES, STAGES, Recipe, recipe_to_dict
 
 # Which recipe sections determine each stage's output, upstream included.
 STAGE_INPUTS = {
@@ -206,7 +206,8 @@ def _pretrain(recipe: Recipe, out: Path, resume: str = "auto", init_from: str | 
 
 def _sample(recipe: Recipe, out: Path, **_) -> dict:
     from kiln.data.tokenizer import Tokenizer
-    from kiln.infer.sample import load_model, sample_texts
+    from kiln.infer.sample import sample_texts
+    from kiln.model.weights import load_model
 
     checkpoints = stage_dir(recipe, "pretrain") / "checkpoints"
     best = checkpoints / "best"

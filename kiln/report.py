@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from kiln.config import STAGES
 from kiln.cost import CHINCHILLA_TOKENS_PER_PARAM, DEFAULT_PUE, check_options, cost_html_text, run_cost
 from kiln.data.funnel import funnel_html, funnel_text
 from kiln.errors import ConfigError, DataError
+from kiln.recipe import STAGES
 from kiln.report_plots import (
     MAX_POINTS,
     Plot,

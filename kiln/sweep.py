@@ -27,9 +27,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kiln.config import STAGES, Recipe, load_recipe, parse_value
+from kiln.config import parse_value
 from kiln.errors import ConfigError
 from kiln.model.config import PRESETS
+from kiln.recipe import STAGES, Recipe, load_recipe
 
 STUDY_NAME = "kiln-sweep"
 # Sections a pretraining run depends on; sweeping anything else could not change the objective.

@@ -2,8 +2,9 @@ from pathlib import Path
 
 import pytest
 
-from kiln.config import Recipe, load_recipe, parse_override
+from kiln.config import parse_override
 from kiln.errors import ConfigError
+from kiln.recipe import Recipe, load_recipe
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 
@@ -87,7 +88,7 @@ def test_missing_recipe_file(tmp_path):
 def test_nested_dataclass_tables_are_typed():
     from dataclasses import dataclass, field
 
-    from kiln.config import _build
+    from kiln.config import build
 
     @dataclass
     class Inner:
@@ -97,9 +98,9 @@ def test_nested_dataclass_tables_are_typed():
     class Outer:
         inner: Inner = field(default_factory=Inner)
 
-    assert _build(Outer, {"inner": {"threshold": 1}}, "x").inner.threshold == 1.0
+    assert build(Outer, {"inner": {"threshold": 1}}, "x").inner.threshold == 1.0
     with pytest.raises(ConfigError, match=r"x.inner.limit: unknown key"):
-        _build(Outer, {"inner": {"limit": 1}}, "x")
+        build(Outer, {"inner": {"limit": 1}}, "x")
 
 
 @pytest.mark.parametrize(
@@ -139,7 +140,7 @@ def test_data_step_params_reach_the_step(tmp_path):
 
 
 def test_nested_table_keeps_the_enclosing_defaults():
-    from kiln.config import load_recipe
+    from kiln.recipe import load_recipe
 
     recipe = load_recipe(None, ["dpo.train.max_steps=40"])
     assert recipe.dpo.train.max_steps == 40

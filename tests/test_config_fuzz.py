@@ -16,8 +16,9 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from kiln.config import Recipe, load_recipe, parse_override, recipe_from_dict  # noqa: E402
+from kiln.config import parse_override  # noqa: E402
 from kiln.errors import ConfigError  # noqa: E402
+from kiln.recipe import Recipe, load_recipe, recipe_from_dict  # noqa: E402
 
 # Modest by default so the suite stays fast; KILN_FUZZ_EXAMPLES raises it, and the `slow` tests
 # below run ten times as many.

@@ -3,7 +3,7 @@ import json
 import pytest
 
 from kiln import pipeline
-from kiln.config import load_recipe
+from kiln.recipe import load_recipe
 
 
 @pytest.fixture

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from kiln.config import load_recipe, recipe_to_dict
 from kiln.data.config import CurateConfig
 from kiln.data.curate import curate
 from kiln.data.funnel import funnel_text
 from kiln.errors import ConfigError, DataError
+from kiln.recipe import load_recipe, recipe_to_dict
 from kiln.report import ReportOptions, add_report_parser, build_report, read_metrics, run_report, write_report
 from kiln.report_plots import Plot, Series, line_plot, log_ticks, nice_ticks, thin
 from kiln.train.config import TrainConfig
@@ -543,7 +543,7 @@ def test_report_of_a_real_training_run(tmp_path, tiny_pack_factory):
     text = report.text()
     assert f"final_val_loss {summary['final_val_loss']:.6g}, " in text
     assert "measured: 1 CPU process(es)" in text and f"{summary['wall_s']:,.0f} s wall" in text
-    from kiln.train.checkpoint import complete_checkpoints, read_manifest
+    from kiln.checkpoint import complete_checkpoints, read_manifest
 
     folders = complete_checkpoints(run / "pretrain" / "checkpoints")
     listed = "; ".join(f"{p.name} val {read_manifest(p)['val_loss']:.6g}" for p in folders)

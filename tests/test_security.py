@@ -17,18 +17,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from kiln.errors import DataError
-from kiln.hf import import_hf
-from kiln.model import ModelConfig, build_model
-from kiln.train.checkpoint import (
+from kiln.checkpoint import (
     TRAIN_STATE_FILE,
     CheckpointError,
     CheckpointManager,
-    load_weights,
     read_manifest,
     resolve_checkpoint,
     sha256_file,
 )
+from kiln.errors import DataError
+from kiln.hf import import_hf
+from kiln.model import ModelConfig, build_model
+from kiln.model.weights import load_weights
 
 REPO = Path(__file__).resolve().parents[1]
 CFG = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=16)
@@ -60,7 +60,7 @@ def _evil_torch_file(path: Path, marker: Path) -> None:
 
 def _rewrite_manifest_checksums(folder: Path, added: tuple[str, ...] = ()) -> None:
     """What an attacker who ships a whole checkpoint does: checksums that match the planted files."""
-    from kiln.train.checkpoint import _manifest_digest
+    from kiln.checkpoint.format import _manifest_digest
 
     manifest = read_manifest(folder)
     for name in [*manifest["files"], *added]:
@@ -165,7 +165,7 @@ def test_crafted_train_state_is_refused(tmp_path, marker):
 def _sharded_checkpoint(root: Path) -> Path:
     import warnings
 
-    from kiln.parallel.checkpoint import ShardedSaver
+    from kiln.checkpoint import ShardedSaver
 
     torch.manual_seed(0)
     model = build_model(CFG)
@@ -223,7 +223,7 @@ def test_sharded_load_unpickles_entries_weights_only(tmp_path, marker):
     """Even past the up-front check, the load itself unpickles non-tensor entries with weights_only=True."""
     import warnings
 
-    from kiln.parallel.checkpoint import load_sharded
+    from kiln.checkpoint import load_sharded
 
     folder = _sharded_checkpoint(tmp_path / "ckpt")
     _craft_sharded_entry(folder, marker)

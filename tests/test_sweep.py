@@ -8,8 +8,8 @@ import pytest
 optuna = pytest.importorskip("optuna")
 
 from kiln import sweep  # noqa: E402
-from kiln.config import load_recipe  # noqa: E402
 from kiln.errors import ConfigError  # noqa: E402
+from kiln.recipe import load_recipe  # noqa: E402
 from kiln.sweep import Param, parse_param, parse_space, run_sweep  # noqa: E402
 
 # A recipe small enough that a trial trains in about a second on one core: real text from the Python

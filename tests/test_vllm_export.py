@@ -22,11 +22,11 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from kiln.checkpoint import save_weights
 from kiln.data.config import TokenizerConfig
 from kiln.data.tokenizer import Tokenizer, train_tokenizer
 from kiln.hf import export_checkpoint_to_hf
 from kiln.model import ModelConfig, build_model
-from kiln.train.checkpoint import save_weights
 
 # (vLLM parameter, checkpoint shard name, shard) as in LlamaForCausalLM.load_weights.
 STACKED = [
@@ -188,7 +188,7 @@ def test_export_has_what_vllms_llama_loader_reads(tmp_path, tok, overrides, dtyp
     messages = [{"role": "user", "content": "Hi"}]
     rendered = hf_tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
     ids = rendered["input_ids"] if isinstance(rendered, dict) or hasattr(rendered, "keys") else rendered
-    from kiln.post.chat import render_prompt
+    from kiln.data.chat import render_prompt
 
     assert list(ids) == render_prompt(tok, messages)
     hf_config = transformers.AutoConfig.from_pretrained(out)

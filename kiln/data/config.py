@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass, field
 
+from kiln.data.steps import build_step
 from kiln.errors import ConfigError
 
 BUILTIN_SOURCES = ("python_stdlib", "python_docs", "debian_docs")
@@ -109,6 +110,4 @@ class CurateConfig:
         self.build_steps()
 
     def build_steps(self) -> list:
-        from kiln.data.steps.base import build_step
-
         return [build_step(name, self.params.get(name, {}), f"params.{name}") for name in self.steps]

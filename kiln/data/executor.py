@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 from kiln.data.steps.base import Deduplicator, Mapper, Step, StepStats
-from kiln.train.system import progress
+from kiln.progress import progress
 
 
 @dataclass

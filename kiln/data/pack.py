@@ -22,7 +22,7 @@ from kiln.data.config import PackConfig
 from kiln.data.corpus import choose_split_ids, iter_documents
 from kiln.data.tokenizer import Tokenizer, count_documents
 from kiln.errors import ConfigError, DataError
-from kiln.train.system import progress, progress_visible
+from kiln.progress import progress, progress_visible
 
 SPLITS = ("train", "val")
 # Documents per encode_batch call: big enough to keep the Rust thread pool busy, small enough

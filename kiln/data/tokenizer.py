@@ -22,7 +22,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from kiln.data.config import TokenizerConfig
 from kiln.data.corpus import choose_split_ids, iter_documents
 from kiln.errors import DataError
-from kiln.train.system import progress_visible
+from kiln.progress import progress_visible
 
 # Reserved first so their ids (0..n-1) never move when the vocabulary size changes, and later
 # stages (chat SFT, tools) can rely on them without resizing the embedding.
@@ -115,6 +115,16 @@ class Tokenizer:
 
     def decode(self, ids: Iterable[int]) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=False)
+
+
+def find_tokenizer(path: str | Path) -> Path:
+    """tokenizer.json in the checkpoint folder or in a run folder above it."""
+    path = Path(path).resolve()
+    for folder in [path, *path.parents]:
+        for candidate in (folder / "tokenizer.json", folder / "tokenizer" / "tokenizer.json"):
+            if candidate.is_file():
+                return candidate
+    raise DataError(f"{path}: no tokenizer.json next to the checkpoint or in its run folder; pass --tokenizer")
 
 
 def build_untrained() -> HFTokenizer:

@@ -131,11 +131,10 @@ def _task_config(run_dir: Path | None):
 def run_eval(args: argparse.Namespace) -> int:
     import torch
 
-    from kiln.cli import find_tokenizer
-    from kiln.data.tokenizer import Tokenizer
+    from kiln.checkpoint import resolve_checkpoint
+    from kiln.data.tokenizer import Tokenizer, find_tokenizer
     from kiln.eval.harness import KilnLM, evaluate, format_table, results_document, write_results
-    from kiln.infer.sample import load_model
-    from kiln.train.checkpoint import resolve_checkpoint
+    from kiln.model.weights import load_model
 
     for key in ("limit", "num_fewshot", "max_gen_tokens"):
         value = getattr(args, key)

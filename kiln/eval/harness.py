@@ -36,7 +36,7 @@ import torch
 
 from kiln.errors import ConfigError
 from kiln.eval.sandbox import Limits, run_many
-from kiln.train.system import progress
+from kiln.progress import progress
 
 HUMANEVAL_STOP = ("\nclass", "\ndef", "\n#", "\nif", "\nprint")
 
@@ -154,7 +154,7 @@ class KilnLM:
     def context_ids(self, description: str, context: str, chat: bool | None = None) -> list[int]:
         """The prompt's ids; chat (default: the model's) renders it with the chat template."""
         if self.chat if chat is None else chat:
-            from kiln.post.chat import render_prompt
+            from kiln.data.chat import render_prompt
 
             system = [{"role": "system", "content": description}] if description else []
             return render_prompt(self.tokenizer, system + [{"role": "user", "content": context}])

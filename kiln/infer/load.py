@@ -66,9 +66,8 @@ def quantize(model, opts: InferenceOptions):
 
 def load_for_inference(checkpoint, tokenizer_path=None, opts: InferenceOptions | None = None):
     """(model in eval mode on its device, in its dtype, quantised if asked; tokenizer)."""
-    from kiln.cli import find_tokenizer
-    from kiln.data.tokenizer import Tokenizer
-    from kiln.infer.sample import load_model
+    from kiln.data.tokenizer import Tokenizer, find_tokenizer
+    from kiln.model.weights import load_model
 
     opts = opts or InferenceOptions()
     device = resolve_device(opts.device)
@@ -88,7 +87,7 @@ def load_for_inference(checkpoint, tokenizer_path=None, opts: InferenceOptions |
 def load_draft(checkpoint, target, k: int):
     """A SpeculativeEngine's draft: the checkpoint on the target's device and in its parameter dtype
     (never quantised: it is small by design). The engine checks the vocabulary and context."""
-    from kiln.infer.sample import load_model
+    from kiln.model.weights import load_model
 
     if k < 1:
         raise ConfigError("--draft-tokens", f"must be >= 1, got {k}", "<command line>")

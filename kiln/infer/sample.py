@@ -99,15 +99,3 @@ def sample_texts(model, tokenizer, cfg: SampleConfig) -> list[str]:
         full = tokenizer.decode(prompt_tokens + new)
         texts.append(full[len(prompt_text) :] if full.startswith(prompt_text) else tokenizer.decode(new))
     return texts
-
-
-def load_model(path) -> tuple[torch.nn.Module, dict]:
-    """The model of a Kiln checkpoint (folder, checkpoints root or stage folder), in eval mode, and
-    its manifest."""
-    from kiln.model import Transformer
-    from kiln.train.checkpoint import load_weights
-
-    model_cfg, state, manifest = load_weights(path)
-    model = Transformer(model_cfg)
-    model.load_state_dict(state)
-    return model.eval(), manifest

@@ -69,6 +69,11 @@ class ModelConfig:
         # the least stable (DeepSeekMoE keeps its first layers dense for the same reason).
         return self.moe_every > 0 and (layer + 1) % self.moe_every == 0
 
+    @classmethod
+    def from_preset(cls, name: str) -> ModelConfig:
+        """The base a recipe's [model] table starts from when it names a preset (kiln.config.build)."""
+        return preset(name)
+
     def validate(self) -> None:
         for key in ("dim", "n_layers", "n_heads", "max_seq_len", "multiple_of"):
             if getattr(self, key) <= 0:

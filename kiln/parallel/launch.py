@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Sequence
 
 from kiln.errors import ConfigError
+from kiln.parallel.config import ParallelConfig
 
 DEVICES = ("auto", "cpu", "cuda")
 K8S_KINDS = ("pytorchjob", "jobset")
@@ -239,16 +240,12 @@ def _local_device(cfg: LaunchConfig) -> str:
     return "cuda" if gpus else "cpu"
 
 
-def check_recipe(recipe: str, overrides: Sequence[str], cfg: LaunchConfig) -> None:
+def check_layout(parallel: ParallelConfig | None, cfg: LaunchConfig, recipe: str) -> None:
     """Fail before submitting a job whose recipe cannot lay itself out over the launched ranks.
 
-    Only when the recipe is readable here: a script may name a path that exists only on the cluster.
+    `parallel` is the recipe's [parallel] table, None when the recipe is not readable here (a script
+    may name a path that exists only on the cluster).
     """
-    if not Path(recipe).is_file():
-        return
-    from kiln.config import load_recipe
-
-    parallel = getattr(load_recipe(recipe, list(overrides)), "parallel", None)
     if parallel is None:
         return
     world = cfg.world_size
@@ -663,10 +660,11 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
     return cfg
 
 
-def run_launch(args: argparse.Namespace) -> int:
-    """`kiln launch ACTION ...`: returns the process exit status."""
+def run_launch(args: argparse.Namespace, parallel: ParallelConfig | None = None) -> int:
+    """`kiln launch ACTION ...`: returns the process exit status. `parallel` is the recipe's
+    [parallel] table when the recipe is readable here (the caller loads the recipe)."""
     try:
-        return _launch(args)
+        return _launch(args, parallel)
     except ConfigError as err:
         if err.source:  # named in a recipe (or already a flag): keep as it is
             raise
@@ -674,10 +672,10 @@ def run_launch(args: argparse.Namespace) -> int:
         raise ConfigError(flag, err.message, "<command line>") from None
 
 
-def _launch(args: argparse.Namespace) -> int:
+def _launch(args: argparse.Namespace, parallel: ParallelConfig | None) -> int:
     cfg = config_from_args(args)
     cfg.validate()
-    check_recipe(args.recipe, args.overrides, cfg)
+    check_layout(parallel, cfg, args.recipe)
     if args.action == "local":
         if args.dry_run:
             print(shlex.join(torchrun_command(cfg, args.recipe, args.overrides)))

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
 
 from kiln.parallel.config import ParallelConfig
+from kiln.parallel.context import apply_context_parallel
 from kiln.parallel.dims import ParallelDims
+from kiln.parallel.expert import apply_expert_parallel
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -88,6 +91,21 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh) -> None:
         parallelize_module(block, tp_mesh, plan)
 
 
+def apply_activation_checkpointing(model: torch.nn.Module) -> None:
+    """Recompute each block's activations in backward instead of storing them.
+
+    Done by replacing each block's forward on the instance, so parameter names (and therefore
+    checkpoints) stay the same as without it. Non-reentrant checkpointing supports keyword
+    arguments and inputs that do not require grad.
+    """
+    for block in model.layers:
+
+        def forward(*args, _block_forward=block.forward, **kwargs):
+            return checkpoint(_block_forward, *args, use_reentrant=False, **kwargs)
+
+        block.forward = forward
+
+
 def apply_compile(model: nn.Module) -> None:
     """Compile each block on its own: the graphs are small and identical, so one compilation
     serves every layer, and FSDP's per-block hooks stay outside the compiled regions."""
@@ -154,17 +172,11 @@ def parallelize(
 ) -> nn.Module:
     """Apply every configured parallelism except pipelining to `model` (the whole model, or one
     pipeline stage) in place; returns the module to call for training (it, or its DDP wrapper)."""
-    from kiln.train.objective import apply_activation_checkpointing
-
     if dims.tp > 1:
         apply_tensor_parallel(model, dims.submesh(mesh, "tp"))
     if dims.ep > 1:
-        from kiln.parallel.expert import apply_expert_parallel
-
         apply_expert_parallel(model, dims.submesh(mesh, "ep"))
     if dims.cp > 1:
-        from kiln.parallel.context import apply_context_parallel
-
         apply_context_parallel(
             model, dims.submesh(mesh, "cp"), load_balance=cfg.cp_load_balance, backend=cfg.cp_backend
         )

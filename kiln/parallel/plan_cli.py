@@ -90,7 +90,7 @@ def parse_layout(text: str) -> dict:
 
 def model_and_workload(args) -> tuple[ModelConfig, Workload]:
     if args.recipe:
-        from kiln.config import load_recipe
+        from kiln.recipe import load_recipe
 
         recipe = load_recipe(args.recipe, args.overrides)
         cfg, vocab = recipe.model, args.vocab or recipe.model.vocab_size or recipe.tokenizer.vocab_size

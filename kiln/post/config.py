@@ -1,4 +1,4 @@
-"""Config tables of the post-training stages: `[tasks]`, `[sft]`, `[dpo]`, `[grpo]`.
+"""Config tables of the post-training stages: `[tasks]`, `[sft]`, `[dpo]`, `[grpo]`, `[rm]`, `[ppo]`, `[distill]`.
 
 Each stage trains with the spine's loop, so its table only holds what differs from `[train]`:
 fine-tuning learning rates, step counts and batch shapes (`train_config` merges them), plus the
@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from kiln.errors import ConfigError
 from kiln.train.config import TrainConfig
 
+KL_ESTIMATORS = ("k1", "k2", "k3")  # kiln.post.losses.KL_ESTIMATORS, without importing torch
+DISTILL_KINDS = ("forward", "reverse")  # kiln.post.losses.DISTILL_KINDS, without importing torch
 TASK_FAMILIES = ("arithmetic", "sort", "reverse", "convert", "word_problem")
 
 
@@ -162,6 +164,143 @@ class GRPOConfig:
             raise ConfigError("beta" if self.beta < 0 else "clip_eps", "out of range")
         if self.loss_type not in ("grpo", "dr_grpo", "dapo"):
             raise ConfigError("loss_type", f"must be grpo, dr_grpo or dapo, got {self.loss_type!r}")
+        try:
+            self.train.validate()
+        except ConfigError as err:
+            raise err.within("train") from None
+
+
+@dataclass
+class RMConfig:
+    files: list[str] = field(default_factory=list)  # JSONL preference pairs; empty: pairs from [tasks]
+    heldout_fraction: float = 0.05  # share of file pairs held out for accuracy
+    margin: float = 0.0  # chosen must beat rejected by this much (0: none)
+    center_coef: float = 0.0  # pulls (r_c + r_r) towards 0, keeps scores centred
+    train: StageTrainConfig = field(
+        default_factory=lambda: StageTrainConfig(lr=1e-4, max_steps=100, micro_batch_size=8)
+    )
+
+    def validate(self) -> None:
+        if not 0 < self.heldout_fraction < 0.5:
+            raise ConfigError("heldout_fraction", f"must be in (0, 0.5), got {self.heldout_fraction}")
+        if self.margin < 0:
+            raise ConfigError("margin", f"must be >= 0, got {self.margin}")
+        if self.center_coef < 0:
+            raise ConfigError("center_coef", f"must be >= 0, got {self.center_coef}")
+        try:
+            self.train.validate()
+        except ConfigError as err:
+            raise err.within("train") from None
+
+
+@dataclass
+class PPOConfig:
+    files: list[str] = field(default_factory=list)  # JSONL prompts; empty: the [tasks] train split
+    reward: str = "verifier"  # verifier (task graders) | rm (this run's rm stage) | a reward-model path
+    critic_init: str = "policy"  # policy (the init checkpoint + a new value head) | rm | a reward-model path
+    max_new_tokens: int = 16
+    temperature: float = 1.0  # sampling temperature; log-probs, ratios and KL use the same one
+    kl_coef: float = 0.05  # per-token KL penalty in the reward
+    kl_estimator: str = "k1"  # k1 | k2 | k3
+    gamma: float = 1.0
+    lam: float = 0.95
+    clip: float = 0.2  # policy ratio clip
+    value_clip: float = 0.2  # value clip around the rollout's values
+    vf_coef: float = 0.1
+    entropy_coef: float = 0.0
+    ppo_epochs: int = 4  # passes over each rollout batch
+    minibatches: int = 2  # optimizer steps per pass; rollout batch = minibatches x step batch
+    whiten_advantages: bool = True
+    missing_stop_penalty: float = 0.0  # subtracted from the score of a completion cut at max_new_tokens
+    train: StageTrainConfig = field(
+        default_factory=lambda: StageTrainConfig(
+            lr=3e-5, max_steps=64, micro_batch_size=16, warmup_steps=0, eval_every=16, ckpt_every=16
+        )
+    )
+
+    @property
+    def steps_per_rollout(self) -> int:
+        return self.ppo_epochs * self.minibatches
+
+    def validate(self) -> None:
+        for key in ("max_new_tokens", "ppo_epochs", "minibatches"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(key, f"must be positive, got {getattr(self, key)}")
+        if not self.reward:
+            raise ConfigError("reward", "must be verifier, rm or a reward-model checkpoint path")
+        if not self.critic_init:
+            raise ConfigError("critic_init", "must be policy, rm or a reward-model checkpoint path")
+        if self.temperature <= 0:
+            raise ConfigError(
+                "temperature",
+                f"must be positive (PPO needs the sampling distribution's log-probs), got {self.temperature}",
+            )
+        if self.kl_estimator not in KL_ESTIMATORS:
+            raise ConfigError("kl_estimator", f"must be one of {', '.join(KL_ESTIMATORS)}, got {self.kl_estimator!r}")
+        for key in ("gamma", "lam"):
+            if not 0 <= getattr(self, key) <= 1:
+                raise ConfigError(key, f"must be in [0, 1], got {getattr(self, key)}")
+        for key in ("clip", "value_clip", "vf_coef"):
+            if not getattr(self, key) > 0:
+                raise ConfigError(key, f"must be positive, got {getattr(self, key)}")
+        for key in ("kl_coef", "entropy_coef", "missing_stop_penalty"):
+            if getattr(self, key) < 0:
+                raise ConfigError(key, f"must be >= 0, got {getattr(self, key)}")
+        try:
+            self.train.validate()
+        except ConfigError as err:
+            raise err.within("train") from None
+        # Checkpoints (periodic, and at evaluations that improve) must fall between rollout batches:
+        # a resumed run regenerates the current batch from the checkpointed policy, which is only the
+        # policy that sampled it at the start of a cycle.
+        for key in ("ckpt_every", "eval_every"):
+            if getattr(self.train, key) % self.steps_per_rollout:
+                raise ConfigError(
+                    f"train.{key}",
+                    f"must be a multiple of ppo_epochs * minibatches = "
+                    f"{self.steps_per_rollout}, got {getattr(self.train, key)}",
+                )
+
+
+@dataclass
+class DistillConfig:
+    teacher: str = ""  # teacher checkpoint: folder, checkpoints root or stage folder (required)
+    data: str = "teacher"  # teacher: the teacher's answers to the prompts | answers: reference answers
+    files: list[str] = field(default_factory=list)  # JSONL prompts (data=teacher) or conversations (answers)
+    tasks: bool = True  # also use the [tasks] train split
+    samples_per_prompt: int = 1
+    gen_temperature: float = 0.0  # 0: the teacher's greedy answer
+    max_new_tokens: int = 16
+    filter_correct: bool = False  # keep only teacher answers the task grader accepts
+    kind: str = "forward"  # forward KL(teacher || student) | reverse KL(student || teacher)
+    temperature: float = 1.0  # softening temperature of both distributions in the KL
+    alpha: float = 0.5  # weight of the KL; 1 - alpha on the cross entropy
+    packing: bool = True
+    train: StageTrainConfig = field(default_factory=lambda: StageTrainConfig(lr=1e-3, max_steps=200))
+
+    def validate(self) -> None:
+        # An empty teacher is valid here (every recipe validates [distill], most never run it); the
+        # stage itself refuses to start without one.
+        if self.data not in ("teacher", "answers"):
+            raise ConfigError("data", f"must be teacher or answers, got {self.data!r}")
+        if not self.files and not self.tasks:
+            raise ConfigError("files", "no prompts: give JSONL files or set tasks = true")
+        if self.kind not in DISTILL_KINDS:
+            raise ConfigError("kind", f"must be one of {', '.join(DISTILL_KINDS)}, got {self.kind!r}")
+        for key in ("samples_per_prompt", "max_new_tokens"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(key, f"must be positive, got {getattr(self, key)}")
+        if self.samples_per_prompt > 1 and self.gen_temperature == 0:
+            raise ConfigError(
+                "samples_per_prompt",
+                "several samples per prompt need gen_temperature > 0 (greedy answers are all the same)",
+            )
+        if self.gen_temperature < 0:
+            raise ConfigError("gen_temperature", f"must be >= 0 (0 is greedy), got {self.gen_temperature}")
+        if self.temperature <= 0:
+            raise ConfigError("temperature", f"must be positive, got {self.temperature}")
+        if not 0 <= self.alpha <= 1:
+            raise ConfigError("alpha", f"must be in [0, 1], got {self.alpha}")
         try:
             self.train.validate()
         except ConfigError as err:

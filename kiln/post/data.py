@@ -30,6 +30,7 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
+from kiln.data.chat import message_problem
 from kiln.data.readers import (
     _decompress_errors,
     _open_binary,
@@ -39,7 +40,6 @@ from kiln.data.readers import (
     rejection,
 )
 from kiln.errors import DataError
-from kiln.post.chat import message_problem
 
 IGNORE_INDEX = -100
 FIRST_REJECTIONS = 5  # kept in stats for the log line; the full list goes to rejected_path

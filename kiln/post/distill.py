@@ -19,67 +19,17 @@ held-out per-token KL(teacher || student) before and after.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from kiln.errors import ConfigError
-from kiln.post.config import StageTrainConfig
-
-# Torch loads in the functions that use it: recipes (and so DistillConfig) are parsed by commands
-# that never touch a model.
+from kiln.post.config import DistillConfig
 
 IGNORE = -100
 DATA_FILE = "teacher_data.jsonl"
-DISTILL_KINDS = ("forward", "reverse")  # kiln.post.losses.DISTILL_KINDS, without importing torch
-
-
-@dataclass
-class DistillConfig:
-    teacher: str = ""  # teacher checkpoint: folder, checkpoints root or stage folder (required)
-    data: str = "teacher"  # teacher: the teacher's answers to the prompts | answers: reference answers
-    files: list[str] = field(default_factory=list)  # JSONL prompts (data=teacher) or conversations (answers)
-    tasks: bool = True  # also use the [tasks] train split
-    samples_per_prompt: int = 1
-    gen_temperature: float = 0.0  # 0: the teacher's greedy answer
-    max_new_tokens: int = 16
-    filter_correct: bool = False  # keep only teacher answers the task grader accepts
-    kind: str = "forward"  # forward KL(teacher || student) | reverse KL(student || teacher)
-    temperature: float = 1.0  # softening temperature of both distributions in the KL
-    alpha: float = 0.5  # weight of the KL; 1 - alpha on the cross entropy
-    packing: bool = True
-    train: StageTrainConfig = field(default_factory=lambda: StageTrainConfig(lr=1e-3, max_steps=200))
-
-    def validate(self) -> None:
-        # An empty teacher is valid here (every recipe validates [distill], most never run it); the
-        # stage itself refuses to start without one.
-        if self.data not in ("teacher", "answers"):
-            raise ConfigError("data", f"must be teacher or answers, got {self.data!r}")
-        if not self.files and not self.tasks:
-            raise ConfigError("files", "no prompts: give JSONL files or set tasks = true")
-        if self.kind not in DISTILL_KINDS:
-            raise ConfigError("kind", f"must be one of {', '.join(DISTILL_KINDS)}, got {self.kind!r}")
-        for key in ("samples_per_prompt", "max_new_tokens"):
-            if getattr(self, key) <= 0:
-                raise ConfigError(key, f"must be positive, got {getattr(self, key)}")
-        if self.samples_per_prompt > 1 and self.gen_temperature == 0:
-            raise ConfigError(
-                "samples_per_prompt",
-                "several samples per prompt need gen_temperature > 0 (greedy answers are all the same)",
-            )
-        if self.gen_temperature < 0:
-            raise ConfigError("gen_temperature", f"must be >= 0 (0 is greedy), got {self.gen_temperature}")
-        if self.temperature <= 0:
-            raise ConfigError("temperature", f"must be positive, got {self.temperature}")
-        if not 0 <= self.alpha <= 1:
-            raise ConfigError("alpha", f"must be in [0, 1], got {self.alpha}")
-        try:
-            self.train.validate()
-        except ConfigError as err:
-            raise err.within("train") from None
 
 
 def load_teacher(path: str, vocab_size: int):
-    from kiln.infer.sample import load_model
+    from kiln.model.weights import load_model
 
     try:
         teacher, _ = load_model(path)
@@ -102,7 +52,7 @@ def teacher_conversations(
 ) -> tuple[list[list[dict]], dict]:
     """The teacher's answers to each example's prompt as [user, assistant] conversations (examples
     carry "messages" or a task "prompt"; with filter_correct, also "answer" and "task")."""
-    from kiln.post.chat import render_prompt
+    from kiln.data.chat import render_prompt
     from kiln.post.stages import complete, strip_stop
     from kiln.post.tasks import grade
 
@@ -225,7 +175,7 @@ def _examples(recipe, cfg: DistillConfig, out: Path) -> tuple[list[dict], list[l
 
 
 def run_distill(recipe, out: Path, init: Path, tokenizer, resume: str = "auto") -> dict:
-    from kiln.infer.sample import load_model
+    from kiln.model.weights import load_model
     from kiln.post import stages as S
     from kiln.post.run import _finish, _peft, _trainer
     from kiln.post.sources import ExampleSource
@@ -244,7 +194,7 @@ def run_distill(recipe, out: Path, init: Path, tokenizer, resume: str = "auto") 
     heldout = S.heldout_tasks(recipe.tasks)
     seed = recipe.train.seed
     if cfg.data == "teacher":
-        from kiln.train.checkpoint import read_manifest, resolve_checkpoint
+        from kiln.checkpoint import read_manifest, resolve_checkpoint
 
         folder = resolve_checkpoint(cfg.teacher)
         key = {

@@ -26,94 +26,21 @@ from __future__ import annotations
 import functools
 import random
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from kiln.errors import ConfigError
-from kiln.post.config import StageTrainConfig
+from kiln.post.config import PPOConfig
 
 if TYPE_CHECKING:
     import torch
 
-# Torch loads in the functions that use it: recipes (and so PPOConfig) are parsed by commands that
-# never touch a model.
-
 IGNORE = -100
 POLICY_DIR = "policy"
-KL_ESTIMATORS = ("k1", "k2", "k3")  # kiln.post.losses.KL_ESTIMATORS, without importing torch
 
 # reward_fn(examples, prompt ids, completion ids) -> one score per completion
 RewardFn = Callable[[list[dict], list[list[int]], list[list[int]]], "list[float] | torch.Tensor"]
-
-
-@dataclass
-class PPOConfig:
-    files: list[str] = field(default_factory=list)  # JSONL prompts; empty: the [tasks] train split
-    reward: str = "verifier"  # verifier (task graders) | rm (this run's rm stage) | a reward-model path
-    critic_init: str = "policy"  # policy (the init checkpoint + a new value head) | rm | a reward-model path
-    max_new_tokens: int = 16
-    temperature: float = 1.0  # sampling temperature; log-probs, ratios and KL use the same one
-    kl_coef: float = 0.05  # per-token KL penalty in the reward
-    kl_estimator: str = "k1"  # k1 | k2 | k3
-    gamma: float = 1.0
-    lam: float = 0.95
-    clip: float = 0.2  # policy ratio clip
-    value_clip: float = 0.2  # value clip around the rollout's values
-    vf_coef: float = 0.1
-    entropy_coef: float = 0.0
-    ppo_epochs: int = 4  # passes over each rollout batch
-    minibatches: int = 2  # optimizer steps per pass; rollout batch = minibatches x step batch
-    whiten_advantages: bool = True
-    missing_stop_penalty: float = 0.0  # subtracted from the score of a completion cut at max_new_tokens
-    train: StageTrainConfig = field(
-        default_factory=lambda: StageTrainConfig(
-            lr=3e-5, max_steps=64, micro_batch_size=16, warmup_steps=0, eval_every=16, ckpt_every=16
-        )
-    )
-
-    @property
-    def steps_per_rollout(self) -> int:
-        return self.ppo_epochs * self.minibatches
-
-    def validate(self) -> None:
-        for key in ("max_new_tokens", "ppo_epochs", "minibatches"):
-            if getattr(self, key) <= 0:
-                raise ConfigError(key, f"must be positive, got {getattr(self, key)}")
-        if not self.reward:
-            raise ConfigError("reward", "must be verifier, rm or a reward-model checkpoint path")
-        if not self.critic_init:
-            raise ConfigError("critic_init", "must be policy, rm or a reward-model checkpoint path")
-        if self.temperature <= 0:
-            raise ConfigError(
-                "temperature",
-                f"must be positive (PPO needs the sampling distribution's log-probs), got {self.temperature}",
-            )
-        if self.kl_estimator not in KL_ESTIMATORS:
-            raise ConfigError("kl_estimator", f"must be one of {', '.join(KL_ESTIMATORS)}, got {self.kl_estimator!r}")
-        for key in ("gamma", "lam"):
-            if not 0 <= getattr(self, key) <= 1:
-                raise ConfigError(key, f"must be in [0, 1], got {getattr(self, key)}")
-        for key in ("clip", "value_clip", "vf_coef"):
-            if not getattr(self, key) > 0:
-                raise ConfigError(key, f"must be positive, got {getattr(self, key)}")
-        for key in ("kl_coef", "entropy_coef", "missing_stop_penalty"):
-            if getattr(self, key) < 0:
-                raise ConfigError(key, f"must be >= 0, got {getattr(self, key)}")
-        try:
-            self.train.validate()
-        except ConfigError as err:
-            raise err.within("train") from None
-        # Checkpoints (periodic, and at evaluations that improve) must fall between rollout batches:
-        # a resumed run regenerates the current batch from the checkpointed policy, which is only the
-        # policy that sampled it at the start of a cycle.
-        for key in ("ckpt_every", "eval_every"):
-            if getattr(self.train, key) % self.steps_per_rollout:
-                raise ConfigError(
-                    f"train.{key}",
-                    f"must be a multiple of ppo_epochs * minibatches = "
-                    f"{self.steps_per_rollout}, got {getattr(self.train, key)}",
-                )
 
 
 # ---- rollouts --------------------------------------------------------------------------------------
@@ -310,7 +237,7 @@ def _resolve(recipe, value: str, key: str) -> Path:
 
 
 def build_critic(recipe, cfg: PPOConfig, init: Path) -> torch.nn.Module:
-    from kiln.infer.sample import load_model
+    from kiln.model.weights import load_model
     from kiln.post.rm import attach_scalar_head, load_scalar_model
 
     if cfg.critic_init == "policy":
@@ -355,8 +282,8 @@ def model_reward(model, tokenizer, batch_size: int = 32) -> RewardFn:
 
 
 def _prompts(recipe, cfg: PPOConfig, tokenizer, out: Path) -> tuple[list[dict], list[list[int]]]:
+    from kiln.data.chat import render_prompt
     from kiln.post import stages as S
-    from kiln.post.chat import render_prompt
 
     if cfg.files:
         from kiln.post.data import read_prompts
@@ -455,7 +382,7 @@ def run_ppo(recipe, out: Path, init: Path, tokenizer, resume: str = "auto", rewa
     """reward_fn overrides the configured reward (e.g. a custom verifier)."""
     import torch
 
-    from kiln.infer.sample import load_model
+    from kiln.model.weights import load_model
     from kiln.post import stages as S
     from kiln.post.rm import load_scalar_model
     from kiln.post.run import _baseline, _peft, _trainer
@@ -582,8 +509,8 @@ def export_adapter(model, model_cfg, peft_cfg, folder: Path) -> dict:
 
 def export_policy(model, model_cfg, folder: Path, extra: dict) -> Path:
     """The actor alone (no `critic.*`), LoRA merged: a plain checkpoint `load_model` reads."""
+    from kiln.checkpoint import save_weights
     from kiln.peft.peft_io import merged_state_dict
-    from kiln.train.checkpoint import save_weights
 
     try:
         state = merged_state_dict(model)

@@ -18,45 +18,19 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kiln.errors import ConfigError
-from kiln.post.config import StageTrainConfig
+from kiln.post.config import RMConfig
 
 IGNORE = -100
 if TYPE_CHECKING:
     import torch
     from torch import nn
 
-# Torch loads in the functions that use it: recipes (and so these configs) are parsed by commands
-# that never touch a model.
 HEAD = {"kind": "scalar", "outputs": 1, "reduction": "last_token"}
 EXPORT_DIR = "reward_model"
-
-
-@dataclass
-class RMConfig:
-    files: list[str] = field(default_factory=list)  # JSONL preference pairs; empty: pairs from [tasks]
-    heldout_fraction: float = 0.05  # share of file pairs held out for accuracy
-    margin: float = 0.0  # chosen must beat rejected by this much (0: none)
-    center_coef: float = 0.0  # pulls (r_c + r_r) towards 0, keeps scores centred
-    train: StageTrainConfig = field(
-        default_factory=lambda: StageTrainConfig(lr=1e-4, max_steps=100, micro_batch_size=8)
-    )
-
-    def validate(self) -> None:
-        if not 0 < self.heldout_fraction < 0.5:
-            raise ConfigError("heldout_fraction", f"must be in (0, 0.5), got {self.heldout_fraction}")
-        if self.margin < 0:
-            raise ConfigError("margin", f"must be >= 0, got {self.margin}")
-        if self.center_coef < 0:
-            raise ConfigError("center_coef", f"must be >= 0, got {self.center_coef}")
-        try:
-            self.train.validate()
-        except ConfigError as err:
-            raise err.within("train") from None
 
 
 # ---- the scalar head -------------------------------------------------------------------------------
@@ -87,8 +61,9 @@ def has_scalar_head(state: dict, manifest: dict) -> bool:
 def load_scalar_model(path, key: str = "reward_model") -> nn.Module:
     """A reward model (or critic) saved by `kiln rm`, in eval mode. `path`: the rm stage folder (its
     `reward_model` export is used), the export itself, or a training checkpoint of the stage."""
+    from kiln.checkpoint import MANIFEST_FILE
     from kiln.model import Transformer
-    from kiln.train.checkpoint import MANIFEST_FILE, load_weights
+    from kiln.model.weights import load_weights
 
     p = Path(path)
     if (p / EXPORT_DIR / MANIFEST_FILE).is_file():
@@ -127,7 +102,7 @@ def rm_rows(tokenizer, pairs: list[tuple[list[dict], str, str]], seq_len: int) -
     and how many sequences were cut at seq_len."""
     import torch
 
-    from kiln.post.chat import render_conversation
+    from kiln.data.chat import render_conversation
 
     pad = tokenizer.token_id("<|pad|>")
     rows, cut = [], 0
@@ -285,7 +260,7 @@ def run_rm(recipe, out: Path, init: Path, tokenizer, resume: str = "auto") -> di
 
 def export_reward_model(trainer, folder: Path, extra: dict) -> Path:
     """Plain weights (LoRA merged) of the trained reward model, with the head recorded."""
+    from kiln.checkpoint import save_weights
     from kiln.peft.peft_io import merged_state_dict
-    from kiln.train.checkpoint import save_weights
 
     return save_weights(folder, trainer.model_cfg, merged_state_dict(trainer.model), {**extra, "head": HEAD})

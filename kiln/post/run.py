@@ -15,8 +15,9 @@ from kiln.post.sources import ExampleSource, OnlineSource
 def _trainer(
     recipe, out: Path, stage_cfg, data, loss_fn, init: Path, resume: str, prepare_model=None, eval_loss_fn=None
 ):
-    from kiln.config import recipe_to_dict
-    from kiln.train.checkpoint import model_config_from_dict, read_manifest, resolve_checkpoint
+    from kiln.checkpoint import read_manifest, resolve_checkpoint
+    from kiln.model.weights import model_config_from_dict
+    from kiln.recipe import recipe_to_dict
     from kiln.train.trainer import Trainer
 
     # The config alone: the Trainer loads (and checks) the weights from init_from itself.
@@ -68,9 +69,9 @@ def _finish(trainer, tokenizer, heldout: list[dict], before: dict, out: Path, ex
 def _save_peft_outputs(trainer, peft, out: Path) -> dict:
     """The small trainable weights (PEFT format for LoRA/QLoRA, Kiln's own for adapters), and for
     LoRA/QLoRA the merged plain weights the next stage and `kiln export hf` start from."""
+    from kiln.checkpoint import save_weights
     from kiln.peft.config import parameter_counts
     from kiln.peft.peft_io import merged_state_dict, save_peft_adapter, save_trainable
-    from kiln.train.checkpoint import save_weights
 
     trainable, total = parameter_counts(trainer.model)
     if peft.method in ("lora", "qlora"):
@@ -92,7 +93,7 @@ def _save_peft_outputs(trainer, peft, out: Path) -> dict:
 
 
 def _baseline(init: Path, tokenizer, heldout: list[dict]) -> dict:
-    from kiln.infer.sample import load_model
+    from kiln.model.weights import load_model
 
     model, _ = load_model(init)
     return S.task_accuracy(model, tokenizer, heldout)
@@ -126,7 +127,7 @@ def run_sft(recipe, out: Path, init: Path, tokenizer, resume: str = "auto") -> d
 
 
 def run_dpo(recipe, out: Path, init: Path, tokenizer, resume: str = "auto") -> dict:
-    from kiln.infer.sample import load_model
+    from kiln.model.weights import load_model
     from kiln.post.tasks import task_preference_pairs
 
     cfg = recipe.dpo
@@ -173,7 +174,7 @@ def policy_pairs(
     answer where the grader marks it wrong. Tasks are visited in a seeded order until `wanted` pairs
     exist (one pass of training), so the cost is bounded by what the stage will use. Problems the
     model already solves give no pair; if it solves every one, the distractor pairs stand in."""
-    from kiln.post.chat import render_prompt
+    from kiln.data.chat import render_prompt
     from kiln.post.tasks import grade, task_preference_pairs, to_messages
 
     order = list(range(len(tasks)))
@@ -223,7 +224,7 @@ def rl_prompts(recipe) -> list[dict]:
 
 
 def run_grpo(recipe, out: Path, init: Path, tokenizer, resume: str = "auto") -> dict:
-    from kiln.post.chat import render_prompt
+    from kiln.data.chat import render_prompt
     from kiln.post.losses import group_advantages
     from kiln.post.tasks import grade
 

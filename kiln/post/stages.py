@@ -69,7 +69,7 @@ def strip_stop(tokenizer, ids: list[int]) -> list[int]:
 
 def task_accuracy(model, tokenizer, examples: list[dict], max_new_tokens: int = 16) -> dict:
     """Greedy accuracy on `examples`, overall and per task family."""
-    from kiln.post.chat import render_prompt
+    from kiln.data.chat import render_prompt
     from kiln.post.tasks import grade
 
     was_training = model.training
@@ -174,7 +174,7 @@ def _pad(ids: list[int], length: int, value: int) -> list[int]:
 
 
 def sft_rows(tokenizer, conversations: list[list[dict]], seq_len: int, packing: bool) -> tuple[list, dict]:
-    from kiln.post.chat import render_conversation
+    from kiln.data.chat import render_conversation
     from kiln.post.data import pack_sft
 
     tokenized = [render_conversation(tokenizer, messages) for messages in conversations]
@@ -221,7 +221,7 @@ def pair_rows(
     tokens after it continue a wrong prefix and are often right in themselves, and pushing them down
     unlearns the skill the chosen answer uses (measured: held-out accuracy fell). The shared prefix
     scores the same in both sequences, so it cancels in the margin."""
-    from kiln.post.chat import render_conversation
+    from kiln.data.chat import render_conversation
 
     pad = tokenizer.token_id("<|pad|>")
     rows = []

@@ -22,9 +22,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from kiln.data.chat import CHAT_TEMPLATE, PAD, ChatTokens, render_prompt
 from kiln.errors import ConfigError, DataError
 from kiln.infer.engine import SamplingParams
-from kiln.post.chat import CHAT_TEMPLATE, PAD, ChatTokens, render_prompt
 from kiln.serve.chat_page import chat_page
 from kiln.serve.protocol import (
     ERROR_STATUSES,

@@ -124,7 +124,7 @@ def run_serve(args: argparse.Namespace) -> int:
 def _fit(tokenizer, history: list[dict], want: int, max_seq_len: int, err) -> list[int] | None:
     """The prompt for history, dropping the oldest exchanges (never a system message or the last
     question) until the reply has room for `want` tokens; None if the last question alone is too long."""
-    from kiln.post.chat import render_prompt
+    from kiln.data.chat import render_prompt
 
     start = 1 if history and history[0]["role"] == "system" else 0
     while True:
@@ -140,8 +140,8 @@ def _fit(tokenizer, history: list[dict], want: int, max_seq_len: int, err) -> li
 def run_chat(args: argparse.Namespace, stdin=None, stdout=None, stderr=None) -> int:
     """Read a message per line; print the streamed reply. /reset clears the history, /exit (or
     end of input) quits. Without a terminal (input piped) only the replies go to stdout."""
+    from kiln.data.chat import ChatTokens
     from kiln.infer.engine import Engine
-    from kiln.post.chat import ChatTokens
 
     stdin, stdout, err = stdin or sys.stdin, stdout or sys.stdout, stderr or sys.stderr
     if args.max_new_tokens < 1:

@@ -166,7 +166,7 @@ class DetokenizeRequest(_Body):
 
 
 def messages_to_dicts(messages: list[ChatMessage]) -> list[dict]:
-    """OpenAI messages to the {"role", "content"} dicts kiln.post.chat renders. A "developer"
+    """OpenAI messages to the {"role", "content"} dicts kiln.data.chat renders. A "developer"
     message is OpenAI's newer name for a system message; text parts of a content list are joined."""
     out = []
     for i, m in enumerate(messages):

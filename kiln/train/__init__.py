@@ -1,5 +1,5 @@
-"""The training loop shared by every training stage, with its optimizers, schedules,
-checkpoints and metrics.
+"""The training loop shared by every training stage, with its optimizers, schedules and metrics
+(checkpoints are the bottom layer's kiln.checkpoint).
 
 Everything but the config is imported on first use, so that loading a recipe (which imports
 TrainConfig) does not import torch.
@@ -10,10 +10,6 @@ from importlib import import_module
 from kiln.train.config import TrainConfig
 
 _LOCATIONS = {
-    "CheckpointError": "checkpoint",
-    "CheckpointManager": "checkpoint",
-    "load_weights": "checkpoint",
-    "save_weights": "checkpoint",
     "Lion": "optim",
     "build_optimizer": "optim",
     "lr_at": "schedule",

@@ -162,7 +162,7 @@ def rollback(trainer) -> dict | None:
         return None
     folder, manifest, model_state, train_state = found
     if model_state is None:  # sharded: every rank reads its shards
-        from kiln.parallel.checkpoint import load_sharded
+        from kiln.checkpoint import load_sharded
 
         load_sharded(folder, trainer.model, trainer.optimizer)
     else:

@@ -1,6 +1,6 @@
-"""The pretraining objective and activation checkpointing: what the training loop applies to the
-model. Later stages pass their own `loss_fn(model, batch) -> (mean loss over the batch's counted
-tokens, number of counted tokens)` in the same shape."""
+"""The pretraining objective: what the training loop minimises. Later stages pass their own
+`loss_fn(model, batch) -> (mean loss over the batch's counted tokens, number of counted tokens)` in
+the same shape."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from kiln.model.moe import moe_aux_loss
 
@@ -28,18 +27,3 @@ def next_token_loss(model: torch.nn.Module, batch: tuple) -> tuple[torch.Tensor,
         if aux is not None:
             loss = loss + aux
     return loss, targets.numel()
-
-
-def apply_activation_checkpointing(model: torch.nn.Module) -> None:
-    """Recompute each block's activations in backward instead of storing them.
-
-    Done by replacing each block's forward on the instance, so parameter names (and therefore
-    checkpoints) stay the same as without it. Non-reentrant checkpointing supports keyword
-    arguments and inputs that do not require grad.
-    """
-    for block in model.layers:
-
-        def forward(*args, _block_forward=block.forward, **kwargs):
-            return checkpoint(_block_forward, *args, use_reentrant=False, **kwargs)
-
-        block.forward = forward

@@ -1,17 +1,9 @@
-"""Process-level helpers shared by every stage: system metrics for the training log, and the
-progress bars of the long-running verbs.
+"""System metrics for the training log: CPU, RAM and (on CUDA) GPU figures per record.
 
-Heavy imports (psutil, torch) happen on first use, so data and tokenizer stages can import the
-progress helpers without importing torch.
+psutil and torch are imported on first use, so that importing the trainer's helpers stays cheap.
 """
 
 from __future__ import annotations
-
-import os
-import sys
-
-# Set KILN_PROGRESS=1 to force bars on (e.g. in a log file), 0 to force them off.
-PROGRESS_ENV = "KILN_PROGRESS"
 
 _process = None  # one psutil.Process, reused: cpu_percent measures since the previous call on it
 
@@ -74,47 +66,4 @@ def _cuda_metrics(device) -> dict:
     return out
 
 
-def is_rank_zero() -> bool:
-    """True unless a launcher (torchrun, Slurm via torchrun) says this is another rank."""
-    return os.environ.get("RANK", "0") == "0"
-
-
-def progress_enabled() -> bool | None:
-    """Whether to draw progress bars: never off rank 0; KILN_PROGRESS=1/0 forces on/off; otherwise
-    None, which tqdm reads as "only when stderr is a terminal", so log files stay clean."""
-    if not is_rank_zero():
-        return False
-    forced = os.environ.get(PROGRESS_ENV, "").strip().lower()
-    if forced in ("1", "true", "yes", "on"):
-        return True
-    if forced in ("0", "false", "no", "off"):
-        return False
-    return None
-
-
-def progress_visible() -> bool:
-    """progress_enabled() resolved to a yes or no (for code that must decide before drawing)."""
-    enabled = progress_enabled()
-    if enabled is None:
-        return sys.stderr.isatty()
-    return enabled
-
-
-def progress(iterable=None, *, total=None, desc: str | None = None, unit: str = "it", **kwargs):
-    """A tqdm bar on stderr with rate and ETA, following progress_enabled()."""
-    from tqdm import tqdm
-
-    enabled = progress_enabled()
-    return tqdm(
-        iterable,
-        total=total,
-        desc=desc,
-        unit=unit,
-        file=sys.stderr,
-        dynamic_ncols=True,
-        disable=None if enabled is None else not enabled,
-        **kwargs,
-    )
-
-
-__all__ = ["system_metrics", "is_rank_zero", "progress_enabled", "progress_visible", "progress", "PROGRESS_ENV"]
+__all__ = ["system_metrics"]

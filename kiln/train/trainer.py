@@ -19,19 +19,21 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
-from kiln.data.loader import TokenLoader
-from kiln.errors import ConfigError
-from kiln.model import ModelConfig, build_model, count_params, flops_per_token
-from kiln.parallel.config import ParallelConfig
-from kiln.parallel.layout import Layout
-from kiln.train.checkpoint import (
+from kiln.checkpoint import (
     CheckpointManager,
     capture_rng_state,
     complete_checkpoints,
-    load_weights,
     resolve_checkpoint,
     restore_rng_state,
 )
+from kiln.data.loader import TokenLoader
+from kiln.errors import ConfigError
+from kiln.model import ModelConfig, build_model, count_params, flops_per_token
+from kiln.model.weights import load_weights, upgrade_layout
+from kiln.parallel.config import ParallelConfig
+from kiln.parallel.layout import Layout
+from kiln.parallel.parallelize import apply_activation_checkpointing
+from kiln.progress import progress_enabled
 from kiln.train.config import TrainConfig
 from kiln.train.guard import GRAD_GROUPS, LossGuard, grad_group, group_grad_norms, respond
 from kiln.train.metrics import (
@@ -41,10 +43,10 @@ from kiln.train.metrics import (
     peak_memory_mb,
     truncate_metrics,
 )
-from kiln.train.objective import LossFn, apply_activation_checkpointing, next_token_loss
+from kiln.train.objective import LossFn, next_token_loss
 from kiln.train.optim import build_optimizer
 from kiln.train.schedule import lr_at
-from kiln.train.system import progress_enabled, system_metrics
+from kiln.train.system import system_metrics
 from kiln.train.watchdog import Watchdog
 
 PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -157,10 +159,12 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         self.model = build_model(model_cfg, device=self.device)
         self.model.train()
-        self.ckpt = CheckpointManager(self.out_dir / "checkpoints", cfg.keep_last, cfg.keep_best)
+        self.ckpt = CheckpointManager(
+            self.out_dir / "checkpoints", cfg.keep_last, cfg.keep_best, convert_state=upgrade_layout
+        )
         self.sharded_saver = None
         if self.layout.sharded:
-            from kiln.parallel.checkpoint import ShardedSaver
+            from kiln.checkpoint import ShardedSaver
 
             self.sharded_saver = ShardedSaver(self.ckpt, self.layout.cfg.async_checkpoint)
         # Dynamic loss scaling keeps small fp16 gradients from flushing to zero; bf16 has fp32's
@@ -258,7 +262,7 @@ class Trainer:
         if init_from is not None:
             warnings.warn(f"resuming from {folder}; init_from={init_from} is ignored", stacklevel=3)
         if model_state is None:
-            from kiln.parallel.checkpoint import load_sharded
+            from kiln.checkpoint import load_sharded
 
             load_sharded(folder, self.model, self.optimizer)
         else:

@@ -210,7 +210,7 @@ def test_kiln_tasks_are_the_post_training_held_out_measure(tok, model):
     assert [e["task"] for e in examples] == ["arithmetic"] * 2 + ["sort"] * 2
     # A base model (chat=False) is still prompted in the chat format, exactly as the stages do.
     result = evaluate(KilnLM(model, tok, batch_size=4), [task])[0]
-    from kiln.post.chat import render_prompt
+    from kiln.data.chat import render_prompt
 
     prompts = [render_prompt(tok, [{"role": "user", "content": e["prompt"]}]) for e in examples]
     theirs = [tok.decode(strip_stop(tok, ids)) for ids in complete(model, tok, prompts, 16)]
@@ -262,7 +262,7 @@ def test_perplexity_documents_from_jsonl_and_text(tmp_path):
 
 
 def make_run(root: Path, tok, steps=(10, 20)) -> Path:
-    from kiln.train.checkpoint import save_weights
+    from kiln.checkpoint import save_weights
 
     root.mkdir(parents=True)
     (root / "recipe.json").write_text(

@@ -346,8 +346,8 @@ def test_same_scores_as_lm_eval_on_an_hf_export(tmp_path, tok):
     lm_eval = pytest.importorskip("lm_eval")
     from lm_eval.tasks import TaskManager
 
+    from kiln.checkpoint import save_weights
     from kiln.hf import export_checkpoint_to_hf
-    from kiln.train.checkpoint import save_weights
 
     torch.manual_seed(1)
     cfg = ModelConfig(

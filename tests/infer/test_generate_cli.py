@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kiln.checkpoint import save_weights
 from kiln.cli import build_parser, main
 from kiln.data.config import TokenizerConfig
 from kiln.data.tokenizer import Tokenizer, train_tokenizer
@@ -17,7 +18,6 @@ from kiln.infer.engine import Engine
 from kiln.infer.quant import QUANTIZED_TYPES, quantize_model
 from kiln.infer.sample import generate as uncached_generate
 from kiln.model import ModelConfig, build_model
-from kiln.train.checkpoint import save_weights
 
 PROMPT = "def main("
 

@@ -311,7 +311,7 @@ def test_torch_compile_matches_eager():
 
 
 def test_activation_checkpointing_recomputes_the_same_routing():
-    from kiln.train.objective import apply_activation_checkpointing
+    from kiln.parallel.parallelize import apply_activation_checkpointing
 
     cfg = moe_cfg(moe_capacity_factor=1.0, moe_shared_expert=True)
     plain = build_model(cfg)

@@ -185,7 +185,7 @@ def _train(rank, world, backend, fsdp=False, steps=3):
     from torch.distributed.fsdp import fully_shard
 
     from kiln.parallel.context import apply_context_parallel
-    from kiln.train.objective import apply_activation_checkpointing
+    from kiln.parallel.parallelize import apply_activation_checkpointing
 
     model, inputs, targets = _setup(2)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))

@@ -28,7 +28,7 @@ from kiln.parallel.launch import (
     LaunchConfig,
     SlurmOptions,
     add_launch_parser,
-    check_recipe,
+    check_layout,
     k8s_manifest,
     k8s_manifest_dict,
     run_launch,
@@ -530,23 +530,16 @@ def test_cli_errors_name_the_flag(argv, flag):
     assert err.value.key == flag and err.value.source == "<command line>"
 
 
-def test_recipe_layout_must_match_the_launch(tmp_path, monkeypatch):
-    recipe = tmp_path / "r.toml"
-    recipe.write_text("")
-
-    class Loaded:
-        parallel = ParallelConfig(dp_shard=4, tp=4)
-
-    monkeypatch.setattr("kiln.config.load_recipe", lambda path, overrides: Loaded())
-    check_recipe(str(recipe), [], LaunchConfig(nodes=2, nproc_per_node=8))  # 4 x 4 = 16 ranks
+def test_recipe_layout_must_match_the_launch(tmp_path):
+    recipe = str(tmp_path / "r.toml")
+    check_layout(ParallelConfig(dp_shard=4, tp=4), LaunchConfig(nodes=2, nproc_per_node=8), recipe)  # 4 x 4 = 16
     with pytest.raises(ConfigError) as err:
-        check_recipe(str(recipe), [], LaunchConfig(nodes=1, nproc_per_node=8))
+        check_layout(ParallelConfig(dp_shard=4, tp=4), LaunchConfig(nodes=1, nproc_per_node=8), recipe)
     assert err.value.key == "parallel" and "16" in str(err.value) and "8 ranks" in str(err.value)
-    Loaded.parallel = ParallelConfig(tp=4)  # dp_shard=-1: the rest
-    check_recipe(str(recipe), [], LaunchConfig(nodes=3, nproc_per_node=8))
+    check_layout(ParallelConfig(tp=4), LaunchConfig(nodes=3, nproc_per_node=8), recipe)  # dp_shard=-1: the rest
     with pytest.raises(ConfigError):
-        check_recipe(str(recipe), [], LaunchConfig(nodes=1, nproc_per_node=6))
-    check_recipe(str(tmp_path / "only-on-the-cluster.toml"), [], LaunchConfig(nodes=1, nproc_per_node=6))
+        check_layout(ParallelConfig(tp=4), LaunchConfig(nodes=1, nproc_per_node=6), recipe)
+    check_layout(None, LaunchConfig(nodes=1, nproc_per_node=6), recipe)  # a recipe only on the cluster
 
 
 # --- real torchrun ------------------------------------------------------------------------------

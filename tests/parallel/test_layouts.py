@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from kiln.model import ModelConfig
-from kiln.train.checkpoint import load_weights
+from kiln.model.weights import load_weights
 from kiln.train.config import TrainConfig
 from kiln.train.trainer import Trainer
 

@@ -109,7 +109,7 @@ def test_stages_keep_the_unsplit_parameter_names():
 
 
 def test_stage_layers_read_like_a_module_list():
-    from kiln.train.trainer import apply_activation_checkpointing
+    from kiln.parallel.parallelize import apply_activation_checkpointing
 
     model = build_model(tiny_cfg())
     tokens = torch.randint(0, 97, (2, SEQ))

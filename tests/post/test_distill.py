@@ -9,16 +9,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kiln.config import Recipe
+from kiln.checkpoint import save_weights
 from kiln.data.config import TokenizerConfig
 from kiln.data.tokenizer import Tokenizer, train_tokenizer
 from kiln.errors import ConfigError
 from kiln.model import ModelConfig, build_model
-from kiln.post.config import StageTrainConfig, TaskConfig
-from kiln.post.distill import DistillConfig, make_distill_loss, run_distill, teacher_conversations, teacher_kl
+from kiln.post.config import DistillConfig, StageTrainConfig, TaskConfig
+from kiln.post.distill import make_distill_loss, run_distill, teacher_conversations, teacher_kl
 from kiln.post.stages import sft_loss, sft_rows
 from kiln.post.tasks import FAMILIES, generate_tasks
-from kiln.train.checkpoint import save_weights
+from kiln.recipe import Recipe
 
 
 @pytest.fixture(scope="module")

@@ -71,7 +71,7 @@ def test_policy_pairs_reject_the_models_own_wrong_answers(tok):
     # An untrained model is wrong everywhere: the first chunk gives enough pairs and the search stops.
     assert stats == {"rejected": "policy", "prompts_tried": 8, "policy_wrong": 8} and len(pairs) == 8
     by_prompt = {t["prompt"]: t for t in tasks}
-    from kiln.post.chat import render_prompt
+    from kiln.data.chat import render_prompt
 
     for messages, chosen, rejected in pairs:
         ex = by_prompt[messages[0]["content"]]
@@ -81,7 +81,7 @@ def test_policy_pairs_reject_the_models_own_wrong_answers(tok):
 
 
 def test_policy_pairs_fall_back_to_distractors_when_the_model_is_always_right(tok, monkeypatch):
-    from kiln.post.chat import render_prompt
+    from kiln.data.chat import render_prompt
 
     tasks = generate_tasks("sort", 10, seed=4)
     answer_of = {tuple(render_prompt(tok, [{"role": "user", "content": t["prompt"]}])): t["answer"] for t in tasks}
@@ -128,7 +128,7 @@ def test_rejected_to_divergence_scores_the_rejected_answer_up_to_its_first_wrong
 
 
 def test_stage_compile_inherits_train_compile_unless_the_stage_sets_it():
-    from kiln.config import load_recipe
+    from kiln.recipe import load_recipe
 
     recipe = load_recipe("recipes/tiny.toml")  # compiles pretraining, not its post stages
     assert recipe.train.compile is True
@@ -141,7 +141,7 @@ def test_stage_compile_inherits_train_compile_unless_the_stage_sets_it():
 
 
 def test_grpo_prompt_seed_draws_train_problems_sft_did_not_see():
-    from kiln.config import load_recipe
+    from kiln.recipe import load_recipe
 
     base = load_recipe("recipes/tiny.toml", ["grpo.prompt_seed=0", "tasks.train_per_family=300"])
     fresh = load_recipe("recipes/tiny.toml", ["grpo.prompt_seed=1", "tasks.train_per_family=300"])
@@ -156,7 +156,7 @@ def test_grpo_prompt_seed_draws_train_problems_sft_did_not_see():
 
 
 def test_post_stages_do_not_inherit_the_pretraining_batch_ramp():
-    from kiln.config import load_recipe
+    from kiln.recipe import load_recipe
 
     recipe = load_recipe("recipes/tiny.toml", ["train.batch_ramp_steps=30", "train.batch_ramp_start_tokens=2048"])
     cfg = recipe.sft.train.train_config(recipe.train)

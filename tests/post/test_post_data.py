@@ -284,9 +284,9 @@ def test_packed_rows_reproduce_every_conversation(tmp_path):
 
 def test_pack_rendered_task_conversations(tmp_path):
     """Real chat rows: every learned target is an answer token or <|end|>, never a prompt token."""
+    from kiln.data.chat import render_conversations
     from kiln.data.config import TokenizerConfig
     from kiln.data.tokenizer import Tokenizer, train_tokenizer
-    from kiln.post.chat import render_conversations
     from kiln.post.tasks import generate_tasks, task_sft_examples
 
     conversations = task_sft_examples(generate_tasks("sort", 60) + generate_tasks("arithmetic", 60))

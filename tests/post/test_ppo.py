@@ -9,20 +9,20 @@ import shutil
 import pytest
 import torch
 
-from kiln.config import Recipe
+from kiln.checkpoint import complete_checkpoints, save_weights
+from kiln.data.chat import render_prompt
 from kiln.data.config import TokenizerConfig
 from kiln.data.tokenizer import Tokenizer, train_tokenizer
 from kiln.errors import ConfigError
 from kiln.infer.engine import Engine
-from kiln.infer.sample import load_model
 from kiln.model import ModelConfig, build_model
-from kiln.post.chat import render_prompt
-from kiln.post.config import StageTrainConfig, TaskConfig
+from kiln.model.weights import load_model, load_weights
+from kiln.post.config import PPOConfig, StageTrainConfig, TaskConfig
 from kiln.post.losses import token_logprobs
-from kiln.post.ppo import PPOConfig, make_ppo_loss, make_rollout, model_reward, run_ppo
+from kiln.post.ppo import make_ppo_loss, make_rollout, model_reward, run_ppo
 from kiln.post.rm import HEAD, attach_scalar_head, load_scalar_model, sequence_scores
 from kiln.post.tasks import FAMILIES, generate_tasks
-from kiln.train.checkpoint import complete_checkpoints, load_weights, save_weights
+from kiln.recipe import Recipe
 
 SEQ = 32
 
@@ -305,18 +305,18 @@ def test_engine_logprob_fields_are_what_make_rollout_relies_on(tok):
 
 
 def test_stage_configs_load_without_torch():
-    # Recipes are parsed by data-only commands: the three stage modules must not import torch on import,
-    # and their defaults must validate (every recipe validates every section, used or not).
+    # Recipes are parsed by data-only commands: the post-training configs must not import torch on
+    # import, and their defaults must validate (every recipe validates every section, used or not).
     import subprocess
     import sys
 
     code = (
-        "import sys; from kiln.post.rm import RMConfig; from kiln.post.ppo import PPOConfig; "
-        "from kiln.post.distill import DistillConfig; RMConfig().validate(); PPOConfig().validate(); "
+        "import sys; from kiln.post.config import DistillConfig, PPOConfig, RMConfig; "
+        "RMConfig().validate(); PPOConfig().validate(); "
         "DistillConfig().validate(); print('torch' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
-    from kiln.post import distill, losses, ppo
+    from kiln.post import config, losses
 
-    assert ppo.KL_ESTIMATORS == losses.KL_ESTIMATORS and distill.DISTILL_KINDS == losses.DISTILL_KINDS
+    assert config.KL_ESTIMATORS == losses.KL_ESTIMATORS and config.DISTILL_KINDS == losses.DISTILL_KINDS

@@ -8,14 +8,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kiln.config import Recipe
+from kiln.checkpoint import read_manifest, save_weights
 from kiln.data.config import TokenizerConfig
 from kiln.data.tokenizer import Tokenizer, train_tokenizer
 from kiln.errors import ConfigError
 from kiln.model import ModelConfig, build_model
-from kiln.post.config import StageTrainConfig, TaskConfig
+from kiln.post.config import RMConfig, StageTrainConfig, TaskConfig
 from kiln.post.rm import (
-    RMConfig,
     attach_scalar_head,
     load_scalar_model,
     make_rm_loss,
@@ -26,7 +25,7 @@ from kiln.post.rm import (
 )
 from kiln.post.stages import heldout_tasks
 from kiln.post.tasks import FAMILIES, generate_tasks, task_preference_pairs
-from kiln.train.checkpoint import read_manifest, save_weights
+from kiln.recipe import Recipe
 
 
 @pytest.fixture(scope="module")

@@ -137,8 +137,8 @@ def test_sft_then_grpo_raise_heldout_task_accuracy(tmp_path):
     faster configuration: held-out accuracy on the reverse/sort tasks rises at every post-training
     stage. Seeds are the recipe's (train.seed 1337, tasks.seed 0); measured 0.00 -> 0.20 -> 0.24, the
     same with 1 and 2 torch threads (~5 min on a quiet 2-core machine)."""
-    from kiln.config import load_recipe
     from kiln.pipeline import run_recipe
+    from kiln.recipe import load_recipe
 
     recipe = load_recipe(
         "recipes/tiny.toml",

@@ -14,10 +14,10 @@ import pytest
 import torch
 from serve_helpers import ForcesToken, serving
 
+from kiln.checkpoint import save_weights
 from kiln.data.config import TokenizerConfig
 from kiln.data.tokenizer import Tokenizer, train_tokenizer
 from kiln.model import ModelConfig, build_model
-from kiln.train.checkpoint import save_weights
 
 KEY = "sk-lmeval"
 NAME = "tiny"

@@ -19,14 +19,14 @@ import pytest
 import torch
 from serve_helpers import ForcesToken, serving
 
+from kiln.checkpoint import save_weights
+from kiln.data.chat import ChatTokens, render_prompt
 from kiln.data.config import TokenizerConfig
 from kiln.data.tokenizer import Tokenizer, train_tokenizer
 from kiln.infer.engine import Engine
 from kiln.model import ModelConfig, build_model
-from kiln.post.chat import ChatTokens, render_prompt
 from kiln.serve.app import create_app
 from kiln.serve.cli import add_serve_parsers, load_for_inference, run_chat
-from kiln.train.checkpoint import save_weights
 
 KEY = "sk-kiln-test"
 NAME = "tiny"

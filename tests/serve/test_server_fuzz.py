@@ -28,12 +28,12 @@ from schemathesis.specs.openapi.checks import (  # noqa: E402
 )
 from serve_helpers import serving  # noqa: E402
 
+from kiln.checkpoint import save_weights  # noqa: E402
 from kiln.data.config import TokenizerConfig  # noqa: E402
 from kiln.data.tokenizer import Tokenizer, train_tokenizer  # noqa: E402
 from kiln.model import ModelConfig, build_model  # noqa: E402
 from kiln.serve.app import create_app  # noqa: E402
 from kiln.serve.cli import load_for_inference  # noqa: E402
-from kiln.train.checkpoint import save_weights  # noqa: E402
 
 KEY = "sk-fuzz"
 NAME = "tiny"

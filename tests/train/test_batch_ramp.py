@@ -6,10 +6,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from kiln.config import load_recipe
 from kiln.errors import ConfigError
 from kiln.model import ModelConfig
-from kiln.train.checkpoint import load_weights
+from kiln.model.weights import load_weights
+from kiln.recipe import load_recipe
 from kiln.train.config import TrainConfig
 from kiln.train.trainer import Trainer
 

@@ -7,17 +7,17 @@ import numpy as np
 import pytest
 import torch
 
-from kiln.model import ModelConfig, build_model
-from kiln.train.checkpoint import (
+from kiln.checkpoint import (
     CheckpointError,
     CheckpointManager,
     capture_rng_state,
     complete_checkpoints,
-    load_weights,
     resolve_checkpoint,
     restore_rng_state,
     save_weights,
 )
+from kiln.model import ModelConfig, build_model
+from kiln.model.weights import load_weights
 from kiln.train.config import TrainConfig
 from kiln.train.optim import build_optimizer
 
@@ -233,9 +233,10 @@ def test_checkpoint_saved_in_the_old_fused_layout_is_converted_on_load(tmp_path)
 
     import torch
 
+    from kiln.checkpoint import save_weights
     from kiln.model import ModelConfig, build_model
     from kiln.model.transformer import split_gate_up, split_qkv
-    from kiln.train.checkpoint import load_weights, save_weights
+    from kiln.model.weights import load_weights
 
     cfg = ModelConfig(vocab_size=50, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=16)
     model = build_model(cfg)
@@ -279,7 +280,7 @@ def test_manifest_damage_that_keeps_valid_json_is_detected(tmp_path):
 
 
 def _save_sharded(manager, step, seed):
-    from kiln.parallel.checkpoint import ShardedSaver
+    from kiln.checkpoint import ShardedSaver
 
     model = _model(seed)
     opt = build_optimizer(model, TrainConfig())

@@ -24,7 +24,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kiln.train.checkpoint import CheckpointManager, complete_checkpoints, load_weights
+from kiln.checkpoint import CheckpointManager, complete_checkpoints
+from kiln.model.weights import load_weights
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from kiln.config import load_recipe
 from kiln.data.loader import TokenLoader
 from kiln.errors import ConfigError
 from kiln.model import ModelConfig, build_model
+from kiln.model.weights import load_weights
+from kiln.recipe import load_recipe
 from kiln.train import trainer as trainer_module
-from kiln.train.checkpoint import load_weights
 from kiln.train.config import TrainConfig
 from kiln.train.guard import GuardConfig, LossGuard, TrainingDiverged, grad_group
 from kiln.train.schedule import lr_at

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kiln.train.checkpoint import complete_checkpoints, load_weights
+from kiln.checkpoint import complete_checkpoints
+from kiln.model.weights import load_weights
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -21,7 +22,7 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPT = textwrap.dedent("""
     import json, os, signal, sys
     from kiln.model import ModelConfig
-    from kiln.train.checkpoint import CheckpointManager
+    from kiln.checkpoint import CheckpointManager
     from kiln.train.config import TrainConfig
     from kiln.train.trainer import Trainer
 

@@ -5,9 +5,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from kiln.checkpoint import complete_checkpoints
 from kiln.errors import ConfigError
 from kiln.model import ModelConfig
-from kiln.train.checkpoint import complete_checkpoints, load_weights
+from kiln.model.weights import load_weights
 from kiln.train.config import TrainConfig
 from kiln.train.trainer import Trainer, next_token_loss
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from kiln.config import load_recipe
 from kiln.errors import ConfigError
+from kiln.recipe import load_recipe
 from kiln.train.watchdog import WATCHDOG_EXIT_CODE, Watchdog
 
 REPO = Path(__file__).resolve().parents[2]
@@ -71,7 +71,7 @@ def test_disabled_watchdog_starts_no_thread(tmp_path):
 SCRIPT = textwrap.dedent("""
     import json, sys, time
     from kiln.model import ModelConfig
-    from kiln.train.checkpoint import CheckpointManager
+    from kiln.checkpoint import CheckpointManager
     from kiln.train.config import TrainConfig
     from kiln.train.trainer import Trainer, next_token_loss
 

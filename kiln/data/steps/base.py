@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar, Iterable
 
+from kiln.config import build
 from kiln.errors import ConfigError
 
 STEPS: dict[str, type["Step"]] = {}
@@ -125,13 +126,11 @@ class Deduplicator(Filter):
 
 
 def build_step(name: str, params: dict, key: str) -> Step:
-    """A configured step from its name and recipe table; errors name `key.<field>`."""
-    import kiln.data.steps  # noqa: F401  (registers the built-in steps)
-    from kiln.config import _build  # the recipe loader's typed table -> dataclass conversion
-
+    """A configured step from its name and recipe table; errors name `key.<field>`. The built-in
+    steps are registered by importing kiln.data.steps, which re-exports this function."""
     if name not in STEPS:
         raise ConfigError(key, f"unknown step {name!r}; known: {', '.join(sorted(STEPS))}")
-    step = _build(STEPS[name], params, key)
+    step = build(STEPS[name], params, key)
     try:
         step.validate()
     except ConfigError as err:

@@ -5,10 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from kiln.data.config import TokenizerConfig
-from kiln.data.tokenizer import Tokenizer, train_tokenizer
-from kiln.errors import DataError
-from kiln.post.chat import (
+from kiln.data.chat import (
     CHAT_TEMPLATE,
     TRAINING_CHAT_TEMPLATE,
     hf_tokenizer_config_extra,
@@ -16,6 +13,9 @@ from kiln.post.chat import (
     render_conversations,
     render_prompt,
 )
+from kiln.data.config import TokenizerConfig
+from kiln.data.tokenizer import Tokenizer, train_tokenizer
+from kiln.errors import DataError
 
 SYSTEM, USER, ASSISTANT, END, PAD, EOT = 2, 3, 4, 5, 1, 0
 

@@ -3,7 +3,7 @@
 Every rank writes its own shards of the model and optimizer state into `<step>/sharded/`; rank 0
 then adds the loop state and the manifest (sha256 of every file, written last) and publishes the
 folder with the same atomic rename and `latest`/`best` pointers as single-file checkpoints
-(kiln.train.checkpoint). State dicts are keyed by parameter name, and DCP reshards on load, so a
+(kiln.checkpoint.manager). State dicts are keyed by parameter name, and DCP reshards on load, so a
 checkpoint saved by N ranks in one layout resumes on M ranks in another, or in one plain process.
 """
 
@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -22,25 +23,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from kiln.train.checkpoint import TRAIN_STATE_FILE, CheckpointManager, write_manifest
-
-
-class WeightsOnlyLoadPlanner(dcp.DefaultLoadPlanner):
-    """DCP's default load planner, except that the non-tensor entries of a checkpoint (optimizer
-    hyperparameters, step counters) are unpickled with weights_only=True: the default planner
-    unpickles them without restriction, so a crafted checkpoint could run code on load."""
-
-    def load_bytes(self, read_item, value) -> None:
-        from torch.distributed.checkpoint._traverse import set_element
-
-        obj = torch.load(value, weights_only=True)
-        if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
-        else:
-            self.state_dict[read_item.dest_index.fqn] = obj
-
-
-SHARDED_DIR = "sharded"
+from kiln.checkpoint.format import TRAIN_STATE_FILE, write_manifest
+from kiln.checkpoint.manager import CheckpointManager
+from kiln.checkpoint.safety import SHARDED_DIR, WeightsOnlyLoadPlanner
 
 
 def _barrier() -> None:
@@ -109,8 +94,6 @@ def load_sharded(folder: Path, model, optimizer) -> None:
 def load_sharded_weights(folder: Path) -> dict[str, torch.Tensor]:
     """The full model state dict of a sharded checkpoint, read in this one process (for
     generation, HF export or conversion to a single file); no process group needed."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
     reader = dcp.FileSystemReader(str(Path(folder) / SHARDED_DIR))
     metadata = reader.read_metadata().state_dict_metadata
     state = {}

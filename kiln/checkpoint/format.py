@@ -1,0 +1,247 @@
+"""The checkpoint format: one folder per step, written under a temporary name and renamed when
+complete. This module is the bottom layer's file format and knows nothing of the model: the model
+config is stored as the plain dict of whatever dataclass the caller passes.
+
+Layout of a checkpoints root:
+    step-00000100/
+        model.safetensors   weights (tied tensors stored once; the manifest lists the aliases)
+        train_state.pt      optimizer, grad scaler and loop counters (torch.save, weights_only-loadable)
+        manifest.json       step, tokens_seen, configs, loader and RNG state, sha256 of every file,
+                            and a sha256 of its own content (manifest_sha256)
+    latest                  text file naming the newest complete checkpoint
+    best                    text file naming the checkpoint with the lowest validation loss
+A folder is complete once renamed from `.tmp-step-...`; a crash mid-write leaves only the
+temporary folder, which readers ignore and the next save deletes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import time
+import warnings
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from kiln.errors import DataError
+
+MODEL_FILE = "model.safetensors"
+TRAIN_STATE_FILE = "train_state.pt"
+MANIFEST_FILE = "manifest.json"
+FORMAT_VERSION = 1
+# Row layout of the fused wqkv / w13 weights. 1: [q; k; v] and [gate; up] (before 2026-11-30);
+# 2: grouped by kv head and gate/up interleaved (kiln/model/transformer.py). Older checkpoints are
+# converted when they load (kiln.model.weights.upgrade_layout), so they keep computing what they
+# computed when saved.
+WEIGHTS_LAYOUT = 2
+
+
+class CheckpointError(DataError):
+    """A checkpoint is missing, incomplete or corrupted; the message names the file."""
+
+
+def step_dirname(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def fsync(path: Path) -> None:
+    # Data must reach the disk before the rename that publishes it, or a power loss could leave
+    # a "complete" folder holding empty files.
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    fsync(tmp)
+    os.replace(tmp, path)
+
+
+# ---- model weights -------------------------------------------------------------------------------
+
+
+def dedupe_tied(state_dict: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """safetensors refuses tensors that share memory (tied embedding and head): keep one name."""
+    tensors, tied, owner = {}, {}, {}
+    for name, tensor in state_dict.items():
+        key = (
+            tensor.untyped_storage().data_ptr(),
+            tensor.storage_offset(),
+            tuple(tensor.shape),
+            tuple(tensor.stride()),
+            tensor.device.type,
+        )
+        if key in owner and tensor.numel() > 0:
+            tied[name] = owner[key]
+            continue
+        owner[key] = name
+        tensors[name] = tensor.detach().to("cpu").contiguous()
+    return tensors, tied
+
+
+def write_files(
+    folder: Path, model_cfg, state_dict: dict, manifest_extra: dict | None, train_state: dict | None
+) -> dict:
+    tensors, tied = dedupe_tied(state_dict)
+    save_file(tensors, str(folder / MODEL_FILE), metadata={"format": "pt"})
+    names = [MODEL_FILE]
+    if train_state is not None:
+        torch.save(train_state, folder / TRAIN_STATE_FILE)
+        names.append(TRAIN_STATE_FILE)
+    return write_manifest(folder, model_cfg, names, {**(manifest_extra or {}), "tied": tied})
+
+
+def _manifest_digest(manifest: dict) -> str:
+    """sha256 of the manifest's content without its own checksum, over a canonical JSON form so
+    that key order and whitespace do not matter."""
+    body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def write_manifest(folder: Path, model_cfg, names: list[str], manifest_extra: dict) -> dict:
+    """Checksum the named files (paths relative to `folder`) and write the manifest, last: a folder
+    with a manifest has all its other files in place."""
+    files = {}
+    for name in names:
+        fsync(folder / name)
+        files[name] = {"sha256": sha256_file(folder / name), "bytes": (folder / name).stat().st_size}
+    manifest = {
+        "format": FORMAT_VERSION,
+        "weights_layout": WEIGHTS_LAYOUT,
+        **manifest_extra,
+        "model_config": dataclasses.asdict(model_cfg),
+        "files": files,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "torch_version": torch.__version__,
+    }
+    # The checksum is taken over the manifest as it will read back (tuples become lists, integer
+    # keys strings), so the reader recomputes exactly the same digest. A flipped bit that keeps
+    # the JSON valid (a digit of the loader position or of an RNG state) would otherwise resume a
+    # run silently wrong.
+    manifest = json.loads(json.dumps(manifest))
+    manifest["manifest_sha256"] = _manifest_digest(manifest)
+    write_text_atomic(folder / MANIFEST_FILE, json.dumps(manifest, indent=1))
+    return manifest
+
+
+def save_weights(folder, model_cfg, state_dict: dict, manifest_extra: dict | None = None) -> Path:
+    """Write a weights-only checkpoint (model.safetensors + manifest.json) into `folder`."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    write_files(folder, model_cfg, state_dict, manifest_extra, train_state=None)
+    return folder
+
+
+def read_manifest(folder: Path) -> dict:
+    path = Path(folder) / MANIFEST_FILE
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing (incomplete checkpoint)")
+    try:
+        manifest = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: corrupted manifest ({e})") from None
+    if not isinstance(manifest, dict) or "model_config" not in manifest or "files" not in manifest:
+        raise CheckpointError(f"{path}: not a Kiln checkpoint manifest (no model_config/files)")
+    # Manifests written before the self-checksum existed have none; they are still read.
+    if "manifest_sha256" in manifest and manifest["manifest_sha256"] != _manifest_digest(manifest):
+        raise CheckpointError(f"{path}: content does not match its manifest_sha256 (corrupted manifest)")
+    return manifest
+
+
+def verify(folder: Path, manifest: dict, names=None) -> None:
+    """Check size and sha256 of the checkpoint's files against its manifest."""
+    folder = Path(folder)
+    for name, expected in manifest["files"].items():
+        if names is not None and name not in names:
+            continue
+        path = folder / name
+        if not path.is_file():
+            raise CheckpointError(f"{path}: missing (incomplete checkpoint)")
+        size = path.stat().st_size
+        if size != expected["bytes"]:
+            raise CheckpointError(f"{path}: {size} bytes, manifest says {expected['bytes']} (truncated file)")
+        if sha256_file(path) != expected["sha256"]:
+            raise CheckpointError(f"{path}: sha256 does not match the manifest (corrupted file)")
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """Finished step folders under `root`, oldest first (temporary folders are ignored)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for p in root.iterdir():
+        if p.is_dir() and p.name.startswith("step-") and (p / MANIFEST_FILE).is_file():
+            try:
+                found.append((int(p.name[len("step-") :]), p))
+            except ValueError:
+                continue
+    return [p for _, p in sorted(found)]
+
+
+def resolve_checkpoint(path) -> Path:
+    """A checkpoint folder from a folder, a checkpoints root (via `latest`) or a stage folder."""
+    p = Path(path)
+    if p.is_file() and p.name in (MANIFEST_FILE, MODEL_FILE):
+        p = p.parent
+    elif p.is_file() and p.suffix.lower() in (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle"):
+        raise CheckpointError(
+            f"{path}: a pickled file, which Kiln does not load (unpickling can run code); "
+            f"a Kiln checkpoint is a folder with {MODEL_FILE} and {MANIFEST_FILE}. "
+            f"Import Hugging Face safetensors weights with `kiln import hf`"
+        )
+    if not p.exists():
+        raise CheckpointError(f"{path}: no such checkpoint")
+    if (p / MANIFEST_FILE).is_file():
+        return p
+    if (p / "checkpoints").is_dir():
+        p = p / "checkpoints"
+    found = complete_checkpoints(p)
+    if (p / "latest").is_file():
+        name = (p / "latest").read_text().strip()
+        if (p / name / MANIFEST_FILE).is_file():
+            return p / name
+        # A process killed between moving checkpoints aside (rewind) and rewriting the pointer
+        # leaves it naming a folder that is gone; the newest complete one is what it would name.
+        if not found:
+            raise CheckpointError(f"{p / 'latest'}: names {name!r}, which is not a complete checkpoint")
+        warnings.warn(
+            f"{p / 'latest'} names {name!r}, which is not a complete checkpoint; "
+            f"using the newest complete one, {found[-1].name}",
+            stacklevel=2,
+        )
+    if found:
+        return found[-1]
+    raise CheckpointError(
+        f"{path}: not a checkpoint folder, a checkpoints root, or a stage folder containing checkpoints/"
+    )
+
+
+def restore_tied(state: dict, tied: dict, where: Path) -> dict:
+    for alias, name in tied.items():
+        if name not in state:
+            raise CheckpointError(f"{where}: tied tensor {alias!r} refers to missing {name!r}")
+        state[alias] = state[name]
+    return state
+
+
+def load_single_file_state(folder: Path, manifest: dict) -> dict[str, torch.Tensor]:
+    """The verified model state dict of a single-file checkpoint, tied aliases restored."""
+    verify(folder, manifest, names=[MODEL_FILE])
+    return restore_tied(load_file(str(folder / MODEL_FILE)), manifest.get("tied", {}), folder / MODEL_FILE)

@@ -1,0 +1,168 @@
+"""The checkpoints root of one run: save, publish atomically, find the newest valid one, rewind,
+prune."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import warnings
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors.torch import load_file
+
+from kiln.checkpoint.format import (
+    MANIFEST_FILE,
+    MODEL_FILE,
+    TRAIN_STATE_FILE,
+    CheckpointError,
+    complete_checkpoints,
+    fsync,
+    read_manifest,
+    restore_tied,
+    step_dirname,
+    verify,
+    write_files,
+    write_text_atomic,
+)
+from kiln.checkpoint.safety import check_sharded_pickles
+
+# (model state dict, manifest) -> state dict in the current layout; the model layer supplies it
+# (kiln.model.weights.upgrade_layout) because only it knows how its weights were laid out.
+StateConverter = Callable[[dict, dict], dict]
+
+
+class CheckpointManager:
+    """Saves, finds, verifies and prunes the step folders of one run's checkpoints root."""
+
+    def __init__(self, root, keep_last: int = 2, keep_best: bool = True, convert_state: StateConverter | None = None):
+        self.root = Path(root)
+        self.keep_last = keep_last
+        self.keep_best = keep_best
+        self.convert_state = convert_state
+
+    def _pointer(self, name: str) -> str | None:
+        path = self.root / name
+        return path.read_text().strip() if path.is_file() else None
+
+    @property
+    def best_name(self) -> str | None:
+        return self._pointer("best")
+
+    @property
+    def latest_name(self) -> str | None:
+        return self._pointer("latest")
+
+    def save(
+        self,
+        step: int,
+        model_cfg,
+        model_state: dict,
+        train_state: dict,
+        manifest_extra: dict,
+        is_best: bool = False,
+    ) -> Path:
+        tmp = self.begin(step)
+        write_files(tmp, model_cfg, model_state, {"step": step, **manifest_extra}, train_state)
+        return self.commit(tmp, step, is_best)
+
+    def begin(self, step: int) -> Path:
+        """A fresh temporary folder for the checkpoint of `step`."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._remove_leftovers()
+        tmp = self.root / f".tmp-{step_dirname(step)}"
+        tmp.mkdir()
+        return tmp
+
+    def commit(self, tmp: Path, step: int, is_best: bool = False) -> Path:
+        """Publish a fully written temporary folder (manifest last) as the checkpoint of `step`."""
+        name = step_dirname(step)
+        fsync(tmp)
+        final = self.root / name
+        if final.exists():  # saving the same step again (e.g. a rerun of the last step): replace it
+            self._discard(final)
+        os.replace(tmp, final)
+        fsync(self.root)
+        write_text_atomic(self.root / "latest", name + "\n")
+        if is_best and self.keep_best:
+            write_text_atomic(self.root / "best", name + "\n")
+        self._prune()
+        return final
+
+    def load(self, folder) -> tuple[dict, dict[str, torch.Tensor], dict]:
+        """(manifest, model state dict, train state) of one verified checkpoint folder."""
+        folder = Path(folder)
+        manifest = read_manifest(folder)
+        verify(folder, manifest)
+        if manifest.get("layout") == "sharded":
+            # The model and optimizer shards are read by kiln.checkpoint.sharded once the model
+            # has its layout; the state dict returned here is None.
+            check_sharded_pickles(folder, manifest)
+            return manifest, None, self._load_train_state(folder)
+        if TRAIN_STATE_FILE not in manifest["files"]:
+            raise CheckpointError(
+                f"{folder}: weights-only checkpoint (no {TRAIN_STATE_FILE}); use init_from to start a new run from it"
+            )
+        model_state = restore_tied(load_file(str(folder / MODEL_FILE)), manifest.get("tied", {}), folder)
+        if self.convert_state is not None:
+            model_state = self.convert_state(model_state, manifest)
+        return manifest, model_state, self._load_train_state(folder)
+
+    @staticmethod
+    def _load_train_state(folder: Path) -> dict:
+        try:
+            return torch.load(folder / TRAIN_STATE_FILE, map_location="cpu", weights_only=True)
+        except Exception as e:  # checksum passed, so this is a format problem, not corruption
+            raise CheckpointError(f"{folder / TRAIN_STATE_FILE}: cannot be loaded ({e})") from None
+
+    def load_newest_valid(self) -> tuple[Path, dict, dict, dict] | None:
+        """The newest checkpoint that verifies; corrupted ones are skipped with a warning."""
+        for folder in reversed(complete_checkpoints(self.root)):
+            try:
+                return (folder, *self.load(folder))
+            except CheckpointError as e:
+                warnings.warn(f"skipping checkpoint {folder.name}: {e}; falling back to an older one", stacklevel=2)
+        return None
+
+    def rewind(self, step: int, best_step: int = -1) -> None:
+        """Continue the run from `step`: checkpoints after it (corrupted ones that were skipped, or
+        the future of a run resumed from an older checkpoint) are renamed `abandoned-step-*`, kept
+        for inspection but no longer candidates, and `latest`/`best` are pointed back."""
+        for folder in complete_checkpoints(self.root):
+            if int(folder.name[len("step-") :]) > step:
+                target = self.root / f"abandoned-{folder.name}"
+                if target.exists():
+                    shutil.rmtree(target)
+                os.replace(folder, target)
+                warnings.warn(f"{folder} is newer than the resumed step {step}; renamed to {target.name}", stacklevel=2)
+        write_text_atomic(self.root / "latest", step_dirname(step) + "\n")
+        best = self.best_name
+        if best is not None and not (self.root / best / MANIFEST_FILE).is_file():
+            if best_step >= 0 and (self.root / step_dirname(best_step) / MANIFEST_FILE).is_file():
+                write_text_atomic(self.root / "best", step_dirname(best_step) + "\n")
+            else:
+                (self.root / "best").unlink()
+
+    def _discard(self, folder: Path) -> None:
+        # Rename first so a crash mid-delete never leaves a half-deleted step folder that looks
+        # like a checkpoint.
+        trash = self.root / f".trash-{folder.name}"
+        if trash.exists():
+            shutil.rmtree(trash)
+        os.replace(folder, trash)
+        shutil.rmtree(trash)
+
+    def _remove_leftovers(self) -> None:
+        for p in self.root.iterdir():
+            if p.is_dir() and (p.name.startswith(".tmp-step-") or p.name.startswith(".trash-step-")):
+                shutil.rmtree(p)
+
+    def _prune(self) -> None:
+        folders = complete_checkpoints(self.root)
+        keep = {p.name for p in folders[-self.keep_last :]}
+        if self.keep_best and self.best_name:
+            keep.add(self.best_name)
+        for folder in folders:
+            if folder.name not in keep:
+                self._discard(folder)

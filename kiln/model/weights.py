@@ -1,0 +1,71 @@
+"""The model side of a checkpoint: the manifest's model config as a ModelConfig, older fused-row
+layouts converted to the current one, and a ready model built from a checkpoint folder. The file
+format itself (kiln.checkpoint) knows nothing of the model."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from kiln.checkpoint import (
+    MANIFEST_FILE,
+    WEIGHTS_LAYOUT,
+    CheckpointError,
+    load_sharded_weights,
+    load_single_file_state,
+    read_manifest,
+    resolve_checkpoint,
+    verify,
+)
+from kiln.checkpoint.safety import check_sharded_pickles
+from kiln.model.config import ModelConfig
+from kiln.model.transformer import Transformer, fuse_gate_up, fuse_qkv
+
+
+def model_config_from_dict(d: dict, where: str) -> ModelConfig:
+    if not isinstance(d, dict):
+        raise CheckpointError(f"{where}: model_config is {type(d).__name__}, not a table of model settings")
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    unknown = sorted(set(d) - known)
+    if unknown:
+        raise CheckpointError(f"{where}: model_config has unknown keys {unknown} (written by a newer Kiln?)")
+    return ModelConfig(**d)
+
+
+def upgrade_layout(state: dict, manifest: dict) -> dict:
+    """Convert a state dict saved with an older fused-row layout to the current one (in place)."""
+    if manifest.get("weights_layout", 1) >= WEIGHTS_LAYOUT:
+        return state
+    model_cfg = model_config_from_dict(manifest["model_config"], MANIFEST_FILE)
+    q_rows, kv_rows = model_cfg.n_heads * model_cfg.head_dim, model_cfg.kv_heads * model_cfg.head_dim
+    for i in range(model_cfg.n_layers):
+        for suffix in ("weight", "bias"):
+            name = f"layers.{i}.attn.wqkv.{suffix}"
+            if name in state:
+                state[name] = fuse_qkv(*state[name].split([q_rows, kv_rows, kv_rows]), model_cfg.kv_heads)
+        name = f"layers.{i}.ffn.w13.weight"
+        if name in state:
+            state[name] = fuse_gate_up(*state[name].chunk(2))
+    return state
+
+
+def load_weights(path) -> tuple[ModelConfig, dict[str, torch.Tensor], dict]:
+    """(model config, state dict on CPU, manifest) of a checkpoint; checksums are verified."""
+    folder = resolve_checkpoint(path)
+    manifest = read_manifest(folder)
+    cfg = model_config_from_dict(manifest["model_config"], str(folder / MANIFEST_FILE))
+    if manifest.get("layout") == "sharded":
+        verify(folder, manifest)
+        check_sharded_pickles(folder, manifest)
+        return cfg, load_sharded_weights(folder), manifest
+    return cfg, upgrade_layout(load_single_file_state(folder, manifest), manifest), manifest
+
+
+def load_model(path) -> tuple[torch.nn.Module, dict]:
+    """The model of a Kiln checkpoint (folder, checkpoints root or stage folder), in eval mode, and
+    its manifest."""
+    model_cfg, state, manifest = load_weights(path)
+    model = Transformer(model_cfg)
+    model.load_state_dict(state)
+    return model.eval(), manifest

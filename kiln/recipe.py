@@ -1,0 +1,108 @@
+"""Recipes: TOML files that set the typed configs of every stage, with dotted overrides.
+
+A recipe has one table per component (``[model]``, ``[train]``, ...). Each table fills the
+dataclass that the component owns (kiln.config builds it and checks names and types), and then
+the component validates its own values, so every error names the full dotted key and the file.
+The recipe sits at the top, beside the pipeline: it is the one place that knows every component.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kiln.config import build, parse_override, read_toml, set_dotted, show_key
+from kiln.data.config import CorpusConfig, CurateConfig, PackConfig, TokenizerConfig
+from kiln.errors import ConfigError
+from kiln.infer.config import SampleConfig
+from kiln.model.config import ModelConfig
+from kiln.parallel.config import ParallelConfig
+from kiln.peft.config import PeftConfig
+from kiln.post.config import DistillConfig, DPOConfig, GRPOConfig, PPOConfig, RMConfig, SFTConfig, TaskConfig
+from kiln.train.config import TrainConfig
+
+STAGES = ("corpus", "data", "tokenizer", "pack", "pretrain", "sample", "sft", "rm", "dpo", "ppo", "grpo", "distill")
+POST_STAGES = ("sft", "rm", "dpo", "ppo", "grpo", "distill")
+
+
+@dataclass
+class RunConfig:
+    name: str = "tiny"
+    out_dir: str = "runs"
+    stages: list[str] = field(default_factory=lambda: [s for s in STAGES if s != "data" and s not in POST_STAGES])
+
+    def validate(self) -> None:
+        if not self.name or "/" in self.name or self.name.startswith("."):
+            raise ConfigError("name", f"must be a plain folder name, got {self.name!r}")
+        for stage in self.stages:
+            if stage not in STAGES:
+                raise ConfigError("stages", f"unknown stage {stage!r}; known: {', '.join(STAGES)}")
+
+
+@dataclass
+class Recipe:
+    run: RunConfig = field(default_factory=RunConfig)
+    corpus: CorpusConfig = field(default_factory=CorpusConfig)
+    data: CurateConfig = field(default_factory=CurateConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    pack: PackConfig = field(default_factory=PackConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    sample: SampleConfig = field(default_factory=SampleConfig)
+    tasks: TaskConfig = field(default_factory=TaskConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    dpo: DPOConfig = field(default_factory=DPOConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    rm: RMConfig = field(default_factory=RMConfig)
+    ppo: PPOConfig = field(default_factory=PPOConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    peft: PeftConfig = field(default_factory=PeftConfig)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.out_dir) / self.run.name
+
+    def validate(self) -> None:
+        for f in dataclasses.fields(self):
+            try:
+                getattr(self, f.name).validate()
+            except ConfigError as err:
+                raise err.within(f.name) from None
+        if self.model.pos == "learned" and self.train.seq_len > self.model.max_seq_len:
+            raise ConfigError("train.seq_len", f"exceeds model.max_seq_len={self.model.max_seq_len}")
+
+
+def load_recipe(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
+    """Read a TOML recipe (or the defaults when ``path`` is None) and apply ``key=value`` overrides."""
+    source = str(path) if path is not None else "<defaults>"
+    raw: dict[str, Any] = read_toml(path) if path is not None else {}
+    for item in overrides:
+        key, value = parse_override(item)
+        set_dotted(raw, key, value)
+    try:
+        recipe = recipe_from_dict(raw)
+        recipe.validate()
+    except ConfigError as err:
+        raise ConfigError(err.key, err.message, source) from None
+    return recipe
+
+
+def recipe_from_dict(raw: dict[str, Any]) -> Recipe:
+    known = {f.name: f for f in dataclasses.fields(Recipe)}
+    sections = {}
+    for name, table in raw.items():
+        if name not in known:
+            raise ConfigError(show_key(name), f"unknown section; known: {', '.join(known)}")
+        if not isinstance(table, dict):
+            raise ConfigError(name, "must be a table")
+        cls = typing.get_type_hints(Recipe)[name]
+        sections[name] = build(cls, table, name)
+    return Recipe(**sections)
+
+
+def recipe_to_dict(recipe: Recipe) -> dict[str, Any]:
+    return dataclasses.asdict(recipe)
