@@ -21,6 +21,7 @@ from typing import Callable
 
 from kiln.cost import CHINCHILLA_TOKENS_PER_PARAM, DEFAULT_PUE, check_options, cost_html_text, run_cost
 from kiln.data.funnel import funnel_html, funnel_text
+from kiln.data.readers import iter_jsonl
 from kiln.errors import ConfigError, DataError
 from kiln.recipe import STAGES
 from kiln.report_plots import (
@@ -142,30 +143,27 @@ def read_metrics(path, strict: bool = False) -> Metrics:
     one) is skipped and recorded with its number, or raises DataError naming path:line if strict."""
     path = Path(path)
     metrics = Metrics(path)
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                record, why = None, f"not JSON ({e.msg} at column {e.colno})"
-            else:
-                why = _check_record(record)
-            if why:
-                if strict:
-                    raise DataError(f"{path}:{number}: {why}")
-                metrics.skipped.append((number, why))
-                continue
-            kind = record.get("kind", "train")  # MetricsLogger treats a record without a kind as training
-            if kind == "train":
-                metrics.train.append(record)
-            elif kind == "val":
-                metrics.val.append(record)
-            elif kind == "event":
-                metrics.events.append(record)
-            else:
-                metrics.other += 1
+    # Undecodable bytes are replaced, not refused: a metrics file is read to draw what it can.
+    for line in iter_jsonl(path, decode_errors="replace"):
+        record = line.record
+        if line.problem == "bad_json" and hasattr(line.error, "colno"):
+            why = f"not JSON ({line.error.msg} at column {line.error.colno})"
+        else:
+            why = line.why or _check_record(record)
+        if why:
+            if strict:
+                raise DataError(f"{path}:{line.number}: {why}")
+            metrics.skipped.append((line.number, why))
+            continue
+        kind = record.get("kind", "train")  # MetricsLogger treats a record without a kind as training
+        if kind == "train":
+            metrics.train.append(record)
+        elif kind == "val":
+            metrics.val.append(record)
+        elif kind == "event":
+            metrics.events.append(record)
+        else:
+            metrics.other += 1
     return metrics
 
 

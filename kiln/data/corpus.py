@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from kiln.data.config import CorpusConfig
+from kiln.data.readers import iter_jsonl
 from kiln.errors import DataError
 
 # Module-level so tests can point the Debian source at a folder they build.
@@ -412,18 +413,12 @@ def iter_documents(corpus_dir: Path) -> Iterator[dict]:
     if not files:
         raise DataError(f"{corpus_dir}: no *.jsonl document files (run the corpus stage first)")
     for path in files:
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as err:
-                    raise DataError(f"{path}:{lineno}: invalid JSON ({err.msg})") from None
-                if not isinstance(record, dict):
-                    raise DataError(f"{path}:{lineno}: record must be a JSON object")
-                for key in ("id", "text", "source"):
-                    if not isinstance(record.get(key), str):
-                        raise DataError(f"{path}:{lineno}: field {key!r} missing or not a string")
-                record.setdefault("meta", {})
-                yield record
+        for line in iter_jsonl(path):
+            if line.problem:
+                raise DataError(f"{path}:{line.number}: {line.why}")
+            record = line.record
+            for key in ("id", "text", "source"):
+                if not isinstance(record.get(key), str):
+                    raise DataError(f"{path}:{line.number}: field {key!r} missing or not a string")
+            record.setdefault("meta", {})
+            yield record

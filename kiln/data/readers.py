@@ -30,6 +30,7 @@ import io
 import json
 import sys
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Iterable, Iterator
 
@@ -196,7 +197,7 @@ def has_lone_surrogate(text: str) -> bool:
         return True
 
 
-def _open_binary(path: Path) -> IO[bytes]:
+def open_binary(path: Path) -> IO[bytes]:
     kind = next((k for s, k in COMPRESSED_SUFFIXES.items() if path.name.lower().endswith(s)), None)
     if kind == "gzip":
         return gzip.open(path, "rb")
@@ -216,7 +217,7 @@ def _open_binary(path: Path) -> IO[bytes]:
     return open(path, "rb")
 
 
-def _decompress_errors() -> tuple[type[BaseException], ...]:
+def decompress_errors() -> tuple[type[BaseException], ...]:
     # gzip.BadGzipFile is an OSError; a damaged deflate stream inside a good header is a zlib.error.
     errors: list[type[BaseException]] = [OSError, EOFError, zlib.error]
     try:
@@ -228,39 +229,77 @@ def _decompress_errors() -> tuple[type[BaseException], ...]:
     return tuple(errors)
 
 
+@dataclass
+class JsonLine:
+    """One non-blank line of a JSONL file: its 1-based number, the object it holds (None when it
+    holds none), the line as read (bytes when it is not UTF-8) and what is wrong with it."""
+
+    number: int
+    record: dict | None
+    raw: str | bytes
+    problem: str | None = None  # bad_utf8 | bad_json | not_an_object
+    error: Exception | None = None  # the decoder's exception, for messages that quote it
+
+    @property
+    def why(self) -> str:
+        """The problem in words, for a one-line error naming path:line."""
+        if self.problem == "bad_utf8":
+            return "not UTF-8 text"
+        if self.problem == "bad_json":
+            return f"not JSON ({getattr(self.error, 'msg', None) or self.error})"
+        return "not a JSON object" if self.problem else ""
+
+
+def iter_jsonl(path: str | Path, decode_errors: str = "strict") -> Iterator[JsonLine]:
+    """Every non-blank line of a JSONL file (plain, .gz or .zst), parsed, in order.
+
+    A malformed line comes back with its problem instead of raising, so each caller decides what
+    a bad line means: refuse the file naming path:line, or count and quarantine the line. Errors of
+    the file itself (unreadable, a damaged compressed stream) propagate.
+    """
+    with open_binary(Path(path)) as fh:
+        for number, raw in enumerate(fh, 1):
+            if not raw.strip():
+                continue  # blank lines (a trailing newline, a separator) are not records
+            try:
+                text = raw.decode("utf-8", errors=decode_errors)
+            except UnicodeDecodeError as err:
+                yield JsonLine(number, None, raw, "bad_utf8", err)
+                continue
+            try:
+                record = json.loads(text)
+            except (ValueError, RecursionError) as err:
+                # ValueError: JSONDecodeError, or an integer over Python's 4300-digit limit;
+                # RecursionError: arrays or objects nested thousands deep.
+                yield JsonLine(number, None, text, "bad_json", err)
+                continue
+            if not isinstance(record, dict):
+                yield JsonLine(number, None, text, "not_an_object")
+                continue
+            yield JsonLine(number, record, text)
+
+
 def _read_jsonl(path: Path, source: str, name: str) -> Iterator[Record]:
-    errors = _decompress_errors()
+    errors = decompress_errors()
     line_no = 0
     try:
-        with _open_binary(path) as fh:
-            for line_no, raw in enumerate(fh, 1):
-                if not raw.strip():
-                    continue  # blank lines (a trailing newline, a separator) are not records
-                yield _parse_line(path, line_no, raw, source, name)
+        for line in iter_jsonl(path):
+            line_no = line.number
+            yield _document(path, line, source, name)
     except errors as err:
         kind = "zlib.error" if isinstance(err, zlib.error) else type(err).__name__  # its own name is "error"
         yield None, rejection(path, line_no + 1, "corrupt_file", f"{kind}: {err}")
 
 
-def _parse_line(path: Path, line_no: int, raw: bytes, source: str, name: str) -> Record:
-    try:
-        line = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        return None, rejection(path, line_no, "bad_utf8", raw)
-    try:
-        record = json.loads(line)
-    except (ValueError, RecursionError):
-        # ValueError: JSONDecodeError, or an integer over Python's 4300-digit limit;
-        # RecursionError: arrays or objects nested thousands deep.
-        return None, rejection(path, line_no, "bad_json", line)
-    if not isinstance(record, dict):
-        return None, rejection(path, line_no, "not_an_object", line)
-    doc, reason = make_document(record, f"{name}:{line_no}", source)
+def _document(path: Path, line: JsonLine, source: str, name: str) -> Record:
+    if line.problem:
+        return None, rejection(path, line.number, line.problem, line.raw)
+    doc, reason = make_document(line.record, f"{name}:{line.number}", source)
     # A "\ud800" escape decodes to a lone surrogate, which no UTF-8 writer or tokenizer accepts.
-    if doc is not None and "\\u" in line.lower() and has_lone_surrogate(doc["text"]):
+    if doc is not None and "\\u" in line.raw.lower() and has_lone_surrogate(doc["text"]):
         reason, doc = "bad_utf8", None
     if doc is None:
-        return None, rejection(path, line_no, reason, line)
+        return None, rejection(path, line.number, reason, line.raw)
     return doc, None
 
 

@@ -21,11 +21,10 @@
 from __future__ import annotations
 
 import csv
-import gzip
-import json
 import random
 from pathlib import Path
 
+from kiln.data.readers import iter_jsonl
 from kiln.errors import ConfigError, DataError
 from kiln.eval.harness import (
     HUMANEVAL_STOP,
@@ -70,20 +69,12 @@ SAFETY_PROMPTS = (
 
 
 def _read_jsonl(path: Path) -> list[dict]:
-    opener = gzip.open if path.suffix == ".gz" else open
     rows = []
     try:
-        with opener(path, "rt", encoding="utf-8") as f:
-            for number, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as err:
-                    raise DataError(f"{path}:{number}: not JSON ({err.msg})") from None
-                if not isinstance(row, dict):
-                    raise DataError(f"{path}:{number}: not a JSON object")
-                rows.append(row)
+        for line in iter_jsonl(path):
+            if line.problem:
+                raise DataError(f"{path}:{line.number}: {line.why}")
+            rows.append(line.record)
     except OSError as err:
         raise DataError(f"{path}: cannot read ({err})") from None
     return rows

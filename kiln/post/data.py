@@ -32,10 +32,10 @@ import torch
 
 from kiln.data.chat import message_problem
 from kiln.data.readers import (
-    _decompress_errors,
-    _open_binary,
+    decompress_errors,
     has_lone_surrogate,
     input_format,
+    iter_jsonl,
     list_named_inputs,
     rejection,
 )
@@ -202,25 +202,15 @@ def _iter_records(path: Path) -> Iterator[tuple[int, dict | None, dict | str]]:
         return
     line_no = 0
     try:
-        with _open_binary(path) as fh:
-            for line_no, raw in enumerate(fh, 1):
-                if not raw.strip():
-                    continue
-                try:
-                    text = raw.decode("utf-8")
-                except UnicodeDecodeError:
-                    yield line_no, None, rejection(path, line_no, "bad_utf8", raw)
-                    continue
-                try:
-                    record = json.loads(text)
-                except json.JSONDecodeError as err:
-                    yield line_no, None, {**rejection(path, line_no, "bad_json", text), "detail": str(err)}
-                    continue
-                if not isinstance(record, dict):
-                    yield line_no, None, rejection(path, line_no, "not_an_object", text)
-                    continue
-                yield line_no, record, text
-    except _decompress_errors() as err:
+        for line in iter_jsonl(path):
+            line_no = line.number
+            if line.problem == "bad_json":
+                yield line_no, None, {**rejection(path, line_no, "bad_json", line.raw), "detail": str(line.error)}
+            elif line.problem:
+                yield line_no, None, rejection(path, line_no, line.problem, line.raw)
+            else:
+                yield line_no, line.record, line.raw
+    except decompress_errors() as err:
         yield line_no + 1, None, rejection(path, line_no + 1, "corrupt_file", f"{type(err).__name__}: {err}")
 
 

@@ -162,7 +162,7 @@ def test_bad_input_errors(tmp_path):
     with pytest.raises(DataError, match="no \\*.jsonl"):
         list(iter_documents(tmp_path / "missing"))
     (tmp_path / "docs-00000.jsonl").write_text('{"id": "a", "text": "b", "source": "c"}\n{oops\n')
-    with pytest.raises(DataError, match="docs-00000.jsonl:2: invalid JSON"):
+    with pytest.raises(DataError, match="docs-00000.jsonl:2: not JSON"):
         list(iter_documents(tmp_path))
     (tmp_path / "docs-00000.jsonl").write_text('{"id": "a", "text": 5, "source": "c"}\n')
     with pytest.raises(DataError, match="docs-00000.jsonl:1: field 'text'"):

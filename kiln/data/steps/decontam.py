@@ -40,7 +40,7 @@ from typing import Callable
 import numpy as np
 
 from kiln.data import minhash
-from kiln.data.readers import _open_binary, input_format
+from kiln.data.readers import input_format, iter_jsonl, open_binary
 from kiln.data.steps.base import Filter, register
 from kiln.errors import ConfigError
 
@@ -235,28 +235,21 @@ def read_eval_file(path: str, key: str, fields: list[str]) -> list[EvalItem]:
         raise ConfigError(key, f"no such file: {path}")
     try:
         if input_format(p) != "jsonl":
-            with _open_binary(p) as f:
+            with open_binary(p) as f:
                 return [EvalItem(path, path, f.read().decode("utf-8"))]
         items, found_field = [], not fields
-        with _open_binary(p) as f:
-            for line_no, raw in enumerate(f, 1):
-                if not raw.strip():
-                    continue
-                try:
-                    record = json.loads(raw)
-                except json.JSONDecodeError as err:
-                    raise ConfigError(key, f"{path}:{line_no}: not valid JSON ({err.msg})") from None
-                if not isinstance(record, dict):
-                    raise ConfigError(key, f"{path}:{line_no}: expected a JSON object")
-                texts: list[str] = []
-                if fields:
-                    for name in fields:
-                        if name in record:
-                            found_field = True
-                            _strings(record[name], texts)
-                else:
-                    _strings(record, texts)
-                items.append(EvalItem(path, f"{path}:{line_no}", "\n".join(texts)))
+        for line in iter_jsonl(p):
+            if line.problem:
+                raise ConfigError(key, f"{path}:{line.number}: {line.why}")
+            texts: list[str] = []
+            if fields:
+                for name in fields:
+                    if name in line.record:
+                        found_field = True
+                        _strings(line.record[name], texts)
+            else:
+                _strings(line.record, texts)
+            items.append(EvalItem(path, f"{path}:{line.number}", "\n".join(texts)))
     except (OSError, EOFError, UnicodeDecodeError) as err:
         raise ConfigError(key, f"cannot read {path}: {err}") from None
     if not found_field and items:

@@ -310,7 +310,7 @@ def test_bad_eval_files_name_the_key_and_line(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "fine"}\n{not json\n', encoding="utf-8")
     good = write_jsonl(tmp_path / "good.jsonl", [{"text": POEM}])
-    with pytest.raises(ConfigError, match=r"bad\.jsonl:2: not valid JSON") as err:
+    with pytest.raises(ConfigError, match=r"bad\.jsonl:2: not JSON") as err:
         build_step("decontaminate", {"eval_sets": [], "files": [good, str(bad)]}, "p")
     assert err.value.key == "p.files[1]"
     with pytest.raises(ConfigError) as err:
