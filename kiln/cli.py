@@ -9,8 +9,7 @@ import sys
 from pathlib import Path
 
 from kiln.data.tokenizer import find_tokenizer
-from kiln.errors import ConfigError, DataError
-from kiln.train.guard import TrainingDiverged
+from kiln.errors import ConfigError, DataError, TrainingDiverged
 
 
 def _recipe_args(p: argparse.ArgumentParser, stage_verb: bool = True) -> None:

@@ -155,25 +155,7 @@ def run_cost(
     ran_on_gpu = not device.startswith("cpu")
     notes: list[str] = []
 
-    key, found_by = None, ""
-    wanted = (hardware or "").strip().lower() or None
-    if wanted == "cpu":
-        if ran_on_gpu:
-            raise ConfigError("hardware", f"the stage trained on {device}, not on cpu")
-    elif wanted is not None:
-        key = gpu_key(wanted)
-        if not ran_on_gpu:
-            raise ConfigError(
-                "hardware",
-                f"the stage trained on {device}: {GPUS[key].name} figures would "
-                f"price time it did not spend on a GPU; leave the hardware out or pass cpu",
-            )
-        found_by = "given"
-    elif ran_on_gpu:
-        key, found_by = _detect_gpu(summary)
-        if key is None:
-            notes.append(f"GPU not identified ({found_by})")
-            found_by = ""
+    key, found_by = _hardware(summary, hardware, device, ran_on_gpu, notes)
     kind = "gpu" if ran_on_gpu else "cpu"
 
     world, world_from = _world_size(summary, world_size)
@@ -239,24 +221,54 @@ def run_cost(
             else {}
         )
     if _num(tokens_per_s) and tokens_per_s > 0:
-        for label, budget in token_budgets.items():
-            seconds = budget / tokens_per_s
-            row = _price(seconds * world / 3600, units, watts, per_device_hour, pue)
-            result["projections"].append(
-                {
-                    "label": label,
-                    "tokens": budget,
-                    "days": seconds / 86400,
-                    "device_hours": row["device_hours"],
-                    "gpu_hours": row["device_hours"] if kind == "gpu" else 0.0,
-                    "core_hours": row["units"] if kind == "cpu" else None,
-                    "energy_kwh": row["energy_kwh"],
-                    "cost_usd": row["cost_usd"],
-                }
-            )
+        rates = (units, watts, per_device_hour, pue)
+        result["projections"] = [
+            _projection(label, budget, tokens_per_s, world, kind, rates) for label, budget in token_budgets.items()
+        ]
     elif token_budgets:
         notes.append("no measured tokens_per_s: no projection")
     return result
+
+
+def _hardware(summary: dict, hardware: str | None, device: str, ran_on_gpu: bool, notes: list[str]):
+    """(key of GPUS or None, how it was found: "given", a detection source, or "")."""
+    wanted = (hardware or "").strip().lower() or None
+    if wanted == "cpu":
+        if ran_on_gpu:
+            raise ConfigError("hardware", f"the stage trained on {device}, not on cpu")
+        return None, ""
+    if wanted is not None:
+        key = gpu_key(wanted)
+        if not ran_on_gpu:
+            raise ConfigError(
+                "hardware",
+                f"the stage trained on {device}: {GPUS[key].name} figures would "
+                f"price time it did not spend on a GPU; leave the hardware out or pass cpu",
+            )
+        return key, "given"
+    if not ran_on_gpu:
+        return None, ""
+    key, found_by = _detect_gpu(summary)
+    if key is None:
+        notes.append(f"GPU not identified ({found_by})")
+        return None, ""
+    return key, found_by
+
+
+def _projection(label: str, budget: float, tokens_per_s: float, world: int, kind: str, rates: tuple) -> dict:
+    """Time, device-hours, energy and money of training `budget` tokens at the measured rate."""
+    seconds = budget / tokens_per_s
+    row = _price(seconds * world / 3600, *rates)
+    return {
+        "label": label,
+        "tokens": budget,
+        "days": seconds / 86400,
+        "device_hours": row["device_hours"],
+        "gpu_hours": row["device_hours"] if kind == "gpu" else 0.0,
+        "core_hours": row["units"] if kind == "cpu" else None,
+        "energy_kwh": row["energy_kwh"],
+        "cost_usd": row["cost_usd"],
+    }
 
 
 # ---------------------------------------------------------------- presentation (kiln report)

@@ -27,3 +27,7 @@ class ConfigError(ValueError):
 
 class DataError(ValueError):
     """Input data is malformed; the message names the file (and line where known)."""
+
+
+class TrainingDiverged(RuntimeError):
+    """The guard fired more than `train.guard.max_events` times: the run is not recovering."""

@@ -20,9 +20,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from kiln.checkpoint import save_weights
+from kiln.data.chat import hf_tokenizer_config_extra
 from kiln.errors import ConfigError, DataError
 from kiln.model.config import ModelConfig
 from kiln.model.transformer import fuse_gate_up, fuse_qkv, split_gate_up, split_qkv
+from kiln.model.weights import load_weights
 
 EOT = "<|endoftext|>"
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -163,8 +166,6 @@ def export_hf(
         if all(tok.token_to_id(t) is not None for t in ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>")):
             # The chat template travels with every export, so apply_chat_template gives Kiln's ids; a
             # chat model (chat=True) also stops generating at the end of its turn.
-            from kiln.data.chat import hf_tokenizer_config_extra
-
             tok_config.update(hf_tokenizer_config_extra(chat=chat))
             if chat:
                 special_ids = {
@@ -335,8 +336,6 @@ def import_hf(folder) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
 def import_hf_to_checkpoint(folder, out_dir) -> Path:
     """Convert an HF folder into a Kiln weights checkpoint at out_dir; its tokenizer.json is copied
     alongside when present, so `kiln generate` can use the result directly."""
-    from kiln.checkpoint import save_weights
-
     cfg, state = import_hf(folder)
     out = save_weights(out_dir, cfg, state, manifest_extra={"step": 0, "source": {"hf": str(Path(folder).resolve())}})
     tokenizer = Path(folder) / "tokenizer.json"
@@ -348,8 +347,6 @@ def import_hf_to_checkpoint(folder, out_dir) -> Path:
 def export_checkpoint_to_hf(ckpt_path, tokenizer_path, out_dir, chat: bool | None = None) -> Path:
     """Export a Kiln checkpoint (folder, checkpoints root or stage folder) to an HF folder. chat=None:
     a chat model when the checkpoint comes from a post-training stage (its recipe ran sft/dpo/grpo)."""
-    from kiln.model.weights import load_weights
-
     cfg, state, manifest = load_weights(ckpt_path)
     if chat is None:
         chat = any(part in ("sft", "dpo", "grpo") for part in Path(ckpt_path).resolve().parts)

@@ -148,18 +148,7 @@ def line_plot(plot: Plot, width: int = 560, height: int = 300, max_points: int =
         xs, ys = thin(s.xs, s.ys, max_points)
         drawn.append((s, s.color or COLORS[i % len(COLORS)], xs, ys))
     vlines = [(float(v[0]), str(v[1]), str(v[2]) if len(v) > 2 else "") for v in plot.vlines]
-    # Legend first: it may wrap, and the plot area starts below it.
-    legend = []
-    for s, color, xs, ys in drawn:
-        skipped = sum(not _placeable(x, y, plot.log_y) for x, y in zip(xs, ys))
-        note = [f"{len(xs)} of {len(s.xs)} points drawn"] if len(xs) < len(s.xs) else []
-        note += [f"{skipped} not drawable"] if skipped else []
-        legend.append((s.name + (f" ({'; '.join(note)})" if note else ""), color, s.dashed, False))
-    tags: dict[str, int] = {}
-    for _, _, tag in vlines:
-        if tag:
-            tags[tag] = tags.get(tag, 0) + 1
-    legend += [(f"{tag} ×{n}", event_color(tag), True, True) for tag, n in tags.items()]
+    legend = _legend_entries(plot, drawn, vlines)
     left, right, bottom = 64, 14, 44
     rows = _legend_rows(legend, left, width)
     top = 46 + 16 * (len(rows) - 1)
@@ -221,6 +210,38 @@ def line_plot(plot: Plot, width: int = 560, height: int = 300, max_points: int =
                 f'<text x="{left + pw - 4}" y="{py(y) - 4:.1f}" text-anchor="end" fill="#666">'
                 f"{esc(label)}</text>"
             )
+    out += _event_lines(vlines, px, (x0, x1), (left, top, pw, ph))
+    # Series: the domain covers every drawable point, so nothing needs clipping.
+    for s, color, xs, ys in drawn:
+        out += _series_svg(s, color, xs, ys, px, py, plot.log_y)
+    out += _legend_svg(rows)
+    out.append("</svg>")
+    return "".join(out)
+
+
+def _legend_entries(plot: Plot, drawn: list, vlines: list) -> list[tuple[str, str, bool, bool]]:
+    """(label, colour, dashed, is an event type) of every legend entry: the series, then one per
+    event tag with its count."""
+    legend = []
+    for s, color, xs, ys in drawn:
+        skipped = sum(not _placeable(x, y, plot.log_y) for x, y in zip(xs, ys))
+        note = [f"{len(xs)} of {len(s.xs)} points drawn"] if len(xs) < len(s.xs) else []
+        note += [f"{skipped} not drawable"] if skipped else []
+        legend.append((s.name + (f" ({'; '.join(note)})" if note else ""), color, s.dashed, False))
+    tags: dict[str, int] = {}
+    for _, _, tag in vlines:
+        if tag:
+            tags[tag] = tags.get(tag, 0) + 1
+    legend += [(f"{tag} ×{n}", event_color(tag), True, True) for tag, n in tags.items()]
+    return legend
+
+
+def _event_lines(vlines: list, px, x_range: tuple[float, float], area: tuple) -> list[str]:
+    """The event lines with their tags, inside the plot area (left, top, width, height)."""
+    x0, x1 = x_range
+    left, top, pw, ph = area
+    esc = html.escape
+    out = []
     # Tags go on two rows at the top, the guard's and the watchdog's first; one that would overprint
     # another in both rows keeps only its line and hover text.
     placed: list[list[tuple[float, float]]] = [[], []]
@@ -248,28 +269,39 @@ def line_plot(plot: Plot, width: int = 560, height: int = 300, max_points: int =
                 f'y2="{top + ph}" stroke="{color}" stroke-width="1.3" stroke-dasharray="3 3">'
                 f"<title>{esc(label)}</title></line>" + tag_at.get(i, "")
             )
-    # Series: the domain covers every drawable point, so nothing needs clipping.
-    for s, color, xs, ys in drawn:
-        segments, current = [], []
-        for x, y in zip(xs, ys):
-            if _placeable(x, y, plot.log_y):
-                current.append((px(x), py(y)))
-            else:
-                if current:
-                    segments.append(current)
-                current = []
-        if current:
-            segments.append(current)
-        dash = ' stroke-dasharray="5 3"' if s.dashed else ""
-        for seg in segments:
-            points = " ".join(f"{a:.1f},{b:.1f}" for a, b in seg)
-            out.append(
-                f'<polyline data-series="{esc(s.name)}" points="{points}" fill="none" '
-                f'stroke="{color}" stroke-width="1.6"{dash}/>'
-            )
-            if s.markers or len(seg) == 1:
-                out.extend(f'<circle cx="{a:.1f}" cy="{b:.1f}" r="2.5" fill="{color}"/>' for a, b in seg)
-    # Legend rows between the title and the plot area: series as lines, event types as ticks.
+    return out
+
+
+def _series_svg(s: Series, color: str, xs: list, ys: list, px, py, log_y: bool) -> list[str]:
+    """One series as polylines broken where a point cannot be drawn, with markers where asked."""
+    esc = html.escape
+    out = []
+    segments, current = [], []
+    for x, y in zip(xs, ys):
+        if _placeable(x, y, log_y):
+            current.append((px(x), py(y)))
+        else:
+            if current:
+                segments.append(current)
+            current = []
+    if current:
+        segments.append(current)
+    dash = ' stroke-dasharray="5 3"' if s.dashed else ""
+    for seg in segments:
+        points = " ".join(f"{a:.1f},{b:.1f}" for a, b in seg)
+        out.append(
+            f'<polyline data-series="{esc(s.name)}" points="{points}" fill="none" '
+            f'stroke="{color}" stroke-width="1.6"{dash}/>'
+        )
+        if s.markers or len(seg) == 1:
+            out.extend(f'<circle cx="{a:.1f}" cy="{b:.1f}" r="2.5" fill="{color}"/>' for a, b in seg)
+    return out
+
+
+def _legend_svg(rows: list) -> list[str]:
+    """Legend rows between the title and the plot area: series as lines, event types as ticks."""
+    esc = html.escape
+    out = []
     for r, row in enumerate(rows):
         y = 32 + 16 * r
         for x, (name, color, dashed, event) in row:
@@ -280,8 +312,7 @@ def line_plot(plot: Plot, width: int = 560, height: int = 300, max_points: int =
                 else f'<line x1="{x}" y1="{y}" x2="{x + 18}" y2="{y}" stroke="{color}" stroke-width="2.5"{dash}/>'
             )
             out.append(f'{glyph}<text x="{x + 22}" y="{y + 4}">{esc(name)}</text>')
-    out.append("</svg>")
-    return "".join(out)
+    return out
 
 
 # ---------------------------------------------------------------- a training stage's plots

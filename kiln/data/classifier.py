@@ -28,6 +28,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from kiln.data.readers import list_named_inputs, read_documents
 from kiln.data.steps.text import is_cjk, split_words
 from kiln.errors import ConfigError, DataError
 
@@ -324,8 +325,6 @@ def train_quality_classifier(
 
 
 def _read_texts(paths: str | Path | Iterable[str | Path], counts: dict, key: str) -> list[str]:
-    from kiln.data.readers import list_named_inputs, read_documents
-
     texts = []
     for path, name in list_named_inputs(paths):
         for doc, rejection in read_documents(path, name=name):

@@ -7,6 +7,8 @@ from pathlib import Path
 from kiln.data.config import CurateConfig
 from kiln.data.executor import run_pipeline
 from kiln.data.funnel import funnel_html, funnel_text
+from kiln.data.ray_executor import run_pipeline_ray
+from kiln.data.readers import list_named_inputs
 from kiln.errors import ConfigError
 
 
@@ -17,15 +19,11 @@ def curate(cfg: CurateConfig, out_dir: Path, default_inputs: list[Path] = (), lo
     out_dir/rejected/, out_dir/stats.json and out_dir/funnel.html (a chart of documents and bytes kept
     per step); returns the stats and logs the funnel as text.
     """
-    from kiln.data.readers import list_named_inputs
-
     # list_named_inputs raises a one-line DataError for a path or glob that matches nothing.
     files = list_named_inputs(cfg.inputs) if cfg.inputs else [(Path(p), Path(p).name) for p in sorted(default_inputs)]
     if not files:
         raise ConfigError("data.inputs", "is empty and there is no corpus stage output to curate")
     if cfg.executor == "ray":
-        from kiln.data.ray_executor import run_pipeline_ray  # imports ray lazily; only this path needs it
-
         stats = run_pipeline_ray(
             files, cfg.build_steps(), Path(out_dir), tasks=cfg.tasks, address=cfg.ray_address or None, log=log
         )

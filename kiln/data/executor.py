@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
+from kiln.data.readers import read_documents
 from kiln.data.steps.base import Deduplicator, Mapper, Step, StepStats
 from kiln.progress import progress
 
@@ -114,8 +115,6 @@ def _task_inputs(
     phase: Phase, task: int, shards: list[tuple[Path, str]], out: Path, read_stats: StepStats, rejected: list[dict]
 ) -> Iterator[dict]:
     if phase.index == 0:
-        from kiln.data.readers import read_documents
-
         for path, name in shards:
             for doc, rejection in read_documents(path, name=name):
                 if rejection is not None:

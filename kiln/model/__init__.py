@@ -11,7 +11,7 @@ _MODEL_NAMES = ("Transformer", "build_model", "count_params", "flops_per_token")
 
 def __getattr__(name: str):
     if name in _MODEL_NAMES:
-        from kiln.model import transformer
+        from kiln.model import transformer  # torch loads on first use, not when a recipe is parsed
 
         return getattr(transformer, name)
     raise AttributeError(f"module 'kiln.model' has no attribute {name!r}")

@@ -42,6 +42,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from kiln.errors import ConfigError
+from kiln.model.transformer import Attention
 
 BACKENDS = ("auto", "ring", "allgather", "torch")
 
@@ -400,8 +401,6 @@ def apply_context_parallel(
     the batch with the same `load_balance`, and pass its position_ids to the model.
 
     backend: "auto" ("torch" on an NCCL group, else "ring"), "ring", "allgather" or "torch"."""
-    from kiln.model.transformer import Attention
-
     if backend not in BACKENDS:
         raise ConfigError("parallel.cp_backend", f"must be one of {', '.join(BACKENDS)}, got {backend!r}")
     group, mesh = _resolve(cp_group_or_mesh)

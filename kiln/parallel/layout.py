@@ -13,7 +13,18 @@ import torch
 import torch.distributed as dist
 
 from kiln.parallel.config import ParallelConfig
+from kiln.parallel.context import shard_sequence
 from kiln.parallel.dims import ParallelDims
+from kiln.parallel.grad import clip_grad_norm
+from kiln.parallel.parallelize import parallelize
+from kiln.parallel.pipeline import (
+    PipelineParts,
+    bubble_fraction,
+    build_pipeline_schedule,
+    pipeline_eval_step,
+    pipeline_train_step,
+    split_model,
+)
 
 
 class Layout:
@@ -55,8 +66,6 @@ class Layout:
         """(module whose parameters and state dict are this rank's, module to call for training).
         Without pipelining both are the model (or the model and its DDP wrapper); with it, the first
         is the rank's stages under the unsplit names and training runs through `self.schedule`."""
-        from kiln.parallel.parallelize import parallelize
-
         if self.mesh is None:
             self.forward_model = model
             return model, model
@@ -68,8 +77,6 @@ class Layout:
         if self.dims.pp == 1:
             self.forward_model = parallelize(model, self.dims, self.mesh, self.cfg, **kwargs)
             return model, self.forward_model
-        from kiln.parallel.pipeline import PipelineParts, build_pipeline_schedule, split_model
-
         self.stages = split_model(model, self.pp_mesh.get_local_rank(), self.dims.pp, self.cfg.pp_stages_per_rank)
         for stage in self.stages:
             parallelize(stage, self.dims, self.mesh, self.cfg, **kwargs)
@@ -88,8 +95,6 @@ class Layout:
 
     def pipeline_step(self, batch: tuple, train: bool) -> torch.Tensor:
         """One batch through the pipeline; its mean loss on the last stage's rank, 0 elsewhere."""
-        from kiln.parallel.pipeline import pipeline_eval_step, pipeline_train_step
-
         inputs, targets = batch[:2]
         run = pipeline_train_step if train else pipeline_eval_step
         loss = run(
@@ -102,8 +107,6 @@ class Layout:
         return loss if loss is not None else torch.zeros((), device=inputs.device)
 
     def bubble_fraction(self) -> float:
-        from kiln.parallel.pipeline import bubble_fraction
-
         if not self.pipelined:
             return 0.0
         return bubble_fraction(self.cfg.pp_schedule, self.dims.pp, self.cfg.microbatches, self.cfg.pp_stages_per_rank)
@@ -133,8 +136,6 @@ class Layout:
         """Context parallelism: this rank's slice of every sequence, with its global positions."""
         if self.dims.cp == 1:
             return batch
-        from kiln.parallel.context import shard_sequence
-
         inputs, targets = batch[:2]
         return shard_sequence(inputs, targets, self.cp_rank, self.dims.cp, load_balance=self.cfg.cp_load_balance)
 
@@ -156,8 +157,6 @@ class Layout:
     def clip_grad_norm(self, params, max_norm: float) -> torch.Tensor:
         if not self.sharded:
             return torch.nn.utils.clip_grad_norm_(params, max_norm)
-        from kiln.parallel.grad import clip_grad_norm
-
         return clip_grad_norm(params, max_norm, self.pp_mesh.get_group() if self.pp_mesh is not None else None)
 
     def load_full_optimizer_state(self, model, optimizer, state: dict) -> None:

@@ -12,10 +12,10 @@ Importing the package does not import torch; the names below load their module o
 See docs/peft.md.
 """
 
-from kiln.peft.config import METHODS, PeftConfig
+from kiln.peft.config import METHODS, PeftConfig, lora_scaling
 
 _EXPORTS = {
-    "kiln.peft.config": ("apply_peft", "trainable_parameters", "parameter_counts", "peft_disabled"),
+    "kiln.peft.apply": ("apply_peft", "lora_config", "trainable_parameters", "parameter_counts", "peft_disabled"),
     "kiln.peft.lora": (
         "LoRAConfig",
         "LoRALinear",
@@ -25,7 +25,6 @@ _EXPORTS = {
         "lora_state_dict",
         "load_lora_state_dict",
         "lora_modules",
-        "lora_scaling",
         "set_lora",
     ),
     "kiln.peft.nf4": (
@@ -65,4 +64,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'kiln.peft' has no attribute {name!r}")
 
 
-__all__ = ["METHODS", "PeftConfig", *_WHERE]
+__all__ = ["METHODS", "PeftConfig", "lora_scaling", *_WHERE]

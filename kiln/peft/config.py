@@ -1,18 +1,23 @@
-"""The `[peft]` section of a post-training recipe, and the one call that applies it to a model.
+"""The `[peft]` section of a post-training recipe (kiln.peft.apply applies it to a model).
 
-Importing this module does not import torch (recipes are parsed by data-only commands too); torch and
-the PEFT modules load when apply_peft runs.
+Importing this module does not import torch: recipes are parsed by data-only commands too.
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+import math
 from dataclasses import dataclass, field
 
 from kiln.errors import ConfigError
 
 METHODS = ("none", "lora", "qlora", "adapter")
 LORA_DTYPES = ("auto", "float32", "bfloat16")
+
+
+def lora_scaling(r: int, alpha: float, rslora: bool = False) -> float:
+    """LoRA's output scale: alpha / r, or alpha / sqrt(r) with rsLoRA (Kalajdzievski 2023), which
+    keeps the update's magnitude stable as the rank grows."""
+    return alpha / math.sqrt(r) if rslora else alpha / r
 
 
 @dataclass
@@ -63,80 +68,4 @@ class PeftConfig:
 
     @property
     def scaling(self) -> float:
-        from kiln.peft.lora import lora_scaling
-
         return lora_scaling(self.r, self.alpha, self.rslora)
-
-    def lora_config(self):
-        import torch
-
-        from kiln.peft.lora import LoRAConfig
-
-        dtype = {
-            "auto": torch.bfloat16 if self.method == "qlora" else None,
-            "float32": torch.float32,
-            "bfloat16": torch.bfloat16,
-        }[self.lora_dtype]
-        return LoRAConfig(
-            r=self.r,
-            alpha=self.alpha,
-            dropout=self.dropout,
-            targets=list(self.targets),
-            rslora=self.rslora,
-            dtype=dtype,
-        )
-
-
-def apply_peft(model, cfg: PeftConfig):
-    """Apply cfg.method to `model` in place and return it: every base parameter frozen, only the PEFT
-    weights trainable. "none" returns the model unchanged (full fine-tuning). For qlora the block
-    linears are quantised to NF4 first, then LoRA wraps the targets."""
-    cfg.validate()
-    if cfg.method == "none":
-        return model
-    if cfg.method == "adapter":
-        from kiln.peft.adapter import AdapterConfig, apply_adapters
-
-        return apply_adapters(model, AdapterConfig(hidden=cfg.adapter_hidden))
-    from kiln.peft.lora import apply_lora
-
-    if cfg.method == "qlora":
-        from kiln.peft.nf4 import quantize_base
-
-        quantize_base(model, cfg.nf4_block_size, cfg.double_quant)
-    return apply_lora(model, cfg.lora_config())
-
-
-def trainable_parameters(model) -> list:
-    """(name, parameter) of everything that trains; what the optimizer should get."""
-    return [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-
-
-def parameter_counts(model) -> tuple[int, int]:
-    """(trainable, total) parameter counts; NF4 weights count as the parameters they stand for."""
-    from kiln.peft.nf4 import NF4Linear
-
-    trainable = sum(p.numel() for _, p in trainable_parameters(model))
-    total = sum(p.numel() for p in model.parameters())
-    total += sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, NF4Linear))
-    return trainable, total
-
-
-@contextmanager
-def peft_disabled(model):
-    """Run the frozen base alone inside the block (LoRA updates and adapters switched off), e.g. to
-    get reference log-probabilities for DPO/PPO without keeping a second copy of the model."""
-    from kiln.peft.adapter import adapter_modules
-    from kiln.peft.lora import lora_modules
-
-    modules = [*lora_modules(model).values(), *adapter_modules(model).values()]
-    if any(getattr(m, "merged", False) for m in modules):
-        raise ValueError("cannot disable merged LoRA layers; unmerge_lora(model) first")
-    previous = [m.disabled for m in modules]
-    for m in modules:
-        m.disabled = True
-    try:
-        yield model
-    finally:
-        for m, was in zip(modules, previous):
-            m.disabled = was

@@ -26,13 +26,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from kiln.errors import ConfigError
+from kiln.peft.config import lora_scaling
 from kiln.peft.nf4 import NF4Linear
 
 KILN_LINEAR_NAMES = ("attn.wqkv", "attn.wo", "ffn.w13", "ffn.w2", "output")
-
-
-def lora_scaling(r: int, alpha: float, rslora: bool = False) -> float:
-    return alpha / math.sqrt(r) if rslora else alpha / r
 
 
 @dataclass

@@ -44,8 +44,8 @@ from kiln.peft.adapter import (
     apply_adapters,
     load_adapter_state_dict,
 )
-from kiln.peft.config import PeftConfig
-from kiln.peft.lora import LoRALinear, lora_modules, lora_scaling, lora_state_dict, set_lora
+from kiln.peft.config import PeftConfig, lora_scaling
+from kiln.peft.lora import LoRALinear, lora_modules, lora_state_dict, set_lora
 from kiln.peft.nf4 import NF4Linear, quantize_base
 
 PEFT_CONFIG, PEFT_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"

@@ -45,7 +45,7 @@ def _peft(recipe):
     cfg = getattr(recipe, "peft", None)
     if cfg is None or cfg.method == "none":
         return None
-    from kiln.peft.config import apply_peft
+    from kiln.peft.apply import apply_peft
 
     return lambda model: apply_peft(model, cfg)
 
@@ -70,7 +70,7 @@ def _save_peft_outputs(trainer, peft, out: Path) -> dict:
     """The small trainable weights (PEFT format for LoRA/QLoRA, Kiln's own for adapters), and for
     LoRA/QLoRA the merged plain weights the next stage and `kiln export hf` start from."""
     from kiln.checkpoint import save_weights
-    from kiln.peft.config import parameter_counts
+    from kiln.peft.apply import parameter_counts
     from kiln.peft.peft_io import merged_state_dict, save_peft_adapter, save_trainable
 
     trainable, total = parameter_counts(trainer.model)

@@ -7,7 +7,7 @@ TrainConfig) does not import torch.
 
 from importlib import import_module
 
-from kiln.train.config import TrainConfig
+from kiln.train.config import GuardConfig, TrainConfig
 
 _LOCATIONS = {
     "Lion": "optim",
@@ -15,8 +15,6 @@ _LOCATIONS = {
     "lr_at": "schedule",
     "Trainer": "trainer",
     "next_token_loss": "objective",
-    "GuardConfig": "guard",
-    "TrainingDiverged": "guard",
     "Watchdog": "watchdog",
     "WATCHDOG_EXIT_CODE": "watchdog",
 }
@@ -28,4 +26,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'kiln.train' has no attribute {name!r}")
 
 
-__all__ = ["TrainConfig", *_LOCATIONS]
+__all__ = ["GuardConfig", "TrainConfig", *_LOCATIONS]

@@ -5,9 +5,37 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kiln.errors import ConfigError
-from kiln.train.guard import GuardConfig
 
 LOGGERS = ("tensorboard", "wandb", "mlflow")
+
+
+ACTIONS = ("off", "skip", "rollback")
+
+
+@dataclass
+class GuardConfig:
+    action: str = "skip"  # off | skip | rollback
+    spike_sigma: float = 6.0  # a spike is a loss above mean + spike_sigma * std; 0: only NaN/inf
+    spike_min_rise: float = 0.1  # ... and above mean + this (nats), so a flat curve's noise is no spike
+    window: int = 100  # accepted steps in the rolling mean and std
+    min_history: int = 50  # accepted steps before spikes are looked for
+    lr_factor: float = 1.0  # rollback: multiply the learning rate by this after each rollback
+    max_events: int = 100  # flagged steps allowed in the run; one more stops it; 0: no limit
+
+    def validate(self) -> None:
+        if self.action not in ACTIONS:
+            raise ConfigError("action", f"must be one of {', '.join(ACTIONS)}, got {self.action!r}")
+        for key in ("spike_sigma", "spike_min_rise", "max_events"):
+            if not getattr(self, key) >= 0:  # also refuses NaN
+                raise ConfigError(key, f"must be >= 0, got {getattr(self, key)}")
+        if self.window < 2:
+            raise ConfigError(
+                "window", f"must be at least 2 (a standard deviation needs two losses), got {self.window}"
+            )
+        if not 2 <= self.min_history <= self.window:
+            raise ConfigError("min_history", f"must be in [2, window={self.window}], got {self.min_history}")
+        if not 0 < self.lr_factor <= 1:
+            raise ConfigError("lr_factor", f"must be in (0, 1], got {self.lr_factor}")
 
 
 @dataclass

@@ -13,8 +13,7 @@ of the last `window` accepted losses by more than `spike_sigma` standard deviati
   monotonic; the learning rate is multiplied by `lr_factor` from then on.
 - "off": nothing is checked (and the loop needs no device sync per step).
 
-The recipe loader imports GuardConfig without importing torch: torch is imported inside the
-functions that need it.
+GuardConfig lives in kiln.train.config, which the recipe loader imports without torch.
 """
 
 from __future__ import annotations
@@ -23,39 +22,10 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
-from kiln.errors import ConfigError
-
-ACTIONS = ("off", "skip", "rollback")
-
-
-class TrainingDiverged(RuntimeError):
-    """The guard fired more than `train.guard.max_events` times: the run is not recovering."""
-
-
-@dataclass
-class GuardConfig:
-    action: str = "skip"  # off | skip | rollback
-    spike_sigma: float = 6.0  # a spike is a loss above mean + spike_sigma * std; 0: only NaN/inf
-    spike_min_rise: float = 0.1  # ... and above mean + this (nats), so a flat curve's noise is no spike
-    window: int = 100  # accepted steps in the rolling mean and std
-    min_history: int = 50  # accepted steps before spikes are looked for
-    lr_factor: float = 1.0  # rollback: multiply the learning rate by this after each rollback
-    max_events: int = 100  # flagged steps allowed in the run; one more stops it; 0: no limit
-
-    def validate(self) -> None:
-        if self.action not in ACTIONS:
-            raise ConfigError("action", f"must be one of {', '.join(ACTIONS)}, got {self.action!r}")
-        for key in ("spike_sigma", "spike_min_rise", "max_events"):
-            if not getattr(self, key) >= 0:  # also refuses NaN
-                raise ConfigError(key, f"must be >= 0, got {getattr(self, key)}")
-        if self.window < 2:
-            raise ConfigError(
-                "window", f"must be at least 2 (a standard deviation needs two losses), got {self.window}"
-            )
-        if not 2 <= self.min_history <= self.window:
-            raise ConfigError("min_history", f"must be in [2, window={self.window}], got {self.min_history}")
-        if not 0 < self.lr_factor <= 1:
-            raise ConfigError("lr_factor", f"must be in (0, 1], got {self.lr_factor}")
+from kiln.checkpoint import load_sharded
+from kiln.errors import TrainingDiverged
+from kiln.parallel.grad import total_grad_norm
+from kiln.train.config import GuardConfig
 
 
 @dataclass
@@ -162,8 +132,6 @@ def rollback(trainer) -> dict | None:
         return None
     folder, manifest, model_state, train_state = found
     if model_state is None:  # sharded: every rank reads its shards
-        from kiln.checkpoint import load_sharded
-
         load_sharded(folder, trainer.model, trainer.optimizer)
     else:
         trainer.model.load_state_dict(model_state)
@@ -219,8 +187,6 @@ def group_grad_norms(model, groups: list[str], layout, device):
         if not params:  # a pipeline rank without this group's layers
             squares.append(torch.zeros((), device=device))
         elif layout.sharded:  # DTensor gradients: the norm reduces over their mesh
-            from kiln.parallel.grad import total_grad_norm
-
             squares.append(total_grad_norm(params).float().square().to(device))
         else:
             squares.append(torch.nn.utils.get_total_norm([p.grad for p in params]).float().square().to(device))

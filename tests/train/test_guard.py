@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from kiln.data.loader import TokenLoader
-from kiln.errors import ConfigError
+from kiln.errors import ConfigError, TrainingDiverged
 from kiln.model import ModelConfig, build_model
 from kiln.model.weights import load_weights
 from kiln.recipe import load_recipe
 from kiln.train import trainer as trainer_module
-from kiln.train.config import TrainConfig
-from kiln.train.guard import GuardConfig, LossGuard, TrainingDiverged, grad_group
+from kiln.train.config import GuardConfig, TrainConfig
+from kiln.train.guard import LossGuard, grad_group
 from kiln.train.schedule import lr_at
 from kiln.train.trainer import Trainer, next_token_loss
 

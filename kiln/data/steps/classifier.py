@@ -25,6 +25,7 @@ from typing import Iterable
 
 import numpy as np
 
+from kiln.data.classifier import QualityClassifier
 from kiln.data.steps.base import Deduplicator, register
 from kiln.errors import ConfigError
 
@@ -76,8 +77,6 @@ class QualityClassifierFilter(Deduplicator):
     def setup(self) -> None:
         # Loaded per worker, never pickled with the step: the weights are 1 MB per 2**18 buckets.
         if getattr(self, "_model", None) is None:
-            from kiln.data.classifier import QualityClassifier
-
             self._model = QualityClassifier.load(self.model_path)
 
     def __getstate__(self) -> dict:
