@@ -205,3 +205,29 @@ def test_real_text_round_trip(tmp_path):
     docs, rejected = split(list(read_documents(gz)))
     assert rejected == []
     assert [(d["id"], d["text"], d["source"]) for d in docs] == [(r["id"], r["text"], "topics") for r in records]
+
+
+def test_iter_jsonl_classifies_every_line_and_keeps_numbers(tmp_path):
+    import gzip
+
+    from kiln.data.readers import iter_jsonl
+
+    lines = [b'{"a": 1}', b"", b"[1, 2]", b"{not json", b'{"b": "\xff"}', b"   ", b'{"c": [' + b"[" * 5000 + b"]"]
+    for name, write in (
+        ("x.jsonl", lambda p, d: p.write_bytes(d)),
+        ("x.jsonl.gz", lambda p, d: p.write_bytes(gzip.compress(d))),
+    ):
+        path = tmp_path / name
+        write(path, b"\n".join(lines) + b"\n")
+        got = [(line.number, line.problem, line.record) for line in iter_jsonl(path)]
+        assert got == [
+            (1, None, {"a": 1}),
+            (3, "not_an_object", None),
+            (4, "bad_json", None),
+            (5, "bad_utf8", None),
+            (7, "bad_json", None),
+        ]
+    replaced = list(iter_jsonl(tmp_path / "x.jsonl", decode_errors="replace"))
+    assert replaced[3].record == {"b": "\ufffd"} and replaced[3].problem is None
+    assert [line.why for line in replaced[:3]] == ["", "not a JSON object", replaced[2].why]
+    assert replaced[2].why.startswith("not JSON (")
