@@ -17,7 +17,8 @@ import httpx
 import openai
 import pytest
 import torch
-from serve_helpers import ForcesToken, serving
+from kiln_testing.models import ForcesToken
+from kiln_testing.serving import serving
 
 from kiln.data.config import TokenizerConfig
 from kiln.data.tokenizer import Tokenizer, train_tokenizer

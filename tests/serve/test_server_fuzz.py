@@ -19,6 +19,7 @@ hypothesis = pytest.importorskip("hypothesis")
 uvicorn = pytest.importorskip("uvicorn")
 
 from hypothesis import HealthCheck, given, settings  # noqa: E402
+from kiln_testing.serving import serving  # noqa: E402
 from schemathesis import GenerationMode  # noqa: E402
 from schemathesis.checks import not_a_server_error  # noqa: E402
 from schemathesis.python import asgi as st_asgi  # noqa: E402
@@ -26,7 +27,6 @@ from schemathesis.specs.openapi.checks import (  # noqa: E402
     response_schema_conformance,
     status_code_conformance,
 )
-from serve_helpers import serving  # noqa: E402
 
 from kiln.data.config import TokenizerConfig  # noqa: E402
 from kiln.data.tokenizer import Tokenizer, train_tokenizer  # noqa: E402
