@@ -4,6 +4,7 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
+from kiln_testing.models import randomise  # noqa: E402
 from tokenizers import Tokenizer as HFTokenizer  # noqa: E402
 from tokenizers import decoders, models, pre_tokenizers, trainers  # noqa: E402
 
@@ -31,17 +32,6 @@ def make_tokenizer(path):
     tok.train_from_iterator(TEXT, trainer)
     tok.save(str(path))
     return tok
-
-
-@torch.no_grad()
-def randomise(model, std=0.1):
-    """Random weights everywhere, norms included, so a swapped or transposed tensor cannot hide."""
-    for name, p in model.named_parameters():
-        if "norm" in name:
-            p.uniform_(0.5, 1.5)
-        else:
-            p.normal_(0, std)
-    return model
 
 
 def kiln_model(**overrides):

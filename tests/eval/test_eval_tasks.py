@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from kiln_testing.models import Scripted
 
 from kiln.data.config import TokenizerConfig
 from kiln.data.tokenizer import Tokenizer, train_tokenizer
@@ -50,20 +51,6 @@ def tiny_config(tok, max_seq_len=96):
 def model(tok):
     torch.manual_seed(0)
     return build_model(tiny_config(tok)).eval()
-
-
-class Scripted(torch.nn.Module):
-    """A real model pushed hard towards the next token of a script at every forward call."""
-
-    def __init__(self, inner, script):
-        super().__init__()
-        self.inner, self.cfg, self.script, self.calls = inner, inner.cfg, script, 0
-
-    def forward(self, tokens, **kwargs):
-        logits = self.inner(tokens, **kwargs)
-        logits[..., self.script[min(self.calls, len(self.script) - 1)]] += 1000.0
-        self.calls += 1
-        return logits
 
 
 def write_csv(path: Path, rows):

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from kiln_testing.models import Scripted
 
 from kiln.data.config import TokenizerConfig
 from kiln.data.tokenizer import Tokenizer, train_tokenizer
@@ -236,20 +237,6 @@ def test_rolling_perplexity_scores_every_token_once(tok, model):
     # With a window longer than the document, the whole text is one forward after <|endoftext|>.
     whole = KilnLM(model, tok).loglikelihood_rolling([docs[0]])[0]
     assert whole[0] == pytest.approx(sum(reference_logprobs(model, [tok.eot_id] + tok.encode(docs[0]))), abs=1e-4)
-
-
-class Scripted(torch.nn.Module):
-    """A real model pushed hard towards the next token of a script at every forward call."""
-
-    def __init__(self, inner, script):
-        super().__init__()
-        self.inner, self.cfg, self.script, self.calls = inner, inner.cfg, script, 0
-
-    def forward(self, tokens, **kwargs):
-        logits = self.inner(tokens, **kwargs)
-        logits[..., self.script[min(self.calls, len(self.script) - 1)]] += 1000.0
-        self.calls += 1
-        return logits
 
 
 def test_generation_stops_at_stop_strings_and_scores_each_document(tok, model):

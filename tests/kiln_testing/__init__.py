@@ -5,7 +5,7 @@ so any test module imports these as `from kiln_testing.serving import serving`. 
 is one no installed distribution uses. Fixtures that wrap these helpers live in tests/conftest.py;
 use the helpers directly only where a fixture cannot reach (a worker script, a helper of a helper).
 
-- models: ForcesToken (a model whose prediction at one position is forced).
+- models: Scripted, ForcesToken (models whose next token is forced), randomise (random weights).
 - text: stdlib_chunks (real text from the standard library's own sources).
 - tokenizer: train_byte_bpe (a bare byte-level BPE).
 - pack: make_tiny_pack (a learnable synthetic token pack in the data contract's layout).
