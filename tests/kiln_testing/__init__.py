@@ -10,4 +10,5 @@ use the helpers directly only where a fixture cannot reach (a worker script, a h
 - tokenizer: train_byte_bpe (a bare byte-level BPE).
 - pack: make_tiny_pack (a learnable synthetic token pack in the data contract's layout).
 - serving: serving (`kiln serve`'s app under uvicorn in a thread).
+- fuzz: no_hang, fuzz_examples, fuzz_settings (Hypothesis budgets and a hang alarm).
 """

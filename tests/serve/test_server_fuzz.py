@@ -18,7 +18,8 @@ schemathesis = pytest.importorskip("schemathesis")
 hypothesis = pytest.importorskip("hypothesis")
 uvicorn = pytest.importorskip("uvicorn")
 
-from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import HealthCheck, given  # noqa: E402
+from kiln_testing.fuzz import fuzz_examples, fuzz_settings  # noqa: E402
 from kiln_testing.serving import serving  # noqa: E402
 from schemathesis import GenerationMode  # noqa: E402
 from schemathesis.checks import not_a_server_error  # noqa: E402
@@ -48,7 +49,7 @@ OPERATIONS = {
     ("POST", "/v1/chat/completions"),
 }
 # Fuzzing budget per operation and mode: enough to reach every field, small enough for the default run.
-EXAMPLES = int(os.environ.get("KILN_FUZZ_EXAMPLES", "25"))
+EXAMPLES = fuzz_examples(25)
 CHECKS = [not_a_server_error, status_code_conformance, response_schema_conformance]
 
 
@@ -137,9 +138,7 @@ def test_no_server_errors_heavy(schema, method, path, mode):
 def fuzz_operation(schema, method, path, mode, examples):
     operation = schema[path][method]
 
-    @settings(
-        max_examples=examples, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck)
-    )
+    @fuzz_settings(examples, HealthCheck)
     @given(case=operation.as_strategy(generation_mode=mode))
     def fuzz(case):
         call(case)
@@ -249,13 +248,7 @@ def test_sampling_fields_never_fail(schema):
 
     with st_asgi.get_client(schema.app) as client:
 
-        @settings(
-            max_examples=EXAMPLES * 2,
-            deadline=None,
-            derandomize=True,
-            database=None,
-            suppress_health_check=list(HealthCheck),
-        )
+        @fuzz_settings(EXAMPLES * 2, HealthCheck)
         @given(extra=fields)
         def fuzz(extra):
             body = {"prompt": "def f", "max_tokens": 3, **extra}
