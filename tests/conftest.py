@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 from kiln_testing.pack import make_tiny_pack
-from kiln_testing.tokenizer import train_byte_bpe
+from kiln_testing.tokenizer import train_byte_bpe, train_tiny_tokenizer
 
 # Tests compare numbers bit-for-bit in places; pin the thread count so results do not
 # depend on how many cores the machine reports.
@@ -30,6 +30,14 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def kiln_tokenizer(tmp_path_factory):
+    """The one Kiln tokenizer of the run: Kiln's own BPE (SPECIAL_TOKENS at ids 0..n-1), vocab_size
+    700, trained on stdlib_texts(). Shared by every test, so treat it (and its tokenizer.json at
+    .path) as read-only; copy the file to put it beside a checkpoint."""
+    return train_tiny_tokenizer(tmp_path_factory.mktemp("kiln_tokenizer"))
 
 
 @pytest.fixture(scope="session")

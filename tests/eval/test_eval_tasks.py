@@ -4,15 +4,12 @@ import argparse
 import csv
 import json
 import shutil
-import sysconfig
 from pathlib import Path
 
 import pytest
 import torch
 from kiln_testing.models import Scripted
 
-from kiln.data.config import TokenizerConfig
-from kiln.data.tokenizer import Tokenizer, train_tokenizer
 from kiln.errors import ConfigError, DataError
 from kiln.eval.harness import CodeTask, KilnLM, evaluate, score_completions
 from kiln.eval.sandbox import Limits
@@ -33,12 +30,8 @@ from kiln.model import ModelConfig, build_model
 
 
 @pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    paths = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:40]
-    texts = [p.read_text(encoding="utf-8", errors="replace")[:6000] for p in paths]
-    out = tmp_path_factory.mktemp("tasks_tok")
-    train_tokenizer(texts, TokenizerConfig(vocab_size=700), out, heldout=[])
-    return Tokenizer.load(out)
+def tok(kiln_tokenizer):
+    return kiln_tokenizer
 
 
 def tiny_config(tok, max_seq_len=96):

@@ -2,16 +2,12 @@
 
 import json
 import math
-import sysconfig
 from math import comb
-from pathlib import Path
 
 import pytest
 import torch
 from kiln_testing.models import Scripted
 
-from kiln.data.config import TokenizerConfig
-from kiln.data.tokenizer import Tokenizer, train_tokenizer
 from kiln.eval.harness import (
     CodeTask,
     GenerationTask,
@@ -38,12 +34,8 @@ from kiln.model import ModelConfig, build_model
 
 
 @pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    paths = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:40]
-    texts = [p.read_text(encoding="utf-8", errors="replace")[:6000] for p in paths]
-    out = tmp_path_factory.mktemp("eval_tok")
-    train_tokenizer(texts, TokenizerConfig(vocab_size=700), out, heldout=[])
-    return Tokenizer.load(out)
+def tok(kiln_tokenizer):
+    return kiln_tokenizer
 
 
 @pytest.fixture(scope="module")

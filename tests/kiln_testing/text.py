@@ -11,6 +11,11 @@ def _stdlib_files() -> list[Path]:
     return sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
 
 
+def stdlib_texts(n_files: int = 40, chars: int = 6000) -> list[str]:
+    """The first `chars` characters of each of the first `n_files` stdlib modules (by file name)."""
+    return [p.read_text(encoding="utf-8", errors="replace")[:chars] for p in _stdlib_files()[:n_files]]
+
+
 def stdlib_chunks(n: int, words: int = 300, reverse: bool = False) -> list[str]:
     """n chunks of `words` whitespace tokens each, read through the stdlib modules in file-name order
     (or backwards); fewer if the library runs out."""

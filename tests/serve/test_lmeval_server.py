@@ -6,7 +6,6 @@ tokenization)."""
 import argparse
 import json
 import shutil
-import sysconfig
 from pathlib import Path
 
 import httpx
@@ -15,8 +14,6 @@ import torch
 from kiln_testing.models import ForcesToken
 from kiln_testing.serving import serving
 
-from kiln.data.config import TokenizerConfig
-from kiln.data.tokenizer import Tokenizer, train_tokenizer
 from kiln.model import ModelConfig, build_model
 from kiln.train.checkpoint import save_weights
 
@@ -65,19 +62,14 @@ def _write_tasks(data: Path) -> list[str]:
     return ["srv_mc", "srv_ppl", "srv_gen"]
 
 
-def test_special_tokens_are_left_out_of_generated_text_unless_asked(tmp_path):
+def test_special_tokens_are_left_out_of_generated_text_unless_asked(kiln_tokenizer):
     """vLLM's skip_special_tokens (default true), which lm-eval's HF backend matches by decoding with
     skip_special_tokens=True: a generated <|user|> is counted and has a logprob, but is not text."""
     from fastapi.testclient import TestClient
 
     from kiln.serve.app import create_app
 
-    texts = [
-        p.read_text(encoding="utf-8", errors="replace")[:3000]
-        for p in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:15]
-    ]
-    train_tokenizer(texts, TokenizerConfig(vocab_size=600), tmp_path / "tok", heldout=[])
-    tok = Tokenizer.load(tmp_path / "tok")
+    tok = kiln_tokenizer
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=tok.vocab_size, dim=32, n_layers=1, n_heads=2, max_seq_len=64)
     user = tok.token_id("<|user|>")
@@ -110,7 +102,7 @@ def _by_doc(samples: list[dict]) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_lm_eval_scores_the_same_through_the_hf_export_and_the_server(tmp_path, monkeypatch):
+def test_lm_eval_scores_the_same_through_the_hf_export_and_the_server(tmp_path, monkeypatch, kiln_tokenizer):
     lm_eval = pytest.importorskip("lm_eval")
     pytest.importorskip("tenacity")  # lm-eval's API models need it (lm_eval[api])
     from lm_eval.tasks import TaskManager
@@ -119,12 +111,7 @@ def test_lm_eval_scores_the_same_through_the_hf_export_and_the_server(tmp_path, 
     from kiln.serve.app import create_app
     from kiln.serve.cli import load_for_inference
 
-    texts = [
-        p.read_text(encoding="utf-8", errors="replace")[:6000]
-        for p in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:40]
-    ]
-    train_tokenizer(texts, TokenizerConfig(vocab_size=700), tmp_path / "tok", heldout=[])
-    tok = Tokenizer.load(tmp_path / "tok")
+    tok = kiln_tokenizer
     torch.manual_seed(3)
     cfg = ModelConfig(
         vocab_size=tok.vocab_size, dim=48, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=MAX_SEQ_LEN, init_std=0.1

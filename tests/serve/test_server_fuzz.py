@@ -29,8 +29,6 @@ from schemathesis.specs.openapi.checks import (  # noqa: E402
     status_code_conformance,
 )
 
-from kiln.data.config import TokenizerConfig  # noqa: E402
-from kiln.data.tokenizer import Tokenizer, train_tokenizer  # noqa: E402
 from kiln.model import ModelConfig, build_model  # noqa: E402
 from kiln.serve.app import create_app  # noqa: E402
 from kiln.serve.cli import load_for_inference  # noqa: E402
@@ -54,17 +52,15 @@ CHECKS = [not_a_server_error, status_code_conformance, response_schema_conforman
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
+def model_dir(tmp_path_factory, kiln_tokenizer):
     """A checkpoint folder (weights + tokenizer.json) inside `root`; `root/outside` sits next to it
     and holds the files a hostile request would go after."""
     root = tmp_path_factory.mktemp("fuzz-serve")
-    texts = [f"def f{i}(x):\n    return x * {i} + {i * i}\n# the quick brown fox {i}\n" for i in range(300)]
-    train_tokenizer(texts, TokenizerConfig(vocab_size=520), root / "tok", heldout=[])
     torch.manual_seed(0)
-    vocab = Tokenizer.load(root / "tok").vocab_size
+    vocab = kiln_tokenizer.vocab_size
     cfg = ModelConfig(vocab_size=vocab, dim=32, n_layers=1, n_heads=2, n_kv_heads=1, max_seq_len=64, init_std=0.2)
     save_weights(root / "model", cfg, build_model(cfg).state_dict(), {"step": 0})
-    shutil.copy(root / "tok" / "tokenizer.json", root / "model" / "tokenizer.json")
+    shutil.copy(kiln_tokenizer.path, root / "model" / "tokenizer.json")
     outside = root / "outside"
     outside.mkdir()
     (outside / "secret.txt").write_text("not for clients\n")
