@@ -6,6 +6,7 @@ from math import comb
 
 import pytest
 import torch
+from kiln_testing.lm_eval_tasks import write_lm_eval_tasks
 from kiln_testing.models import Scripted
 
 from kiln.eval.harness import (
@@ -336,40 +337,14 @@ def test_same_scores_as_lm_eval_on_an_hf_export(tmp_path, tok):
     ckpt = save_weights(tmp_path / "ckpt", cfg, model.state_dict(), {"step": 1})
     export_checkpoint_to_hf(ckpt, tok.path, tmp_path / "hf", chat=False)
 
-    rows = [
-        {
-            "question": f"What is {a} plus {b}?",
-            "choices": [str(a + b), str(a * b), str(a - b), "none of these"],
-            "answer": i % 4,
-        }
-        for i, (a, b) in enumerate([(2, 3), (7, 1), (4, 4), (9, 2), (3, 8), (6, 5), (1, 1), (5, 7)])
-    ]
     data = tmp_path / "data"
-    data.mkdir()
-    (data / "mc.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     texts = ["def add(a, b):\n    return a + b\n" * 3, "The quick brown fox jumps over the lazy dog. " * 5]
-    (data / "ppl.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    common = f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}/FILE\ntest_split: test\n"
-    (data / "kmc.yaml").write_text(
-        "task: kiln_mc\n" + common.replace("FILE", "mc.jsonl") + "output_type: multiple_choice\n"
-        'doc_to_text: "{{question}}\\nAnswer:"\ndoc_to_choice: "{{choices}}"\ndoc_to_target: answer\n'
-        "metric_list:\n  - metric: acc\n  - metric: acc_norm\n"
-    )
-    (data / "kppl.yaml").write_text(
-        "task: kiln_ppl\n" + common.replace("FILE", "ppl.jsonl") + "output_type: loglikelihood_rolling\n"
-        'doc_to_text: ""\ndoc_to_target: "{{text}}"\nmetric_list:\n  - metric: word_perplexity\n'
-        "  - metric: byte_perplexity\n  - metric: bits_per_byte\n"
-    )
-    (data / "kgen.yaml").write_text(
-        "task: kiln_gen\n" + common.replace("FILE", "mc.jsonl") + "output_type: generate_until\n"
-        'doc_to_text: "Question: {{question}}\\nAnswer:"\ndoc_to_target: "{{choices[answer]}}"\n'
-        'generation_kwargs:\n  until: ["\\n\\n", "Question:"]\n  max_gen_toks: 12\n  do_sample: false\n'
-        "metric_list:\n  - metric: exact_match\n"
-    )
+    pairs = [(2, 3), (7, 1), (4, 4), (9, 2), (3, 8), (6, 5), (1, 1), (5, 7)]
+    tasks, rows = write_lm_eval_tasks(data, "kiln", pairs, texts)
     out = lm_eval.simple_evaluate(
         model="hf",
         model_args=f"pretrained={tmp_path / 'hf'},dtype=float32",
-        tasks=["kiln_mc", "kiln_ppl", "kiln_gen"],
+        tasks=tasks,
         num_fewshot=0,
         batch_size=4,
         device="cpu",

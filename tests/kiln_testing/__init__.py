@@ -11,5 +11,6 @@ tests take the fixture; the plain function is for code that cannot take fixtures
 - tokenizer: train_tiny_tokenizer (Kiln's own BPE), train_byte_bpe (a bare byte-level BPE).
 - pack: make_tiny_pack (a learnable synthetic token pack in the data contract's layout).
 - serving: serving (`kiln serve`'s app under uvicorn in a thread).
+- lm_eval_tasks: write_lm_eval_tasks (three custom lm-eval tasks over local JSONL).
 - fuzz: no_hang, fuzz_examples, fuzz_settings (Hypothesis budgets and a hang alarm).
 """

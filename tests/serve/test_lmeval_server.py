@@ -4,13 +4,13 @@ the Hugging Face export, and its `local-completions` model against `kiln serve`'
 tokenization)."""
 
 import argparse
-import json
 import shutil
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
+from kiln_testing.lm_eval_tasks import write_lm_eval_tasks
 from kiln_testing.models import ForcesToken
 from kiln_testing.serving import serving
 
@@ -26,40 +26,12 @@ def _write_tasks(data: Path) -> list[str]:
     """Three custom lm-eval tasks over local JSONL (no network): multiple choice with acc and
     acc_norm, rolling perplexity, and greedy generation until a stop string."""
     pairs = [(2, 3), (7, 1), (4, 4), (9, 2), (3, 8), (6, 5), (1, 1), (5, 7), (8, 6), (2, 9)]
-    rows = [
-        {
-            "question": f"What is {a} plus {b}?",
-            "choices": [str(a + b), str(a * b), str(a - b), "none of these"],
-            "answer": i % 4,
-        }
-        for i, (a, b) in enumerate(pairs)
-    ]
-    data.mkdir()
-    (data / "mc.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     texts = [
         "def add(a, b):\n    return a + b\n",
         "The quick brown fox jumps over the lazy dog. " * 2,
         "import os\nprint(os.getcwd())\n",
     ]
-    (data / "ppl.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    common = f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}/FILE\ntest_split: test\n"
-    (data / "srv_mc.yaml").write_text(
-        "task: srv_mc\n" + common.replace("FILE", "mc.jsonl") + "output_type: multiple_choice\n"
-        'doc_to_text: "{{question}}\\nAnswer:"\ndoc_to_choice: "{{choices}}"\ndoc_to_target: answer\n'
-        "metric_list:\n  - metric: acc\n  - metric: acc_norm\n"
-    )
-    (data / "srv_ppl.yaml").write_text(
-        "task: srv_ppl\n" + common.replace("FILE", "ppl.jsonl") + "output_type: loglikelihood_rolling\n"
-        'doc_to_text: ""\ndoc_to_target: "{{text}}"\nmetric_list:\n  - metric: word_perplexity\n'
-        "  - metric: byte_perplexity\n  - metric: bits_per_byte\n"
-    )
-    (data / "srv_gen.yaml").write_text(
-        "task: srv_gen\n" + common.replace("FILE", "mc.jsonl") + "output_type: generate_until\n"
-        'doc_to_text: "Question: {{question}}\\nAnswer:"\ndoc_to_target: "{{choices[answer]}}"\n'
-        'generation_kwargs:\n  until: ["\\n\\n", "Question:"]\n  max_gen_toks: 12\n  do_sample: false\n'
-        "metric_list:\n  - metric: exact_match\n"
-    )
-    return ["srv_mc", "srv_ppl", "srv_gen"]
+    return write_lm_eval_tasks(data, "srv", pairs, texts)[0]
 
 
 def test_special_tokens_are_left_out_of_generated_text_unless_asked(kiln_tokenizer):
