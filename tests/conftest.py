@@ -4,8 +4,8 @@ import os
 
 import pytest
 import torch
-from kiln_testing.pack import make_tiny_pack
 from kiln_testing.tokenizer import train_byte_bpe, train_tiny_tokenizer
+from kiln_testing.train import make_tiny_pack
 
 # Tests compare numbers bit-for-bit in places; pin the thread count so results do not
 # depend on how many cores the machine reports.

@@ -1,4 +1,4 @@
-"""A token pack small enough to write per test and regular enough to learn."""
+"""A training run small enough for a unit test: a learnable token pack and a TrainConfig for it."""
 
 from __future__ import annotations
 
@@ -36,3 +36,26 @@ def make_tiny_pack(root: Path, vocab: int = 64, train_docs: int = 200, val_docs:
         json.dumps({"vocab_size": vocab, "tokenizer_sha256": "test", "weights": {"synthetic": 1.0}})
     )
     return root
+
+
+def tiny_train_config(**overrides):
+    """A TrainConfig for a few CPU steps on make_tiny_pack's data: 4 x 16-token micro-batches, one per
+    step, 8 steps (2 warmup) at lr 1e-2 in fp32, logging every step, evaluating (2 batches) and
+    checkpointing every 4; `overrides` replace any field."""
+    from kiln.train.config import TrainConfig
+
+    base = dict(
+        seq_len=16,
+        micro_batch_size=4,
+        global_batch_tokens=64,
+        max_steps=8,
+        lr=1e-2,
+        warmup_steps=2,
+        precision="fp32",
+        log_every=1,
+        eval_every=4,
+        eval_batches=2,
+        ckpt_every=4,
+        peak_flops=1e12,
+    )
+    return TrainConfig(**{**base, **overrides})
