@@ -1,6 +1,6 @@
 """Helpers shared by Kiln's tests.
 
-pytest puts tests/ on sys.path (pyproject.toml: pythonpath = ["tests"], with --import-mode=importlib),
+pytest puts tests/ on sys.path (pyproject.toml: "tests" in pythonpath, with --import-mode=importlib),
 so any test module imports these as `from kiln_testing.models import Scripted`. The name is
 kiln_testing, not helpers or utils, so that it neither shadows nor is shadowed by an installed
 package. Where tests/conftest.py wraps a helper in a fixture (a trained tokenizer, a pack factory),
