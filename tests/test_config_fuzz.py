@@ -5,16 +5,14 @@ naming a key, never another exception and never a hang."""
 import dataclasses
 import json
 import math
-import os
-import signal
 import typing
-from contextlib import contextmanager
 
 import pytest
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
+from kiln_testing.fuzz import fuzz_examples, fuzz_settings, no_hang  # noqa: E402
 
 from kiln.config import parse_override  # noqa: E402
 from kiln.errors import ConfigError  # noqa: E402
@@ -22,36 +20,9 @@ from kiln.recipe import Recipe, load_recipe, recipe_from_dict  # noqa: E402
 
 # Modest by default so the suite stays fast; KILN_FUZZ_EXAMPLES raises it, and the `slow` tests
 # below run ten times as many.
-EXAMPLES = int(os.environ.get("KILN_FUZZ_EXAMPLES", "150"))
-FUZZ = settings(
-    max_examples=EXAMPLES,
-    deadline=None,
-    derandomize=True,
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
-)
+EXAMPLES = fuzz_examples(150)
+FUZZ = fuzz_settings(EXAMPLES, [HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 HEAVY = settings(FUZZ, max_examples=EXAMPLES * 10)
-HANG_S = 30  # far above any single load; only an endless loop reaches it
-
-
-class Hang(Exception):
-    pass
-
-
-@contextmanager
-def no_hang(seconds: int = HANG_S):
-    """Fail the example if it runs for `seconds` (a real hang, not a slow machine)."""
-
-    def fire(signum, frame):
-        raise Hang(f"still running after {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, fire)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 # ---- what a recipe can hold ------------------------------------------------------------------------

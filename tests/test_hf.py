@@ -4,8 +4,8 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-from tokenizers import Tokenizer as HFTokenizer  # noqa: E402
-from tokenizers import decoders, models, pre_tokenizers, trainers  # noqa: E402
+from kiln_testing.models import randomise  # noqa: E402
+from kiln_testing.tokenizer import train_byte_bpe  # noqa: E402
 
 from kiln.errors import ConfigError, DataError  # noqa: E402
 from kiln.hf import export_checkpoint_to_hf, export_hf, import_hf, import_hf_to_checkpoint  # noqa: E402
@@ -19,29 +19,8 @@ TEXT = [
 
 
 def make_tokenizer(path):
-    tok = HFTokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=320,
-        special_tokens=["<|endoftext|>", "<|pad|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(TEXT, trainer)
-    tok.save(str(path))
-    return tok
-
-
-@torch.no_grad()
-def randomise(model, std=0.1):
-    """Random weights everywhere, norms included, so a swapped or transposed tensor cannot hide."""
-    for name, p in model.named_parameters():
-        if "norm" in name:
-            p.uniform_(0.5, 1.5)
-        else:
-            p.normal_(0, std)
-    return model
+    """A bare byte-level BPE with the model's vocabulary of 320, <|endoftext|> and <|pad|> first."""
+    return train_byte_bpe(path, TEXT, vocab_size=320, special_tokens=("<|endoftext|>", "<|pad|>"))
 
 
 def kiln_model(**overrides):

@@ -9,6 +9,7 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
+from kiln_testing.train import tiny_train_config
 
 from kiln.data.config import CurateConfig
 from kiln.data.curate import curate
@@ -490,20 +491,7 @@ def test_report_of_a_real_training_run(tmp_path, tiny_pack_factory):
     run = make_run(tmp_path / "run", full=False)
     shutil.rmtree(run / "pretrain")
     pack = tiny_pack_factory(tmp_path / "pack")
-    cfg = TrainConfig(
-        seq_len=16,
-        micro_batch_size=4,
-        global_batch_tokens=64,
-        max_steps=12,
-        lr=1e-2,
-        warmup_steps=2,
-        precision="fp32",
-        log_every=1,
-        eval_every=4,
-        eval_batches=2,
-        ckpt_every=6,
-        peak_flops=1e12,
-    )
+    cfg = tiny_train_config(max_steps=12, ckpt_every=6)
     Trainer(ModelConfig(dim=32, n_layers=1, n_heads=4, max_seq_len=32), cfg, pack, run / "pretrain").fit()
 
     records = [json.loads(line) for line in (run / "pretrain" / "metrics.jsonl").read_text().splitlines()]

@@ -286,16 +286,12 @@ def test_no_unrestricted_unpickling_in_kiln():
 # ---- server API keys ----------------------------------------------------------------------------
 
 
-def test_server_compares_api_keys_in_constant_time(tmp_path, monkeypatch):
+def test_server_compares_api_keys_in_constant_time(monkeypatch, kiln_tokenizer):
     from starlette.testclient import TestClient
 
-    from kiln.data.config import TokenizerConfig
-    from kiln.data.tokenizer import Tokenizer, train_tokenizer
     from kiln.serve.app import create_app
 
-    text = [Path(hmac.__file__).read_text()[:20000]]
-    train_tokenizer(text, TokenizerConfig(vocab_size=600), tmp_path / "tok", heldout=[])
-    tok = Tokenizer.load(tmp_path / "tok")
+    tok = kiln_tokenizer
     model = build_model(ModelConfig(vocab_size=tok.vocab_size, dim=32, n_layers=1, n_heads=4, max_seq_len=32)).eval()
     keys = ["sk-first-key", "sk-second"]
     calls, verdict = [], {"force": None}

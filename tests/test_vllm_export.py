@@ -15,7 +15,6 @@ its weight loader), checked without vLLM itself (it does not install on this CPU
 """
 
 import json
-import sysconfig
 from pathlib import Path
 
 import pytest
@@ -23,8 +22,6 @@ import torch
 from safetensors import safe_open
 
 from kiln.checkpoint import save_weights
-from kiln.data.config import TokenizerConfig
-from kiln.data.tokenizer import Tokenizer, train_tokenizer
 from kiln.hf import export_checkpoint_to_hf
 from kiln.model import ModelConfig, build_model
 
@@ -39,14 +36,8 @@ STACKED = [
 
 
 @pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    texts = [
-        p.read_text(encoding="utf-8", errors="replace")[:4000]
-        for p in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:20]
-    ]
-    out = tmp_path_factory.mktemp("vllm_tok")
-    train_tokenizer(texts, TokenizerConfig(vocab_size=600), out, heldout=[])
-    return Tokenizer.load(out)
+def tok(kiln_tokenizer):
+    return kiln_tokenizer
 
 
 def vllm_parameters(config: dict) -> dict[str, tuple[int, ...]]:

@@ -5,28 +5,19 @@ exception and never a hang. Damaged compressed or Parquet files end in one corru
 import gzip
 import io
 import json
-import os
-import signal
-from contextlib import contextmanager
 
 import pytest
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
+from kiln_testing.fuzz import fuzz_examples, fuzz_settings, no_hang  # noqa: E402
 
 from kiln.data.readers import RAW_CHARS, has_lone_surrogate, read_documents  # noqa: E402
 
-EXAMPLES = int(os.environ.get("KILN_FUZZ_EXAMPLES", "100"))
-FUZZ = settings(
-    max_examples=EXAMPLES,
-    deadline=None,
-    derandomize=True,
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture, HealthCheck.data_too_large],
-)
+EXAMPLES = fuzz_examples(100)
+FUZZ = fuzz_settings(EXAMPLES, [HealthCheck.too_slow, HealthCheck.function_scoped_fixture, HealthCheck.data_too_large])
 HEAVY = settings(FUZZ, max_examples=EXAMPLES * 10)
-HANG_S = 30  # far above any single read here; only an endless loop reaches it
 REASONS = {
     "bad_utf8",
     "bad_json",
@@ -39,24 +30,6 @@ REASONS = {
     "bad_meta",
     "corrupt_file",
 }
-
-
-class Hang(Exception):
-    pass
-
-
-@contextmanager
-def no_hang(seconds: int = HANG_S):
-    def fire(signum, frame):
-        raise Hang(f"still reading after {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, fire)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 def read_all(path, **kwargs) -> tuple[list[dict], list[dict]]:

@@ -2,15 +2,13 @@
 
 import json
 import math
-import sysconfig
 from math import comb
-from pathlib import Path
 
 import pytest
 import torch
+from kiln_testing.lm_eval_tasks import write_lm_eval_tasks
+from kiln_testing.models import Scripted
 
-from kiln.data.config import TokenizerConfig
-from kiln.data.tokenizer import Tokenizer, train_tokenizer
 from kiln.eval.harness import (
     CodeTask,
     GenerationTask,
@@ -37,12 +35,8 @@ from kiln.model import ModelConfig, build_model
 
 
 @pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    paths = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:40]
-    texts = [p.read_text(encoding="utf-8", errors="replace")[:6000] for p in paths]
-    out = tmp_path_factory.mktemp("eval_tok")
-    train_tokenizer(texts, TokenizerConfig(vocab_size=700), out, heldout=[])
-    return Tokenizer.load(out)
+def tok(kiln_tokenizer):
+    return kiln_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -238,20 +232,6 @@ def test_rolling_perplexity_scores_every_token_once(tok, model):
     assert whole[0] == pytest.approx(sum(reference_logprobs(model, [tok.eot_id] + tok.encode(docs[0]))), abs=1e-4)
 
 
-class Scripted(torch.nn.Module):
-    """A real model pushed hard towards the next token of a script at every forward call."""
-
-    def __init__(self, inner, script):
-        super().__init__()
-        self.inner, self.cfg, self.script, self.calls = inner, inner.cfg, script, 0
-
-    def forward(self, tokens, **kwargs):
-        logits = self.inner(tokens, **kwargs)
-        logits[..., self.script[min(self.calls, len(self.script) - 1)]] += 1000.0
-        self.calls += 1
-        return logits
-
-
 def test_generation_stops_at_stop_strings_and_scores_each_document(tok, model):
     script = tok.encode(" 42\n\nQuestion: what else?")
     lm = KilnLM(Scripted(model, script), tok)
@@ -357,40 +337,14 @@ def test_same_scores_as_lm_eval_on_an_hf_export(tmp_path, tok):
     ckpt = save_weights(tmp_path / "ckpt", cfg, model.state_dict(), {"step": 1})
     export_checkpoint_to_hf(ckpt, tok.path, tmp_path / "hf", chat=False)
 
-    rows = [
-        {
-            "question": f"What is {a} plus {b}?",
-            "choices": [str(a + b), str(a * b), str(a - b), "none of these"],
-            "answer": i % 4,
-        }
-        for i, (a, b) in enumerate([(2, 3), (7, 1), (4, 4), (9, 2), (3, 8), (6, 5), (1, 1), (5, 7)])
-    ]
     data = tmp_path / "data"
-    data.mkdir()
-    (data / "mc.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     texts = ["def add(a, b):\n    return a + b\n" * 3, "The quick brown fox jumps over the lazy dog. " * 5]
-    (data / "ppl.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    common = f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}/FILE\ntest_split: test\n"
-    (data / "kmc.yaml").write_text(
-        "task: kiln_mc\n" + common.replace("FILE", "mc.jsonl") + "output_type: multiple_choice\n"
-        'doc_to_text: "{{question}}\\nAnswer:"\ndoc_to_choice: "{{choices}}"\ndoc_to_target: answer\n'
-        "metric_list:\n  - metric: acc\n  - metric: acc_norm\n"
-    )
-    (data / "kppl.yaml").write_text(
-        "task: kiln_ppl\n" + common.replace("FILE", "ppl.jsonl") + "output_type: loglikelihood_rolling\n"
-        'doc_to_text: ""\ndoc_to_target: "{{text}}"\nmetric_list:\n  - metric: word_perplexity\n'
-        "  - metric: byte_perplexity\n  - metric: bits_per_byte\n"
-    )
-    (data / "kgen.yaml").write_text(
-        "task: kiln_gen\n" + common.replace("FILE", "mc.jsonl") + "output_type: generate_until\n"
-        'doc_to_text: "Question: {{question}}\\nAnswer:"\ndoc_to_target: "{{choices[answer]}}"\n'
-        'generation_kwargs:\n  until: ["\\n\\n", "Question:"]\n  max_gen_toks: 12\n  do_sample: false\n'
-        "metric_list:\n  - metric: exact_match\n"
-    )
+    pairs = [(2, 3), (7, 1), (4, 4), (9, 2), (3, 8), (6, 5), (1, 1), (5, 7)]
+    tasks, rows = write_lm_eval_tasks(data, "kiln", pairs, texts)
     out = lm_eval.simple_evaluate(
         model="hf",
         model_args=f"pretrained={tmp_path / 'hf'},dtype=float32",
-        tasks=["kiln_mc", "kiln_ppl", "kiln_gen"],
+        tasks=tasks,
         num_fewshot=0,
         batch_size=4,
         device="cpu",

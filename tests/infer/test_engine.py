@@ -1,5 +1,6 @@
 import pytest
 import torch
+from kiln_testing.models import Scripted
 
 from kiln.errors import ConfigError
 from kiln.infer.engine import (
@@ -29,21 +30,6 @@ def tiny_model(**overrides):
 @pytest.fixture(scope="module")
 def model():
     return tiny_model(n_kv_heads=2)
-
-
-class Scripted(torch.nn.Module):
-    """A real model whose every forward call is pushed hard towards the next token of a script, so
-    the engine generates a chosen text (forward call k, the prefill being 0, yields script[k])."""
-
-    def __init__(self, inner, script):
-        super().__init__()
-        self.inner, self.cfg, self.script, self.calls = inner, inner.cfg, script, 0
-
-    def forward(self, tokens, **kwargs):
-        logits = self.inner(tokens, **kwargs)
-        logits[..., self.script[min(self.calls, len(self.script) - 1)]] += 1000.0
-        self.calls += 1
-        return logits
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,6 @@ run through the command line on a tiny checkpoint and compared with the library 
 import argparse
 import copy
 import shutil
-import sysconfig
 from pathlib import Path
 
 import pytest
@@ -12,8 +11,6 @@ import torch
 
 from kiln.checkpoint import save_weights
 from kiln.cli import build_parser, main
-from kiln.data.config import TokenizerConfig
-from kiln.data.tokenizer import Tokenizer, train_tokenizer
 from kiln.infer.engine import Engine
 from kiln.infer.quant import QUANTIZED_TYPES, quantize_model
 from kiln.infer.sample import generate as uncached_generate
@@ -23,15 +20,10 @@ PROMPT = "def main("
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def run(tmp_path_factory, kiln_tokenizer):
     """A target checkpoint, a smaller draft with the same tokenizer, and one with another vocabulary."""
     root = tmp_path_factory.mktemp("gen_cli")
-    texts = [
-        p.read_text(encoding="utf-8", errors="replace")[:5000]
-        for p in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:30]
-    ]
-    train_tokenizer(texts, TokenizerConfig(vocab_size=600), root / "tok", heldout=[])
-    tok = Tokenizer.load(root / "tok")
+    tok = kiln_tokenizer
     out = {"tok": tok}
     for name, seed, overrides in (
         ("target", 0, dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2)),

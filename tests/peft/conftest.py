@@ -1,20 +1,10 @@
 import pytest
 import torch
+from kiln_testing.models import randomise
 
 from kiln.model import ModelConfig, build_model
 
 VOCAB = 320
-
-
-@torch.no_grad()
-def randomise(model, std=0.1):
-    """Random weights everywhere (norms near 1), so a swapped or transposed tensor cannot hide."""
-    for name, p in model.named_parameters():
-        if "norm" in name:
-            p.uniform_(0.5, 1.5)
-        else:
-            p.normal_(0, std)
-    return model
 
 
 @torch.no_grad()

@@ -4,19 +4,17 @@ the Hugging Face export, and its `local-completions` model against `kiln serve`'
 tokenization)."""
 
 import argparse
-import json
 import shutil
-import sysconfig
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
-from serve_helpers import ForcesToken, serving
+from kiln_testing.lm_eval_tasks import write_lm_eval_tasks
+from kiln_testing.models import ForcesToken
+from kiln_testing.serving import serving
 
 from kiln.checkpoint import save_weights
-from kiln.data.config import TokenizerConfig
-from kiln.data.tokenizer import Tokenizer, train_tokenizer
 from kiln.model import ModelConfig, build_model
 
 KEY = "sk-lmeval"
@@ -28,55 +26,22 @@ def _write_tasks(data: Path) -> list[str]:
     """Three custom lm-eval tasks over local JSONL (no network): multiple choice with acc and
     acc_norm, rolling perplexity, and greedy generation until a stop string."""
     pairs = [(2, 3), (7, 1), (4, 4), (9, 2), (3, 8), (6, 5), (1, 1), (5, 7), (8, 6), (2, 9)]
-    rows = [
-        {
-            "question": f"What is {a} plus {b}?",
-            "choices": [str(a + b), str(a * b), str(a - b), "none of these"],
-            "answer": i % 4,
-        }
-        for i, (a, b) in enumerate(pairs)
-    ]
-    data.mkdir()
-    (data / "mc.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     texts = [
         "def add(a, b):\n    return a + b\n",
         "The quick brown fox jumps over the lazy dog. " * 2,
         "import os\nprint(os.getcwd())\n",
     ]
-    (data / "ppl.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    common = f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}/FILE\ntest_split: test\n"
-    (data / "srv_mc.yaml").write_text(
-        "task: srv_mc\n" + common.replace("FILE", "mc.jsonl") + "output_type: multiple_choice\n"
-        'doc_to_text: "{{question}}\\nAnswer:"\ndoc_to_choice: "{{choices}}"\ndoc_to_target: answer\n'
-        "metric_list:\n  - metric: acc\n  - metric: acc_norm\n"
-    )
-    (data / "srv_ppl.yaml").write_text(
-        "task: srv_ppl\n" + common.replace("FILE", "ppl.jsonl") + "output_type: loglikelihood_rolling\n"
-        'doc_to_text: ""\ndoc_to_target: "{{text}}"\nmetric_list:\n  - metric: word_perplexity\n'
-        "  - metric: byte_perplexity\n  - metric: bits_per_byte\n"
-    )
-    (data / "srv_gen.yaml").write_text(
-        "task: srv_gen\n" + common.replace("FILE", "mc.jsonl") + "output_type: generate_until\n"
-        'doc_to_text: "Question: {{question}}\\nAnswer:"\ndoc_to_target: "{{choices[answer]}}"\n'
-        'generation_kwargs:\n  until: ["\\n\\n", "Question:"]\n  max_gen_toks: 12\n  do_sample: false\n'
-        "metric_list:\n  - metric: exact_match\n"
-    )
-    return ["srv_mc", "srv_ppl", "srv_gen"]
+    return write_lm_eval_tasks(data, "srv", pairs, texts)[0]
 
 
-def test_special_tokens_are_left_out_of_generated_text_unless_asked(tmp_path):
+def test_special_tokens_are_left_out_of_generated_text_unless_asked(kiln_tokenizer):
     """vLLM's skip_special_tokens (default true), which lm-eval's HF backend matches by decoding with
     skip_special_tokens=True: a generated <|user|> is counted and has a logprob, but is not text."""
     from fastapi.testclient import TestClient
 
     from kiln.serve.app import create_app
 
-    texts = [
-        p.read_text(encoding="utf-8", errors="replace")[:3000]
-        for p in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:15]
-    ]
-    train_tokenizer(texts, TokenizerConfig(vocab_size=600), tmp_path / "tok", heldout=[])
-    tok = Tokenizer.load(tmp_path / "tok")
+    tok = kiln_tokenizer
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=tok.vocab_size, dim=32, n_layers=1, n_heads=2, max_seq_len=64)
     user = tok.token_id("<|user|>")
@@ -109,7 +74,7 @@ def _by_doc(samples: list[dict]) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_lm_eval_scores_the_same_through_the_hf_export_and_the_server(tmp_path, monkeypatch):
+def test_lm_eval_scores_the_same_through_the_hf_export_and_the_server(tmp_path, monkeypatch, kiln_tokenizer):
     lm_eval = pytest.importorskip("lm_eval")
     pytest.importorskip("tenacity")  # lm-eval's API models need it (lm_eval[api])
     from lm_eval.tasks import TaskManager
@@ -118,12 +83,7 @@ def test_lm_eval_scores_the_same_through_the_hf_export_and_the_server(tmp_path, 
     from kiln.serve.app import create_app
     from kiln.serve.cli import load_for_inference
 
-    texts = [
-        p.read_text(encoding="utf-8", errors="replace")[:6000]
-        for p in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:40]
-    ]
-    train_tokenizer(texts, TokenizerConfig(vocab_size=700), tmp_path / "tok", heldout=[])
-    tok = Tokenizer.load(tmp_path / "tok")
+    tok = kiln_tokenizer
     torch.manual_seed(3)
     cfg = ModelConfig(
         vocab_size=tok.vocab_size, dim=48, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=MAX_SEQ_LEN, init_std=0.1

@@ -2,7 +2,7 @@ import threading
 
 import pytest
 import torch
-from serve_helpers import ForcesToken
+from kiln_testing.models import ForcesToken
 
 from kiln.errors import ConfigError
 from kiln.infer.engine import Engine, KVCache, SamplingParams

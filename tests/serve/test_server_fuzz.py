@@ -18,7 +18,9 @@ schemathesis = pytest.importorskip("schemathesis")
 hypothesis = pytest.importorskip("hypothesis")
 uvicorn = pytest.importorskip("uvicorn")
 
-from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import HealthCheck, given  # noqa: E402
+from kiln_testing.fuzz import fuzz_examples, fuzz_settings  # noqa: E402
+from kiln_testing.serving import serving  # noqa: E402
 from schemathesis import GenerationMode  # noqa: E402
 from schemathesis.checks import not_a_server_error  # noqa: E402
 from schemathesis.python import asgi as st_asgi  # noqa: E402
@@ -26,11 +28,8 @@ from schemathesis.specs.openapi.checks import (  # noqa: E402
     response_schema_conformance,
     status_code_conformance,
 )
-from serve_helpers import serving  # noqa: E402
 
 from kiln.checkpoint import save_weights  # noqa: E402
-from kiln.data.config import TokenizerConfig  # noqa: E402
-from kiln.data.tokenizer import Tokenizer, train_tokenizer  # noqa: E402
 from kiln.model import ModelConfig, build_model  # noqa: E402
 from kiln.serve.app import create_app  # noqa: E402
 from kiln.serve.cli import load_for_inference  # noqa: E402
@@ -48,22 +47,20 @@ OPERATIONS = {
     ("POST", "/v1/chat/completions"),
 }
 # Fuzzing budget per operation and mode: enough to reach every field, small enough for the default run.
-EXAMPLES = int(os.environ.get("KILN_FUZZ_EXAMPLES", "25"))
+EXAMPLES = fuzz_examples(25)
 CHECKS = [not_a_server_error, status_code_conformance, response_schema_conformance]
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
+def model_dir(tmp_path_factory, kiln_tokenizer):
     """A checkpoint folder (weights + tokenizer.json) inside `root`; `root/outside` sits next to it
     and holds the files a hostile request would go after."""
     root = tmp_path_factory.mktemp("fuzz-serve")
-    texts = [f"def f{i}(x):\n    return x * {i} + {i * i}\n# the quick brown fox {i}\n" for i in range(300)]
-    train_tokenizer(texts, TokenizerConfig(vocab_size=520), root / "tok", heldout=[])
     torch.manual_seed(0)
-    vocab = Tokenizer.load(root / "tok").vocab_size
+    vocab = kiln_tokenizer.vocab_size
     cfg = ModelConfig(vocab_size=vocab, dim=32, n_layers=1, n_heads=2, n_kv_heads=1, max_seq_len=64, init_std=0.2)
     save_weights(root / "model", cfg, build_model(cfg).state_dict(), {"step": 0})
-    shutil.copy(root / "tok" / "tokenizer.json", root / "model" / "tokenizer.json")
+    shutil.copy(kiln_tokenizer.path, root / "model" / "tokenizer.json")
     outside = root / "outside"
     outside.mkdir()
     (outside / "secret.txt").write_text("not for clients\n")
@@ -137,9 +134,7 @@ def test_no_server_errors_heavy(schema, method, path, mode):
 def fuzz_operation(schema, method, path, mode, examples):
     operation = schema[path][method]
 
-    @settings(
-        max_examples=examples, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck)
-    )
+    @fuzz_settings(examples, HealthCheck)
     @given(case=operation.as_strategy(generation_mode=mode))
     def fuzz(case):
         call(case)
@@ -249,13 +244,7 @@ def test_sampling_fields_never_fail(schema):
 
     with st_asgi.get_client(schema.app) as client:
 
-        @settings(
-            max_examples=EXAMPLES * 2,
-            deadline=None,
-            derandomize=True,
-            database=None,
-            suppress_health_check=list(HealthCheck),
-        )
+        @fuzz_settings(EXAMPLES * 2, HealthCheck)
         @given(extra=fields)
         def fuzz(extra):
             body = {"prompt": "def f", "max_tokens": 3, **extra}

@@ -5,12 +5,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from kiln_testing.train import tiny_train_config
 
 from kiln.errors import ConfigError
 from kiln.model import ModelConfig
 from kiln.model.weights import load_weights
 from kiln.recipe import load_recipe
-from kiln.train.config import TrainConfig
 from kiln.train.trainer import Trainer
 
 MODEL = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32)
@@ -23,23 +23,8 @@ def pack(tmp_path_factory, tiny_pack_factory):
 
 
 def _cfg(**overrides):
-    base = dict(
-        seq_len=16,
-        micro_batch_size=4,
-        global_batch_tokens=4 * MICRO,
-        max_steps=8,
-        lr=1e-2,
-        warmup_steps=2,
-        precision="fp32",
-        log_every=1,
-        eval_every=100,
-        eval_batches=2,
-        ckpt_every=4,
-        peak_flops=1e12,
-        batch_ramp_steps=6,
-        batch_ramp_start_tokens=MICRO,
-    )
-    return TrainConfig(**{**base, **overrides})
+    ramp = dict(global_batch_tokens=4 * MICRO, eval_every=100, batch_ramp_steps=6, batch_ramp_start_tokens=MICRO)
+    return tiny_train_config(**{**ramp, **overrides})
 
 
 def _log(out: Path) -> list[dict]:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from kiln_testing.train import tiny_train_config
 
 from kiln.data.loader import TokenLoader
 from kiln.errors import ConfigError, TrainingDiverged
@@ -14,7 +15,7 @@ from kiln.model import ModelConfig, build_model
 from kiln.model.weights import load_weights
 from kiln.recipe import load_recipe
 from kiln.train import trainer as trainer_module
-from kiln.train.config import GuardConfig, TrainConfig
+from kiln.train.config import GuardConfig
 from kiln.train.guard import LossGuard, grad_group
 from kiln.train.schedule import lr_at
 from kiln.train.trainer import Trainer, next_token_loss
@@ -161,21 +162,7 @@ def pack(tmp_path_factory, tiny_pack_factory):
 
 
 def _cfg(**guard):
-    return TrainConfig(
-        seq_len=16,
-        micro_batch_size=4,
-        global_batch_tokens=64,
-        max_steps=STEPS,
-        lr=1e-2,
-        warmup_steps=2,
-        precision="fp32",
-        log_every=1,
-        eval_every=STEPS,
-        eval_batches=4,
-        ckpt_every=4,
-        peak_flops=1e12,
-        guard=GuardConfig(**guard),
-    )
+    return tiny_train_config(max_steps=STEPS, eval_every=STEPS, eval_batches=4, guard=GuardConfig(**guard))
 
 
 def _log(out: Path) -> list[dict]:

@@ -6,6 +6,7 @@ import struct
 import sys
 
 import pytest
+from kiln_testing.train import tiny_train_config
 
 from kiln.errors import ConfigError
 from kiln.train.metrics import MetricsLogger, flatten_config, mlflow_key, scalars, truncate_metrics
@@ -285,27 +286,15 @@ def test_a_training_run_reaches_every_backend(tmp_path, monkeypatch, tiny_pack_f
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from kiln.model import ModelConfig
-    from kiln.train import TrainConfig, Trainer
+    from kiln.train import Trainer
 
     for var in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
         monkeypatch.setenv(var, str(tmp_path / "home" / var))
     monkeypatch.delenv("WANDB_MODE", raising=False)
     monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
     pack = tiny_pack_factory(tmp_path / "pack")
-    cfg = TrainConfig(
-        seq_len=16,
-        micro_batch_size=4,
-        global_batch_tokens=64,
-        max_steps=4,
-        lr=1e-2,
-        warmup_steps=1,
-        precision="fp32",
-        log_every=2,
-        eval_every=4,
-        eval_batches=1,
-        ckpt_every=4,
-        peak_flops=1e12,
-        loggers=["tensorboard", "wandb", "mlflow"],
+    cfg = tiny_train_config(
+        max_steps=4, warmup_steps=1, log_every=2, eval_batches=1, loggers=["tensorboard", "wandb", "mlflow"]
     )
     out = tmp_path / "run" / "pretrain"
     Trainer(ModelConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, max_seq_len=32), cfg, pack, out).fit()

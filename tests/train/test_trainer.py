@@ -4,12 +4,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from kiln_testing.train import tiny_train_config
 
 from kiln.checkpoint import complete_checkpoints
 from kiln.errors import ConfigError
 from kiln.model import ModelConfig
 from kiln.model.weights import load_weights
-from kiln.train.config import TrainConfig
 from kiln.train.trainer import Trainer, next_token_loss
 
 MODEL = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32)
@@ -20,24 +20,6 @@ def pack(tmp_path_factory, tiny_pack_factory):
     return tiny_pack_factory(tmp_path_factory.mktemp("pack"))
 
 
-def _cfg(**overrides):
-    base = dict(
-        seq_len=16,
-        micro_batch_size=4,
-        global_batch_tokens=64,
-        max_steps=8,
-        lr=1e-2,
-        warmup_steps=2,
-        precision="fp32",
-        log_every=1,
-        eval_every=4,
-        eval_batches=2,
-        ckpt_every=4,
-        peak_flops=1e12,
-    )
-    return TrainConfig(**{**base, **overrides})
-
-
 def _records(out: Path, kind: str) -> list[dict]:
     lines = (out / "metrics.jsonl").read_text().splitlines()
     return [r for r in map(json.loads, lines) if r["kind"] == kind]
@@ -45,7 +27,7 @@ def _records(out: Path, kind: str) -> list[dict]:
 
 def test_loss_falls_and_outputs(pack, tmp_path, capsys):
     out = tmp_path / "run"
-    summary = Trainer(MODEL, _cfg(max_steps=40, eval_every=20, ckpt_every=20), pack, out).fit()
+    summary = Trainer(MODEL, tiny_train_config(max_steps=40, eval_every=20, ckpt_every=20), pack, out).fit()
     train = _records(out, "train")
     assert [r["step"] for r in train] == list(range(1, 41))
     groups = {f"grad_norm/{g}" for g in ("embed", "attn", "mlp", "norm", "head")}  # untied: a head of its own
@@ -82,7 +64,7 @@ def test_loss_falls_and_outputs(pack, tmp_path, capsys):
 
 def test_group_grad_norms_add_up_to_the_global_norm(pack, tmp_path):
     out = tmp_path / "run"
-    Trainer(MODEL, _cfg(max_steps=3, log_every=2, grad_clip=0.01), pack, out).fit()
+    Trainer(MODEL, tiny_train_config(max_steps=3, log_every=2, grad_clip=0.01), pack, out).fit()
     train = _records(out, "train")
     assert [r["step"] for r in train] == [2, 3]
     for r in train:
@@ -94,7 +76,7 @@ def test_group_grad_norms_add_up_to_the_global_norm(pack, tmp_path):
 
 def test_hfu_counts_the_recomputed_forward(pack, tmp_path):
     out = tmp_path / "run"
-    summary = Trainer(MODEL, _cfg(max_steps=3, activation_checkpointing=True), pack, out).fit()
+    summary = Trainer(MODEL, tiny_train_config(max_steps=3, activation_checkpointing=True), pack, out).fit()
     for r in _records(out, "train"):
         assert r["hfu"] == pytest.approx(r["mfu"] * 4 / 3) and r["mfu"] > 0
     assert summary["hfu"] == pytest.approx(summary["mfu"] * 4 / 3)
@@ -103,10 +85,10 @@ def test_hfu_counts_the_recomputed_forward(pack, tmp_path):
 def test_loggers_reach_the_metrics_logger(pack, tmp_path):
     pytest.importorskip("tensorboard")
     out = tmp_path / "run"
-    Trainer(MODEL, _cfg(max_steps=3, loggers=["tensorboard"]), pack, out).fit()
+    Trainer(MODEL, tiny_train_config(max_steps=3, loggers=["tensorboard"]), pack, out).fit()
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
     with pytest.raises(ConfigError, match="loggers"):
-        _cfg(loggers=["stdout"]).validate()
+        tiny_train_config(loggers=["stdout"]).validate()
 
 
 def _one_step(pack, out, cfg, batch, micro, loss_fn=None):
@@ -133,12 +115,16 @@ def _batch(n=8, seq=16):
 
 def test_gradient_accumulation_matches_big_batch(pack, tmp_path):
     batch = _batch()
-    big, _ = _one_step(pack, tmp_path / "a", _cfg(micro_batch_size=8, global_batch_tokens=128), batch, 8)
-    accumulated, _ = _one_step(pack, tmp_path / "b", _cfg(micro_batch_size=4, global_batch_tokens=128), batch, 4)
+    big, _ = _one_step(pack, tmp_path / "a", tiny_train_config(micro_batch_size=8, global_batch_tokens=128), batch, 8)
+    accumulated, _ = _one_step(
+        pack, tmp_path / "b", tiny_train_config(micro_batch_size=4, global_batch_tokens=128), batch, 4
+    )
     for name in big:
         torch.testing.assert_close(accumulated[name], big[name], rtol=1e-4, atol=1e-7)
         assert big[name].abs().max() > 0, name
-    trainer = Trainer(MODEL, _cfg(micro_batch_size=4, global_batch_tokens=128), pack, tmp_path / "c", resume="none")
+    trainer = Trainer(
+        MODEL, tiny_train_config(micro_batch_size=4, global_batch_tokens=128), pack, tmp_path / "c", resume="none"
+    )
     assert trainer.accum_steps == 2
 
 
@@ -156,10 +142,20 @@ def test_accumulation_weights_uneven_micro_batches_by_tokens(pack, tmp_path):
     y = y.clone()
     y[:4] = 2 * (y[:4] // 2)  # first half: every target counted; second half: about half of them
     big, _ = _one_step(
-        pack, tmp_path / "a", _cfg(micro_batch_size=8, global_batch_tokens=128), (x, y), 8, loss_fn=masked_loss
+        pack,
+        tmp_path / "a",
+        tiny_train_config(micro_batch_size=8, global_batch_tokens=128),
+        (x, y),
+        8,
+        loss_fn=masked_loss,
     )
     accumulated, _ = _one_step(
-        pack, tmp_path / "b", _cfg(micro_batch_size=4, global_batch_tokens=128), (x, y), 4, loss_fn=masked_loss
+        pack,
+        tmp_path / "b",
+        tiny_train_config(micro_batch_size=4, global_batch_tokens=128),
+        (x, y),
+        4,
+        loss_fn=masked_loss,
     )
     for name in big:
         torch.testing.assert_close(accumulated[name], big[name], rtol=1e-4, atol=1e-7)
@@ -167,8 +163,8 @@ def test_accumulation_weights_uneven_micro_batches_by_tokens(pack, tmp_path):
 
 def test_activation_checkpointing_gives_same_step(pack, tmp_path):
     batch = _batch(4)
-    _, plain = _one_step(pack, tmp_path / "a", _cfg(), batch, 4)
-    _, recomputed = _one_step(pack, tmp_path / "b", _cfg(activation_checkpointing=True), batch, 4)
+    _, plain = _one_step(pack, tmp_path / "a", tiny_train_config(), batch, 4)
+    _, recomputed = _one_step(pack, tmp_path / "b", tiny_train_config(activation_checkpointing=True), batch, 4)
     for name in plain:
         assert torch.equal(plain[name], recomputed[name]), name
 
@@ -176,7 +172,9 @@ def test_activation_checkpointing_gives_same_step(pack, tmp_path):
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
 def test_mixed_precision_trains(pack, tmp_path, precision):
     out = tmp_path / precision
-    trainer = Trainer(MODEL, _cfg(precision=precision, max_steps=12, eval_every=12, ckpt_every=12), pack, out)
+    trainer = Trainer(
+        MODEL, tiny_train_config(precision=precision, max_steps=12, eval_every=12, ckpt_every=12), pack, out
+    )
     assert trainer.scaler.is_enabled() == (precision == "fp16")
     summary = trainer.fit()
     losses = [r["loss"] for r in _records(out, "train")]
@@ -192,7 +190,7 @@ def test_mixed_precision_trains(pack, tmp_path, precision):
 
 
 def test_fp16_loss_scaler_skips_overflowing_step(pack, tmp_path):
-    trainer = Trainer(MODEL, _cfg(precision="fp16"), pack, tmp_path / "run")
+    trainer = Trainer(MODEL, tiny_train_config(precision="fp16"), pack, tmp_path / "run")
     start = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     scale = trainer.scaler.get_scale()
 
@@ -215,7 +213,9 @@ def test_other_optimizers_train(pack, tmp_path, optimizer):
     # Lion takes unit-size steps, so a smaller lr; Adafactor's lr caps a step relative to the weight RMS.
     lr = {"lion": 3e-3, "adafactor": 0.1}[optimizer]
     out = tmp_path / optimizer
-    Trainer(MODEL, _cfg(optimizer=optimizer, lr=lr, max_steps=12, eval_every=12, ckpt_every=12), pack, out).fit()
+    Trainer(
+        MODEL, tiny_train_config(optimizer=optimizer, lr=lr, max_steps=12, eval_every=12, ckpt_every=12), pack, out
+    ).fit()
     losses = [r["loss"] for r in _records(out, "train")]
     assert losses[-1] < losses[0] - 0.5
 
@@ -223,7 +223,10 @@ def test_other_optimizers_train(pack, tmp_path, optimizer):
 def test_early_stopping_and_best_checkpoint(pack, tmp_path):
     out = tmp_path / "run"
     trainer = Trainer(
-        MODEL, _cfg(max_steps=20, eval_every=1, ckpt_every=100, keep_last=1, early_stop_patience=2), pack, out
+        MODEL,
+        tiny_train_config(max_steps=20, eval_every=1, ckpt_every=100, keep_last=1, early_stop_patience=2),
+        pack,
+        out,
     )
     scripted = iter([3.0, 2.5, 2.6, 2.7, 1.0])
     trainer.evaluate = lambda: (v := next(scripted), v / math.log(2) / 3.0)
@@ -238,28 +241,33 @@ def test_early_stopping_and_best_checkpoint(pack, tmp_path):
 
 def test_init_from_loads_weights_only(pack, tmp_path):
     first = tmp_path / "first"
-    Trainer(MODEL, _cfg(max_steps=4), pack, first).fit()
+    Trainer(MODEL, tiny_train_config(max_steps=4), pack, first).fit()
     _, weights, _ = load_weights(first)
-    second = Trainer(MODEL, _cfg(max_steps=4, seed=7), pack, tmp_path / "second", init_from=first)
+    second = Trainer(MODEL, tiny_train_config(max_steps=4, seed=7), pack, tmp_path / "second", init_from=first)
     assert second.step == 0 and second.resumed_from is None
     for name, tensor in second.model.state_dict().items():
         assert torch.equal(tensor, weights[name]), name
     wrong = ModelConfig(dim=64, n_layers=2, n_heads=4, max_seq_len=32)
     with pytest.raises(ConfigError, match="init_from"):
-        Trainer(wrong, _cfg(), pack, tmp_path / "third", init_from=first)
+        Trainer(wrong, tiny_train_config(), pack, tmp_path / "third", init_from=first)
 
 
 def test_resume_none_refuses_to_mix_runs(pack, tmp_path):
-    Trainer(MODEL, _cfg(max_steps=4), pack, tmp_path / "run").fit()
+    Trainer(MODEL, tiny_train_config(max_steps=4), pack, tmp_path / "run").fit()
     with pytest.raises(ConfigError, match="resume"):
-        Trainer(MODEL, _cfg(max_steps=4), pack, tmp_path / "run", resume="none")
+        Trainer(MODEL, tiny_train_config(max_steps=4), pack, tmp_path / "run", resume="none")
 
 
 def test_config_errors_name_the_key(pack, tmp_path):
     with pytest.raises(ConfigError, match="seq_len"):
-        Trainer(MODEL, _cfg(seq_len=64, global_batch_tokens=256), pack, tmp_path / "a")
+        Trainer(MODEL, tiny_train_config(seq_len=64, global_batch_tokens=256), pack, tmp_path / "a")
     with pytest.raises(ConfigError, match="vocab_size"):
-        Trainer(ModelConfig(vocab_size=32, dim=32, n_layers=1, n_heads=4, max_seq_len=32), _cfg(), pack, tmp_path / "b")
+        Trainer(
+            ModelConfig(vocab_size=32, dim=32, n_layers=1, n_heads=4, max_seq_len=32),
+            tiny_train_config(),
+            pack,
+            tmp_path / "b",
+        )
 
 
 def test_default_loss_is_mean_cross_entropy():
@@ -272,7 +280,7 @@ def test_default_loss_is_mean_cross_entropy():
 
 def test_auto_resume_skips_corrupted_checkpoint(pack, tmp_path):
     out = tmp_path / "run"
-    Trainer(MODEL, _cfg(eval_every=100), pack, out).fit()
+    Trainer(MODEL, tiny_train_config(eval_every=100), pack, out).fit()
     # Cloned: safetensors maps the file, and the next lines overwrite it in place.
     original = {k: v.clone() for k, v in load_weights(out)[1].items()}
     corrupted = out / "checkpoints" / "step-00000008" / "model.safetensors"
@@ -280,7 +288,7 @@ def test_auto_resume_skips_corrupted_checkpoint(pack, tmp_path):
     data[-10] ^= 0xFF
     corrupted.write_bytes(bytes(data))
     with pytest.warns(UserWarning) as warned:
-        trainer = Trainer(MODEL, _cfg(eval_every=100), pack, out)
+        trainer = Trainer(MODEL, tiny_train_config(eval_every=100), pack, out)
     messages = " ".join(str(w.message) for w in warned)
     assert "skipping checkpoint step-00000008" in messages and "model.safetensors" in messages
     assert "renamed to abandoned-step-00000008" in messages

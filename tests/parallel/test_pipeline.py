@@ -1,8 +1,4 @@
-"""Pipeline parallelism (kiln/parallel/pipeline.py) against one process running the whole model.
-
-(Named test_pipeline_parallel.py, not test_pipeline.py: tests/test_pipeline.py already exists and
-test basenames must be unique.)
-"""
+"""Pipeline parallelism (kiln/parallel/pipeline.py) against one process running the whole model."""
 
 from __future__ import annotations
 

@@ -4,14 +4,12 @@ import argparse
 import csv
 import json
 import shutil
-import sysconfig
 from pathlib import Path
 
 import pytest
 import torch
+from kiln_testing.models import Scripted
 
-from kiln.data.config import TokenizerConfig
-from kiln.data.tokenizer import Tokenizer, train_tokenizer
 from kiln.errors import ConfigError, DataError
 from kiln.eval.harness import CodeTask, KilnLM, evaluate, score_completions
 from kiln.eval.sandbox import Limits
@@ -32,12 +30,8 @@ from kiln.model import ModelConfig, build_model
 
 
 @pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    paths = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:40]
-    texts = [p.read_text(encoding="utf-8", errors="replace")[:6000] for p in paths]
-    out = tmp_path_factory.mktemp("tasks_tok")
-    train_tokenizer(texts, TokenizerConfig(vocab_size=700), out, heldout=[])
-    return Tokenizer.load(out)
+def tok(kiln_tokenizer):
+    return kiln_tokenizer
 
 
 def tiny_config(tok, max_seq_len=96):
@@ -50,20 +44,6 @@ def tiny_config(tok, max_seq_len=96):
 def model(tok):
     torch.manual_seed(0)
     return build_model(tiny_config(tok)).eval()
-
-
-class Scripted(torch.nn.Module):
-    """A real model pushed hard towards the next token of a script at every forward call."""
-
-    def __init__(self, inner, script):
-        super().__init__()
-        self.inner, self.cfg, self.script, self.calls = inner, inner.cfg, script, 0
-
-    def forward(self, tokens, **kwargs):
-        logits = self.inner(tokens, **kwargs)
-        logits[..., self.script[min(self.calls, len(self.script) - 1)]] += 1000.0
-        self.calls += 1
-        return logits
 
 
 def write_csv(path: Path, rows):
