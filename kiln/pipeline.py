@@ -206,7 +206,7 @@ def _pretrain(recipe: Recipe, out: Path, resume: str = "auto", init_from: str | 
 
 def _sample(recipe: Recipe, out: Path, **_) -> dict:
     from kiln.data.tokenizer import Tokenizer
-    from kiln.infer.sample import sample_texts
+    from kiln.infer.samples import sample_texts
     from kiln.model.weights import load_model
 
     checkpoints = stage_dir(recipe, "pretrain") / "checkpoints"

@@ -1,5 +1,7 @@
-"""The inference engine: a preallocated KV cache, batched prefill then decode, sampling, stop rules
-and streaming text that never splits a character.
+"""The inference engine, Kiln's one generator (the sample stage, `kiln generate`, eval, serving and
+post-training rollouts all decode through it): a preallocated KV cache, batched prefill then
+decode, sampling (kiln.infer.sampling, under kiln.infer.config.SamplingParams), stop rules and
+streaming text that never splits a character.
 
 Batches of prompts of different lengths are laid out with per-row lengths rather than left padding:
 every row starts at cache slot 0 and position 0, so a prompt gets the same positions and the same
@@ -18,7 +20,8 @@ from typing import Iterator, Sequence
 import torch
 
 from kiln.errors import ConfigError
-from kiln.infer.sample import filter_logits
+from kiln.infer.config import SamplingParams
+from kiln.infer.sampling import sample_next_tokens
 
 
 class KVCache:
@@ -155,57 +158,6 @@ class _LayerCache:
             k_all[rows, :, slots] = k.transpose(1, 2)
             v_all[rows, :, slots] = v.transpose(1, 2)
         return k_all[:, :, :width], v_all[:, :, :width], masking
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 1.0  # 0: greedy
-    top_k: int = 0  # 0: off
-    top_p: float = 1.0  # 1: off
-    min_p: float = 0.0  # 0: off
-    repetition_penalty: float = 1.0  # 1: off
-
-    def __post_init__(self):
-        # As vLLM: below 1e-5 sampling is greedy, and dividing float32 logits by it overflows to NaN.
-        if 0 < self.temperature < 1e-5:
-            object.__setattr__(self, "temperature", 0.0)
-
-    def validate(self) -> None:
-        if self.temperature < 0:
-            raise ConfigError("temperature", f"must be >= 0 (0 is greedy), got {self.temperature}")
-        if self.top_k < 0:
-            raise ConfigError("top_k", f"must be >= 0 (0 is off), got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise ConfigError("top_p", f"must be in (0, 1], got {self.top_p}")
-        if not 0 <= self.min_p <= 1:
-            raise ConfigError("min_p", f"must be in [0, 1], got {self.min_p}")
-        if self.repetition_penalty <= 0:
-            raise ConfigError("repetition_penalty", f"must be > 0 (1 is off), got {self.repetition_penalty}")
-
-
-def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
-    """CTRL's penalty (Keskar et al. 2019) as transformers applies it: a token already in the prompt
-    or the completion has a positive logit divided by `penalty` and a negative one multiplied by it."""
-    penalised = torch.where(logits < 0, logits * penalty, logits / penalty)
-    return torch.where(seen, penalised, logits)
-
-
-def min_p_filter(logits: torch.Tensor, min_p: float) -> torch.Tensor:
-    """Drop tokens whose probability is below min_p times the most likely token's (Nguyen et al. 2024)."""
-    if min_p <= 0:
-        return logits
-    probs = logits.softmax(dim=-1)
-    threshold = min_p * probs.max(dim=-1, keepdim=True).values
-    return logits.masked_fill(probs < threshold, float("-inf"))
-
-
-def sampling_logits(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None = None) -> torch.Tensor:
-    """Logits [B, vocab] whose softmax is the distribution a token is drawn from (temperature > 0),
-    in transformers' order: repetition penalty, temperature, top-k, top-p, min-p."""
-    if seen is not None and params.repetition_penalty != 1.0:
-        logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
-    logits = filter_logits(logits / params.temperature, params.top_k, params.top_p)
-    return min_p_filter(logits, params.min_p)
 
 
 @dataclass
@@ -417,6 +369,29 @@ class Engine:
             if min(prompt) < 0 or max(prompt) >= vocab:
                 raise ConfigError("prompts", f"prompt {i} has token ids outside 0..{vocab - 1}")
 
+    def _prefill(self, prompts, max_new_tokens, params: SamplingParams):
+        """The prompts right-padded into one forward over a new cache: (cache with each row's true
+        length, the logits [B, vocab] after each prompt's last token, and the [B, vocab] mask of the
+        tokens each prompt holds when the repetition penalty needs it, else None)."""
+        model = self.model
+        device = next(model.parameters()).device
+        lengths = [len(p) for p in prompts]
+        batch, longest = len(prompts), max(lengths)
+        # A row's last token is sampled but never fed back, so it needs no slot.
+        cache = KVCache.for_model(model, batch, min(model.cfg.max_seq_len, longest + max_new_tokens - 1))
+        tokens = torch.zeros(batch, longest, dtype=torch.long, device=device)
+        for row, prompt in enumerate(prompts):
+            tokens[row, : len(prompt)] = torch.tensor(prompt, device=device)
+        logits = model(tokens, kv_cache=cache)
+        cache.set_lengths(lengths)
+        logits = logits[torch.arange(batch, device=device), torch.tensor(lengths, device=device) - 1].float()
+        seen = None
+        if params.repetition_penalty != 1.0:
+            seen = torch.zeros(batch, logits.shape[-1], dtype=torch.bool, device=device)
+            seen.scatter_(1, tokens, True)
+            seen[:, 0] = torch.tensor([0 in p for p in prompts], device=device)  # 0 was the padding id
+        return cache, logits, seen
+
     @torch.inference_mode()
     def _run(self, prompts, max_new_tokens, params: SamplingParams, stop_token_ids, stop_strings, seed):
         """Yields (prompt index, StreamToken) for each token of each row, step by step."""
@@ -427,22 +402,8 @@ class Engine:
         model.eval()
         try:
             device = next(model.parameters()).device
-            lengths = [len(p) for p in prompts]
-            batch, longest = len(prompts), max(lengths)
-            # A row's last token is sampled but never fed back, so it needs no slot.
-            cache = KVCache.for_model(model, batch, min(model.cfg.max_seq_len, longest + max_new_tokens - 1))
-            tokens = torch.zeros(batch, longest, dtype=torch.long, device=device)
-            for row, prompt in enumerate(prompts):
-                tokens[row, : len(prompt)] = torch.tensor(prompt, device=device)
-            logits = model(tokens, kv_cache=cache)
-            cache.set_lengths(lengths)
-            logits = logits[torch.arange(batch, device=device), torch.tensor(lengths, device=device) - 1].float()
-
-            seen = None
-            if params.repetition_penalty != 1.0:
-                seen = torch.zeros(batch, logits.shape[-1], dtype=torch.bool, device=device)
-                seen.scatter_(1, tokens, True)
-                seen[:, 0] = torch.tensor([0 in p for p in prompts], device=device)  # 0 was the padding id
+            lengths, batch = [len(p) for p in prompts], len(prompts)
+            cache, logits, seen = self._prefill(prompts, max_new_tokens, params)
             rows = list(range(batch))  # the prompt index of each cache row
             generators = self._generators(seed, batch, device)
             texts = [
@@ -451,7 +412,7 @@ class Engine:
             stop_ids = {int(t) for t in stop_token_ids}
             generated = [0] * batch
             while True:
-                new, logprob, temp_logprob, sample_logprob = _sample(logits, params, seen, generators)
+                new, logprob, temp_logprob, sample_logprob = sample_next_tokens(logits, params, seen, generators)
                 keep = []
                 for r, row in enumerate(rows):
                     token, text = new[r], texts[r]
@@ -487,25 +448,3 @@ class Engine:
                 logits = model(next_ids[:, None], kv_cache=cache)[:, -1].float()
         finally:
             model.train(was_training)
-
-
-def _sample(logits: torch.Tensor, params: SamplingParams, seen, generators):
-    """Next token of each row and its log-probabilities: under the model (temperature 1), under the
-    model at the sampling temperature, and under the distribution actually sampled from."""
-    logprobs = logits.log_softmax(dim=-1)
-    if params.temperature == 0:
-        scores = apply_repetition_penalty(logits, seen, params.repetition_penalty) if seen is not None else logits
-        tokens = scores.argmax(dim=-1)
-        chosen = logprobs.gather(1, tokens[:, None])[:, 0]
-        # Greedy picks its token with probability 1 and has no sampling temperature to scale by.
-        return tokens.tolist(), chosen.tolist(), chosen.tolist(), [0.0] * len(generators)
-    final = sampling_logits(logits, params, seen)
-    probs = final.softmax(dim=-1)
-    tokens = torch.cat([torch.multinomial(probs[r], 1, generator=g) for r, g in enumerate(generators)])
-    index = tokens[:, None]
-    return (
-        tokens.tolist(),
-        logprobs.gather(1, index)[:, 0].tolist(),
-        (logits / params.temperature).log_softmax(dim=-1).gather(1, index)[:, 0].tolist(),
-        final.log_softmax(dim=-1).gather(1, index)[:, 0].tolist(),
-    )

@@ -2,7 +2,8 @@
 `kiln chat`): device and dtype, optional weight-only quantisation (kiln.infer.quant) and an optional
 draft model for speculative decoding (kiln.infer.speculative).
 
-Errors name the command-line flag, since that is what the user typed.
+These options say how a model is loaded and run, never how tokens are sampled: that is
+kiln.infer.config.SamplingParams. Errors name the command-line flag, since that is what the user typed.
 """
 
 from __future__ import annotations
@@ -11,7 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
+from kiln.data.tokenizer import Tokenizer, find_tokenizer
 from kiln.errors import ConfigError
+from kiln.infer.quant import quantize_model
+from kiln.model.weights import load_model
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANT_SCHEMES = ("int8", "int4", "nf4")
@@ -19,6 +23,8 @@ QUANT_SCHEMES = ("int8", "int4", "nf4")
 
 @dataclass
 class InferenceOptions:
+    """Where and in what precision the model runs (`--device`, `--dtype`, `--quant`, `--group-size`)."""
+
     device: str = "auto"  # auto: cuda when available
     dtype: str = "auto"  # auto: bfloat16 on a GPU or when quantising, float32 otherwise
     quant: str | None = None  # int8 | int4 | nf4
@@ -53,8 +59,6 @@ def quantize(model, opts: InferenceOptions):
         if opts.group_size is not None:
             raise ConfigError("--group-size", "only applies with --quant int4 or nf4", "<command line>")
         return model
-    from kiln.infer.quant import quantize_model
-
     if opts.quant not in QUANT_SCHEMES:
         raise ConfigError("--quant", f"must be one of {', '.join(QUANT_SCHEMES)}, got {opts.quant!r}", "<command line>")
     try:
@@ -66,9 +70,6 @@ def quantize(model, opts: InferenceOptions):
 
 def load_for_inference(checkpoint, tokenizer_path=None, opts: InferenceOptions | None = None):
     """(model in eval mode on its device, in its dtype, quantised if asked; tokenizer)."""
-    from kiln.data.tokenizer import Tokenizer, find_tokenizer
-    from kiln.model.weights import load_model
-
     opts = opts or InferenceOptions()
     device = resolve_device(opts.device)
     dtype = resolve_dtype(opts, device)
@@ -87,8 +88,6 @@ def load_for_inference(checkpoint, tokenizer_path=None, opts: InferenceOptions |
 def load_draft(checkpoint, target, k: int):
     """A SpeculativeEngine's draft: the checkpoint on the target's device and in its parameter dtype
     (never quantised: it is small by design). The engine checks the vocabulary and context."""
-    from kiln.model.weights import load_model
-
     if k < 1:
         raise ConfigError("--draft-tokens", f"must be >= 1, got {k}", "<command line>")
     draft, _ = load_model(checkpoint)

@@ -26,7 +26,9 @@ from typing import Sequence
 import torch
 
 from kiln.errors import ConfigError
-from kiln.infer.engine import Completion, Engine, KVCache, SamplingParams, TextStream, sampling_logits
+from kiln.infer.config import SamplingParams
+from kiln.infer.engine import Completion, Engine, KVCache, TextStream
+from kiln.infer.sampling import sampling_logits
 
 
 @dataclass
@@ -129,22 +131,13 @@ class SpeculativeEngine:
                 m.train(mode)
 
     def _run(self, prompts, max_new_tokens, params, stop_token_ids, stop_strings, seed) -> list[Completion]:
-        target, draft = self.target, self.draft
+        target = self.target
         device = next(target.parameters()).device
         batch, lengths = len(prompts), [len(p) for p in prompts]
         longest, max_seq_len = max(lengths), target.cfg.max_seq_len
         # Rows still running hold at most prompt + max_new_tokens - 1 tokens and add k + 1 more.
         max_len = min(max_seq_len, longest + max_new_tokens + self.k - 1)
-        t_cache, d_cache = KVCache.for_model(target, batch, max_len), KVCache.for_model(draft, batch, max_len)
-        tokens = torch.zeros(batch, longest, dtype=torch.long, device=device)
-        for row, prompt in enumerate(prompts):
-            tokens[row, : len(prompt)] = torch.tensor(prompt, device=device)
-        last = torch.tensor(lengths, device=device) - 1
-        rows_index = torch.arange(batch, device=device)
-        t_logits = target(tokens, kv_cache=t_cache)[rows_index, last][:, None].float()
-        t_cache.set_lengths(lengths)
-        draft(tokens, kv_cache=d_cache)
-        d_cache.set_lengths(lengths)
+        t_cache, d_cache, t_logits = self._prefill(prompts, max_len)
         self.stats = SpeculativeStats(target_calls=1, draft_calls=1)
 
         generators = self._engine._generators(seed, batch, device)
@@ -202,6 +195,23 @@ class SpeculativeEngine:
                 outs, texts, rows, new, t_logits, params, stop_ids, lengths, max_new_tokens, max_seq_len
             )
         return outs
+
+    def _prefill(self, prompts, max_len: int):
+        """Both models read the right-padded prompts into new caches of max_len slots: (target cache,
+        draft cache, the target's logits [B, 1, vocab] after each prompt's last token)."""
+        target, draft = self.target, self.draft
+        device = next(target.parameters()).device
+        batch, lengths = len(prompts), [len(p) for p in prompts]
+        t_cache, d_cache = KVCache.for_model(target, batch, max_len), KVCache.for_model(draft, batch, max_len)
+        tokens = torch.zeros(batch, max(lengths), dtype=torch.long, device=device)
+        for row, prompt in enumerate(prompts):
+            tokens[row, : len(prompt)] = torch.tensor(prompt, device=device)
+        last = torch.tensor(lengths, device=device) - 1
+        t_logits = target(tokens, kv_cache=t_cache)[torch.arange(batch, device=device), last][:, None].float()
+        t_cache.set_lengths(lengths)
+        draft(tokens, kv_cache=d_cache)
+        d_cache.set_lengths(lengths)
+        return t_cache, d_cache, t_logits
 
     def _propose(self, cache: KVCache, pending, k, params, generators, device):
         """k proposals per row from the draft, and the distributions they were drawn from [B, k, V]."""

@@ -15,7 +15,7 @@ from fastapi.responses import HTMLResponse, JSONResponse
 
 from kiln.data.chat import CHAT_TEMPLATE, PAD, ChatTokens, render_prompt
 from kiln.errors import ConfigError, DataError
-from kiln.infer.engine import SamplingParams
+from kiln.infer.config import SamplingParams
 from kiln.serve.chat_page import chat_page
 from kiln.serve.protocol import (
     APIError,

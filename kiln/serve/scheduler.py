@@ -27,7 +27,9 @@ from typing import Sequence
 import torch
 
 from kiln.errors import ConfigError
-from kiln.infer.engine import KVCache, SamplingParams, TextStream, WithoutSpecialTokens, _sample
+from kiln.infer.config import SamplingParams
+from kiln.infer.engine import KVCache, TextStream, WithoutSpecialTokens
+from kiln.infer.sampling import sample_next_tokens as _sample
 
 log = logging.getLogger(__name__)
 

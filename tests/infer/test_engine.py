@@ -1,18 +1,12 @@
 import pytest
 import torch
 from kiln_testing.models import Scripted
+from kiln_testing.reference_generate import reference_generate
 
 from kiln.errors import ConfigError
-from kiln.infer.engine import (
-    Engine,
-    KVCache,
-    SamplingParams,
-    TextStream,
-    apply_repetition_penalty,
-    min_p_filter,
-    sampling_logits,
-)
-from kiln.infer.sample import generate
+from kiln.infer.config import SamplingParams
+from kiln.infer.engine import Engine, KVCache, TextStream
+from kiln.infer.sampling import apply_repetition_penalty, min_p_filter, sampling_logits
 from kiln.model import ModelConfig, build_model
 
 PROMPTS = [[5, 17, 42], [1, 2, 3, 4, 5, 6, 7, 8, 9], [9], [33, 2, 250, 7, 7]]
@@ -46,10 +40,35 @@ def test_cached_greedy_equals_uncached_reference(overrides):
     # 40 new tokens would pass max_seq_len=40 for every prompt, so each row also stops at the limit.
     outs = Engine(model).generate(PROMPTS, 40, temperature=0)
     for prompt, out in zip(PROMPTS, outs):
-        assert out.ids == generate(model, prompt, 40 - len(prompt), temperature=0)
+        assert out.ids == reference_generate(model, prompt, 40 - len(prompt), temperature=0)
         assert out.finish_reason == "length" and len(prompt) + len(out.ids) == 40
     short = Engine(model).generate(PROMPTS, 6, temperature=0)
     assert [o.ids for o in short] == [o.ids[:6] for o in outs]
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.9, top_k=20, top_p=0.9),
+        SamplingParams(temperature=1.3, min_p=0.05, repetition_penalty=1.4),
+        SamplingParams(temperature=0.7, top_k=5, top_p=0.8, min_p=0.1, repetition_penalty=0.8),
+        SamplingParams(temperature=0, repetition_penalty=1.6),
+    ],
+)
+def test_cached_seeded_sampling_equals_uncached_reference(model, params):
+    """Row i of a batch seeded with `seed` draws what the reference draws, one prompt at a time and
+    with no cache, from a generator seeded with seed + i; a stop token ends both at the same place."""
+    kwargs = vars(params)
+    outs = Engine(model).generate(PROMPTS, 14, **kwargs, seed=11)
+    stop = outs[0].ids[3]
+    stopped = Engine(model).generate(PROMPTS, 14, **kwargs, stop_token_ids=[stop], seed=11)
+    for i, (prompt, out, ended) in enumerate(zip(PROMPTS, outs, stopped)):
+        reference = lambda **stop_ids: reference_generate(  # noqa: E731
+            model, prompt, 14, **kwargs, generator=torch.Generator().manual_seed(11 + i), **stop_ids
+        )
+        assert out.ids == reference()
+        ids = ended.ids[:-1] if ended.stop == stop else ended.ids
+        assert ids == reference(stop_ids=(stop,))
 
 
 def test_cached_logits_equal_full_forward_at_every_step(model):

@@ -8,12 +8,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from kiln_testing.reference_generate import reference_generate
 
 from kiln.checkpoint import save_weights
 from kiln.cli import build_parser, main
+from kiln.infer.config import SampleConfig
 from kiln.infer.engine import Engine
 from kiln.infer.quant import QUANTIZED_TYPES, quantize_model
-from kiln.infer.sample import generate as uncached_generate
+from kiln.infer.samples import sample_texts
 from kiln.model import ModelConfig, build_model
 
 PROMPT = "def main("
@@ -48,8 +50,16 @@ def generated(capsys, argv) -> str:
 def reference(model, tok, n=12) -> str:
     """What `kiln generate --temperature 0` prints, from the uncached reference sampler."""
     prompt = tok.encode(PROMPT)
-    new = uncached_generate(model, [tok.eot_id] + prompt, n, temperature=0, stop_ids=[tok.eot_id])
+    new = reference_generate(model, [tok.eot_id] + prompt, n, temperature=0, stop_ids=[tok.eot_id])
     return PROMPT + tok.decode(prompt + new)[len(tok.decode(prompt)) :] + "\n"
+
+
+def test_generate_prints_the_sample_stages_texts(run, capsys):
+    """The sample stage and `kiln generate` are one generator: same settings and seed, same texts."""
+    cfg = SampleConfig(prompt=PROMPT, max_new_tokens=10, num_samples=3, seed=5)
+    texts = sample_texts(run["target_model"], run["tok"], cfg)
+    args = [run["target"], "--prompt", PROMPT, "--max-new-tokens", 10, "--num-samples", 3, "--seed", 5]
+    assert generated(capsys, args) == "".join(f"{PROMPT}{text}\n" for text in texts)
 
 
 def test_generate_greedy_equals_the_uncached_reference(run, capsys):

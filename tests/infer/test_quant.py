@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from kiln_testing.reference_generate import reference_generate
 
 from kiln.errors import ConfigError
 from kiln.infer.engine import Engine
@@ -18,7 +19,6 @@ from kiln.infer.quant import (
     quantized_bits_per_param,
     unpack_int4,
 )
-from kiln.infer.sample import generate
 from kiln.model import ModelConfig, build_model
 from kiln.peft.nf4 import NF4Linear
 
@@ -181,7 +181,9 @@ def test_engine_on_a_quantised_model_equals_uncached_greedy(scheme):
     """float32 (dequantising path): the cached engine gives the uncached reference's greedy tokens."""
     model = quantize_model(small_model(), scheme)
     prompt = [3, 14, 15, 92, 65]
-    assert Engine(model).generate([prompt], 12, temperature=0)[0].ids == generate(model, prompt, 12, temperature=0)
+    assert Engine(model).generate([prompt], 12, temperature=0)[0].ids == reference_generate(
+        model, prompt, 12, temperature=0
+    )
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])

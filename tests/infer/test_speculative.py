@@ -2,10 +2,12 @@ import itertools
 
 import pytest
 import torch
+from kiln_testing.reference_generate import reference_generate
 
 from kiln.errors import ConfigError
-from kiln.infer.engine import Engine, SamplingParams, sampling_logits
-from kiln.infer.sample import generate
+from kiln.infer.config import SamplingParams
+from kiln.infer.engine import Engine
+from kiln.infer.sampling import sampling_logits
 from kiln.infer.speculative import SpeculativeEngine, accept_drafts
 from kiln.model import ModelConfig, build_model
 
@@ -54,7 +56,7 @@ def test_greedy_output_equals_the_target_alone(target, k, draft_kind):
     ref = Engine(target).generate(PROMPTS, 25, temperature=0)
     for prompt, out, expected in zip(PROMPTS, outs, ref):
         assert out.ids == expected.ids
-        assert out.ids == generate(target, prompt, 25, temperature=0)  # the uncached reference too
+        assert out.ids == reference_generate(target, prompt, 25, temperature=0)  # the uncached reference too
         assert out.finish_reason == expected.finish_reason
         assert out.logprobs == pytest.approx(expected.logprobs, abs=1e-4)
         assert out.sampling_logprobs == [0.0] * len(out.ids)

@@ -5,7 +5,8 @@ import torch
 from kiln_testing.models import ForcesToken
 
 from kiln.errors import ConfigError
-from kiln.infer.engine import Engine, KVCache, SamplingParams
+from kiln.infer.config import SamplingParams
+from kiln.infer.engine import Engine, KVCache
 from kiln.model import ModelConfig, build_model
 from kiln.serve.scheduler import Busy, GenerationRequest, PromptScores, Scheduler, SchedulerError, TokenEvent
 
