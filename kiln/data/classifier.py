@@ -28,6 +28,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from kiln.data.readers import list_named_inputs, read_documents
 from kiln.data.steps.text import is_cjk, split_words
 from kiln.errors import ConfigError, DataError
 
@@ -324,8 +325,6 @@ def train_quality_classifier(
 
 
 def _read_texts(paths: str | Path | Iterable[str | Path], counts: dict, key: str) -> list[str]:
-    from kiln.data.readers import list_named_inputs, read_documents
-
     texts = []
     for path, name in list_named_inputs(paths):
         for doc, rejection in read_documents(path, name=name):
@@ -352,3 +351,23 @@ def train_from_files(
     model.stats.update(counts)
     model.save(out_path)
     return {**model.stats, "model": str(out_path)}
+
+
+# ---- the `kiln classifier train` verb ------------------------------------------------------------
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "classifier", help="train the data quality classifier used by the quality_classifier step"
+    )
+    act = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    c = act.add_parser("train", help="reference documents (positive) vs raw documents (negative)")
+    c.add_argument("--positive", nargs="+", required=True, help="files/folders/globs of reference documents")
+    c.add_argument("--negative", nargs="+", required=True, help="files/folders/globs of raw documents")
+    c.add_argument("--out", required=True, help="model file to write (.safetensors, with a .json sidecar)")
+
+
+def run(args) -> int:
+    stats = train_from_files(args.positive, args.negative, args.out)
+    print(json.dumps(stats, indent=1))
+    return 0
