@@ -8,10 +8,13 @@ checkpoints are already stored in, so q/k rows are copied unchanged both ways. (
 consolidated.*.pth checkpoints pair adjacent dimensions and need a row permutation; Kiln does not
 read that format.) The only reshaping is splitting Kiln's fused projections `wqkv` and `w13` (their
 row layout is described in kiln/model/transformer.py).
+
+The `kiln export` (hf, and single: a one-file Kiln checkpoint) and `kiln import` verbs are at the end.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 from pathlib import Path
@@ -22,6 +25,7 @@ from safetensors.torch import save_file
 
 from kiln.checkpoint import save_weights
 from kiln.data.chat import hf_tokenizer_config_extra
+from kiln.data.tokenizer import find_tokenizer
 from kiln.errors import ConfigError, DataError
 from kiln.model.config import ModelConfig
 from kiln.model.transformer import fuse_gate_up, fuse_qkv, split_gate_up, split_qkv
@@ -351,3 +355,41 @@ def export_checkpoint_to_hf(ckpt_path, tokenizer_path, out_dir, chat: bool | Non
     if chat is None:
         chat = any(part in ("sft", "dpo", "grpo") for part in Path(ckpt_path).resolve().parts)
     return export_hf(cfg, state, tokenizer_path, out_dir, chat=chat)
+
+
+# ---- the `kiln export` and `kiln import` verbs --------------------------------------------------
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("export", help="export a checkpoint to another format")
+    fmt = p.add_subparsers(dest="format", required=True, metavar="FORMAT")
+    e = fmt.add_parser("hf", help="Hugging Face folder (LlamaForCausalLM) that transformers and vLLM load")
+    e.add_argument("checkpoint")
+    e.add_argument("out")
+    e.add_argument("--tokenizer", help="tokenizer.json (default: found next to the checkpoint)")
+
+    e = fmt.add_parser("single", help="one-file checkpoint (model.safetensors + manifest), e.g. from a sharded one")
+    e.add_argument("checkpoint")
+    e.add_argument("out")
+
+    p = subparsers.add_parser("import", help="import a checkpoint from another format")
+    fmt = p.add_subparsers(dest="format", required=True, metavar="FORMAT")
+    i = fmt.add_parser("hf", help="local Llama / Mistral / Qwen2 folder into a Kiln checkpoint")
+    i.add_argument("folder")
+    i.add_argument("out")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.verb == "export" and args.format == "single":
+        cfg, state, manifest = load_weights(args.checkpoint)
+        save_weights(args.out, cfg, state, {"step": manifest.get("step"), "converted_from": str(args.checkpoint)})
+        print(f"wrote {args.out}/model.safetensors ({len(state)} tensors, step {manifest.get('step')})")
+        return 0
+    if args.verb == "export":
+        tokenizer = Path(args.tokenizer) if args.tokenizer else find_tokenizer(args.checkpoint)
+        export_checkpoint_to_hf(args.checkpoint, tokenizer, args.out)
+        print(f"exported {args.checkpoint} -> {args.out}")
+        return 0
+    import_hf_to_checkpoint(args.folder, args.out)
+    print(f"imported {args.folder} -> {args.out}")
+    return 0

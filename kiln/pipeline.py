@@ -8,15 +8,21 @@ downstream of it. Pretraining without a marker resumes from its newest complete 
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import hashlib
 import json
+import os
 import shutil
 import time
 from pathlib import Path
 from typing import Any
 
-from kiln.recipe import POST_STAGES, STAGES, Recipe, recipe_to_dict
+from kiln.parallel.dims import init_distributed
+from kiln.parallel.launch import add_launch_parser, run_launch
+from kiln.parallel.plan import Workload
+from kiln.parallel.plan_cli import add_plan_parser, run_plan
+from kiln.recipe import POST_STAGES, STAGES, Recipe, load_recipe, recipe_to_dict
 
 # Which recipe sections determine each stage's output, upstream included.
 STAGE_INPUTS = {
@@ -261,3 +267,102 @@ STAGE_RUNNERS = {
     "sample": _sample,
     **{stage: _post(stage) for stage in POST_STAGES},
 }
+
+
+# --- the recipe verbs ---------------------------------------------------------------------------
+# `kiln run`, a verb per stage, and `kiln launch` and `kiln plan`, whose recipe is read here: a recipe
+# is the top layer's (kiln/recipe.py), so kiln.parallel gets the typed sections it needs from these
+# verbs and keeps the rest of launch and plan. kiln/cli.py lists them; docs/pipeline.md.
+
+POST_VERBS = {
+    "sft": "supervised fine-tuning on conversations and the verifiable tasks",
+    "rm": "reward model: the transformer with a scalar head, Bradley-Terry on pairs",
+    "dpo": "direct preference optimisation (sigmoid, IPO or conservative DPO)",
+    "ppo": "PPO: actor, critic, frozen reference, verifier or reward-model reward",
+    "grpo": "group-relative policy optimisation with the task verifiers as rewards",
+    "distill": "distillation from a teacher checkpoint: generated data and soft targets",
+}
+
+
+def _recipe_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("recipe", nargs="?", default="recipes/tiny.toml", help="TOML recipe (default: recipes/tiny.toml)")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=3e-4 model.n_layers=6")
+    p.add_argument("--force", action="store_true", help="rebuild even if the stage is already done")
+
+
+def add_parser(subparsers) -> None:
+    """Registers run, corpus, data, tokenizer, pack, pretrain, the post-training verbs, launch and plan."""
+    p = subparsers.add_parser("run", help="run the stages a recipe names, skipping finished ones")
+    _recipe_args(p)
+    p.add_argument("--stages", help="comma-separated subset of stages to run")
+    _recipe_args(subparsers.add_parser("corpus", help="build the built-in corpus of real text"))
+    _recipe_args(
+        subparsers.add_parser("data", help="curate documents: filter, deduplicate, scrub (runs the data stage)")
+    )
+    p = subparsers.add_parser("tokenizer", help="train a byte-level BPE tokenizer")
+    tok = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    _recipe_args(tok.add_parser("train", help="train on the run's corpus"))
+    _recipe_args(subparsers.add_parser("pack", help="tokenize the corpus into memory-mapped token shards"))
+    p = subparsers.add_parser("pretrain", help="pretrain the model on the packed shards")
+    _recipe_args(p)
+    p.add_argument("--resume", default="auto", help="auto (newest complete checkpoint), none, or a checkpoint path")
+    p.add_argument("--init-from", help="start a new run from this checkpoint's weights")
+    for verb, what in POST_VERBS.items():
+        p = subparsers.add_parser(verb, help=what)
+        _recipe_args(p)
+        p.add_argument("--resume", default="auto", help="auto (newest complete checkpoint), none, or a path")
+        p.add_argument("--init-from", help="start from this checkpoint instead of the previous stage's")
+    add_launch_parser(subparsers)
+    add_plan_parser(subparsers)
+
+
+def run(args: argparse.Namespace) -> int:
+    """The verb add_parser registered as args.verb; a stage verb is named after its stage."""
+    if args.verb == "launch":
+        # The whole recipe is validated before a job is submitted; a path that exists only on the
+        # cluster is passed through.
+        parallel = load_recipe(args.recipe, args.overrides).parallel if Path(args.recipe).is_file() else None
+        return run_launch(args, parallel)
+    if args.verb == "plan":
+        return run_plan(args, _plan_shape(args) if args.recipe else None)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # Started by torchrun (directly, or through `kiln launch`, Slurm or Kubernetes): join the job.
+        import torch
+
+        init_distributed("cuda" if torch.cuda.is_available() else "cpu")
+    recipe = load_recipe(args.recipe, args.overrides)
+    if args.verb == "run":
+        _run_all(recipe, args)
+    else:
+        _run_stage(recipe, args)
+    return 0
+
+
+def _plan_shape(args: argparse.Namespace):
+    """(model with its vocab_size, else the tokenizer's, and the [train] workload) of the plan's recipe."""
+    recipe = load_recipe(args.recipe, args.overrides)
+    model = dataclasses.replace(recipe.model, vocab_size=recipe.model.vocab_size or recipe.tokenizer.vocab_size)
+    return model, Workload(recipe.train.seq_len, recipe.train.global_batch_tokens)
+
+
+def _run_all(recipe: Recipe, args: argparse.Namespace) -> None:
+    stages = args.stages.split(",") if args.stages else None
+    results = run_recipe(recipe, stages, force=args.force)
+    print(f"run folder: {recipe.run_dir}")
+    if "pretrain" in results:
+        summary = results["pretrain"]
+        keys = ("steps", "tokens_seen", "final_val_loss", "best_val_loss", "final_val_bpb", "tokens_per_s", "mfu")
+        print("pretrain summary: " + json.dumps({k: summary.get(k) for k in keys}))
+
+
+def _run_stage(recipe: Recipe, args: argparse.Namespace) -> None:
+    extra = {"resume": args.resume, "init_from": args.init_from} if hasattr(args, "init_from") else {}
+    target = args.verb
+    # Unfinished upstream stages of the recipe run first (finished ones are skipped), so any verb
+    # works on a fresh run folder. Curating explicit inputs needs no corpus.
+    upstream = [s for s in recipe.run.stages if STAGES.index(s) < STAGES.index(target)]
+    if target == "data" and recipe.data.inputs:
+        upstream = []
+    if upstream:
+        run_recipe(recipe, upstream)
+    run_recipe(recipe, [target], force=args.force, **extra)

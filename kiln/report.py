@@ -675,8 +675,8 @@ def _config(run: Run, opts: ReportOptions) -> Part | None:
 # ---------------------------------------------------------------- command line
 
 
-def add_report_parser(verbs) -> None:
-    p = verbs.add_parser("report", help="HTML report of a run: loss curves, throughput, data funnel, samples")
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("report", help="HTML report of a run: loss curves, throughput, data funnel, samples")
     p.add_argument("run", help="run folder, e.g. runs/tiny")
     p.add_argument("--out", help="HTML file to write (default: RUN/report.html)")
     p.add_argument("--text", action="store_true", help="print a plain-text summary instead of writing HTML")
@@ -700,7 +700,7 @@ def add_report_parser(verbs) -> None:
     cost.add_argument("--tokens", type=float, help="a token budget to price at the measured throughput, e.g. 1e12")
 
 
-def run_report(args) -> int:
+def run(args) -> int:
     opts = ReportOptions(
         loss_scale=args.loss_scale,
         strict=args.strict,

@@ -30,6 +30,7 @@ from typing import Any
 from kiln.config import parse_value
 from kiln.errors import ConfigError
 from kiln.model.config import PRESETS
+from kiln.pipeline import fingerprint, run_recipe, stage_dir
 from kiln.recipe import STAGES, Recipe, load_recipe
 
 STUDY_NAME = "kiln-sweep"
@@ -481,8 +482,6 @@ def _trial_recipe(recipe_path, overrides: list[str], params: dict, out: Path, na
 
 def _build_base(recipe_path, overrides: list[str], out: Path) -> Recipe:
     """The recipe's data stages, built once under <out>/base for every trial to share."""
-    from kiln.pipeline import run_recipe
-
     base = _trial_recipe(recipe_path, overrides, {}, out, "base")
     if _data_stages(base):
         run_recipe(base, _data_stages(base))
@@ -492,8 +491,6 @@ def _build_base(recipe_path, overrides: list[str], out: Path) -> Recipe:
 def _run_trial(
     recipe_path, overrides, params: dict, out: Path, run_name: str, base: Recipe, metric: str, trial
 ) -> float:
-    from kiln.pipeline import fingerprint, run_recipe, stage_dir
-
     recipe = _trial_recipe(recipe_path, overrides, params, out, run_name)
     own = []
     for stage in _data_stages(recipe):
@@ -654,7 +651,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def main(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     space = parse_space(args.param, args.space)
     result = run_sweep(
         args.recipe,
@@ -676,7 +673,7 @@ def _cli(argv: list[str] | None = None) -> int:
     add_parser(parser.add_subparsers(dest="verb", required=True))
     args = parser.parse_args(["sweep", *(sys.argv[1:] if argv is None else argv)])
     try:
-        return main(args)
+        return run(args)
     except ConfigError as err:
         print(f"kiln: error: {err}", file=sys.stderr)
         return 2

@@ -1,12 +1,20 @@
 """The `kiln` command end to end on a miniature run: every verb of the spine, through the CLI."""
 
+import argparse
+import ast
+import importlib
 import json
+import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from kiln.cli import main
+from kiln.cli import VERBS, main
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # Small enough for the default suite: ~0.3 MB of real text, a 512-token vocabulary, a 2-layer model.
 MINI = [
@@ -44,6 +52,54 @@ def test_console_script_help():
     out = subprocess.run([sys.executable, "-m", "kiln.cli", "--help"], capture_output=True, text=True, check=True)
     for verb in ("run", "tokenizer", "pack", "pretrain", "generate", "export", "import"):
         assert verb in out.stdout
+
+
+def test_kiln_help_lists_every_verb_of_the_table_with_its_help():
+    env = {**os.environ, "COLUMNS": "400"}  # one line per verb
+    out = subprocess.run(
+        [sys.executable, "-m", "kiln.cli", "--help"], capture_output=True, text=True, check=True, env=env
+    ).stdout
+    listed = dict(re.findall(r"^    (\S+)\s+(.+)$", out, re.M))
+    assert listed == {name: verb.help for name, verb in VERBS.items()}
+    assert all(verb.help.strip() for verb in VERBS.values())
+
+
+@pytest.mark.parametrize("module", sorted({verb.module for verb in VERBS.values()}))
+def test_each_verb_module_registers_exactly_its_table_verbs(module):
+    """A module's add_parser registers the verbs the table gives it, with the table's help, and it has
+    a run; a verb the module registers but the table lacks fails here."""
+    mod = importlib.import_module(module)
+    assert callable(mod.add_parser) and callable(mod.run)
+    subparsers = argparse.ArgumentParser().add_subparsers(dest="verb")
+    mod.add_parser(subparsers)
+    registered = {action.dest: action.help for action in subparsers._choices_actions}
+    assert registered == {name: verb.help for name, verb in VERBS.items() if verb.module == module}
+
+
+def test_every_verb_module_is_in_the_table():
+    """Every module of kiln/ that defines add_parser and run at its top level is a verb module of the table."""
+    found = set()
+    for path in (ROOT / "kiln").rglob("*.py"):
+        names = {node.name for node in ast.parse(path.read_text()).body if isinstance(node, ast.FunctionDef)}
+        if {"add_parser", "run"} <= names:
+            found.add(".".join(path.relative_to(ROOT).with_suffix("").parts))
+    assert found == {verb.module for verb in VERBS.values()}
+
+
+def test_readme_verb_table_names_every_verb():
+    readme = (ROOT / "README.md").read_text()
+    table = readme.split("## The `kiln` command", 1)[1].split("\n\n", 2)[1]
+    named = {v for group in re.findall(r"`kiln ([a-z|\\]+)", table) for v in group.split("\\|")}
+    assert named == set(VERBS)
+
+
+def test_help_imports_no_verb_module_and_no_torch():
+    code = (
+        "import sys\nfrom kiln.cli import VERBS, main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "print(sorted(m for m in {v.module for v in VERBS.values()} | {'torch'} if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip().splitlines()[-1] == "[]"
 
 
 def test_run_generate_export_import(tmp_path, capsys):

@@ -16,7 +16,9 @@ from kiln.data.curate import curate
 from kiln.data.funnel import funnel_text
 from kiln.errors import ConfigError, DataError
 from kiln.recipe import load_recipe, recipe_to_dict
-from kiln.report import ReportOptions, add_report_parser, build_report, read_metrics, run_report, write_report
+from kiln.report import ReportOptions, build_report, read_metrics, write_report
+from kiln.report import add_parser as add_report_parser
+from kiln.report import run as run_report
 from kiln.report_plots import Plot, Series, line_plot, log_ticks, nice_ticks, thin
 from kiln.train.config import TrainConfig
 from kiln.train.schedule import lr_at

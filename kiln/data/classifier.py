@@ -351,3 +351,23 @@ def train_from_files(
     model.stats.update(counts)
     model.save(out_path)
     return {**model.stats, "model": str(out_path)}
+
+
+# ---- the `kiln classifier train` verb ------------------------------------------------------------
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "classifier", help="train the data quality classifier used by the quality_classifier step"
+    )
+    act = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    c = act.add_parser("train", help="reference documents (positive) vs raw documents (negative)")
+    c.add_argument("--positive", nargs="+", required=True, help="files/folders/globs of reference documents")
+    c.add_argument("--negative", nargs="+", required=True, help="files/folders/globs of raw documents")
+    c.add_argument("--out", required=True, help="model file to write (.safetensors, with a .json sidecar)")
+
+
+def run(args) -> int:
+    stats = train_from_files(args.positive, args.negative, args.out)
+    print(json.dumps(stats, indent=1))
+    return 0

@@ -8,14 +8,24 @@ import json
 import sys
 from pathlib import Path
 
+import torch
+
+from kiln.checkpoint import resolve_checkpoint
+from kiln.data.tokenizer import Tokenizer, find_tokenizer
 from kiln.errors import ConfigError
+from kiln.eval import tasks as T
+from kiln.eval.harness import KilnLM, evaluate, format_table, results_document, write_results
+from kiln.model.weights import load_model
+from kiln.post.config import TaskConfig
 
 TASKS = ("kiln_tasks", "humaneval", "safety", "mmlu", "gsm8k", "perplexity")
 POST_STAGES = ("sft", "dpo", "grpo", "ppo", "rm")
 
 
-def add_eval_parser(verbs) -> None:
-    p = verbs.add_parser("eval", help="evaluate a checkpoint: MMLU, GSM8K, HumanEval, Kiln's tasks, safety, perplexity")
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "eval", help="evaluate a checkpoint: MMLU, GSM8K, HumanEval, Kiln's tasks, safety, perplexity"
+    )
     p.add_argument("checkpoint", help="checkpoint folder, checkpoints root, or stage folder")
     p.add_argument(
         "--tasks",
@@ -64,8 +74,6 @@ def _layout(ckpt: Path) -> tuple[Path | None, str]:
 
 
 def build_tasks(args, run_dir: Path | None) -> list:
-    from kiln.eval import tasks as T
-
     names = [t.strip() for t in args.tasks.split(",") if t.strip()]
     unknown = [t for t in names if t not in TASKS]
     if unknown or not names:
@@ -115,8 +123,6 @@ def build_tasks(args, run_dir: Path | None) -> list:
 def _task_config(run_dir: Path | None):
     """The recipe's [tasks] section when the run folder has one, so the held-out set is the one
     the post-training stages report."""
-    from kiln.post.config import TaskConfig
-
     recipe = run_dir / "recipe.json" if run_dir else None
     if recipe and recipe.is_file():
         section = json.loads(recipe.read_text()).get("tasks")
@@ -128,14 +134,7 @@ def _task_config(run_dir: Path | None):
     return TaskConfig()
 
 
-def run_eval(args: argparse.Namespace) -> int:
-    import torch
-
-    from kiln.checkpoint import resolve_checkpoint
-    from kiln.data.tokenizer import Tokenizer, find_tokenizer
-    from kiln.eval.harness import KilnLM, evaluate, format_table, results_document, write_results
-    from kiln.model.weights import load_model
-
+def run(args: argparse.Namespace) -> int:
     for key in ("limit", "num_fewshot", "max_gen_tokens"):
         value = getattr(args, key)
         if value is not None and value < (0 if key == "num_fewshot" else 1):

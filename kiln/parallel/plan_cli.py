@@ -1,6 +1,7 @@
 """`kiln plan`: the planner (kiln.parallel.plan) on a recipe's or a preset's model, from the command line.
 
-kiln/cli.py registers the verb with add_plan_parser(verbs) and runs it with run_plan(args).
+kiln.pipeline registers the verb with add_plan_parser(subparsers) and runs it with run_plan(args, recipe):
+a recipe is read in the top layer, which hands this module the recipe's model and workload.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import dataclasses
 import json
 
 from kiln.errors import ConfigError
-from kiln.model.config import ModelConfig
+from kiln.model.config import PRESETS, ModelConfig, preset
 from kiln.parallel.hardware import GB, GPUS, ClusterConfig
 from kiln.parallel.plan import KILN, MEGATRON, Estimate, Layout, Plan, Workload, budget, plan, total_params
 
@@ -88,17 +89,17 @@ def parse_layout(text: str) -> dict:
     return fixed
 
 
-def model_and_workload(args) -> tuple[ModelConfig, Workload]:
-    if args.recipe:
-        from kiln.recipe import load_recipe
-
-        recipe = load_recipe(args.recipe, args.overrides)
-        cfg, vocab = recipe.model, args.vocab or recipe.model.vocab_size or recipe.tokenizer.vocab_size
-        seq = args.seq_len or recipe.train.seq_len
-        batch = args.global_batch_tokens or recipe.train.global_batch_tokens
+def model_and_workload(args, recipe: tuple[ModelConfig, Workload] | None = None) -> tuple[ModelConfig, Workload]:
+    """What to plan: `recipe`, the model and workload of the recipe args.recipe names (read by the caller),
+    else the --preset's model; --vocab, --seq-len and --global-batch-tokens override either."""
+    if args.recipe and recipe is None:
+        raise TypeError("args.recipe is read by the caller (kiln.pipeline), which passes its model and workload")
+    if recipe is not None:
+        cfg, work = recipe
+        vocab = args.vocab or cfg.vocab_size
+        seq = args.seq_len or work.seq_len
+        batch = args.global_batch_tokens or work.global_batch_tokens
     elif args.preset:
-        from kiln.model.config import PRESETS, preset
-
         if args.preset not in PRESETS and args.preset not in REFERENCE_MODELS:
             known = ", ".join([*PRESETS, *REFERENCE_MODELS])
             raise ConfigError("preset", f"unknown preset {args.preset!r}; known: {known}")
@@ -185,9 +186,10 @@ def report(result: Plan, top: int, cost: dict | None) -> list[str]:
     return out
 
 
-def run_plan(args) -> int:
-    """Prints the ranking (or JSON with --json); exit status 1 when no layout fits."""
-    cfg, work = model_and_workload(args)
+def run_plan(args, recipe: tuple[ModelConfig, Workload] | None = None) -> int:
+    """Prints the ranking (or JSON with --json); exit status 1 when no layout fits. `recipe`: the model
+    (vocab_size resolved) and workload of args.recipe, see model_and_workload."""
+    cfg, work = model_and_workload(args, recipe)
     cluster = ClusterConfig(
         gpu=args.gpu,
         gpus_per_node=args.gpus_per_node,

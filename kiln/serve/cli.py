@@ -6,7 +6,10 @@ import argparse
 import os
 import sys
 
+from kiln.data.chat import ChatTokens, render_prompt
 from kiln.errors import ConfigError
+from kiln.infer.cli import add_inference_args, load_for_inference
+from kiln.infer.engine import Engine
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
@@ -15,29 +18,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     add_inference_args(p)
 
 
-def add_inference_args(p: argparse.ArgumentParser) -> None:
-    """--device, --dtype, --quant and --group-size, shared with `kiln generate`."""
-    p.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda, cuda:1, ...")
-    p.add_argument(
-        "--dtype",
-        default="auto",
-        choices=("auto", "float32", "bfloat16", "float16"),
-        help="auto: bfloat16 on a GPU or with --quant, float32 otherwise",
-    )
-    p.add_argument(
-        "--quant",
-        choices=("int8", "int4", "nf4"),
-        help="weight-only quantisation of the linear layers (docs/inference.md#quantisation)",
-    )
-    p.add_argument(
-        "--group-size",
-        type=int,
-        help="int4: 32, 64, 128 or 256 inputs per scale (default 64); nf4: block size (default 64)",
-    )
-
-
-def add_serve_parsers(verbs) -> None:
-    p = verbs.add_parser("serve", help="serve a checkpoint over an OpenAI-compatible API, with a chat page at /")
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("serve", help="serve a checkpoint over an OpenAI-compatible API, with a chat page at /")
     _model_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: all interfaces)")
     p.add_argument("--port", type=int, default=8000)
@@ -55,7 +37,7 @@ def add_serve_parsers(verbs) -> None:
     p.add_argument("--max-prefill-tokens", type=int, default=8192, help="padded prompt tokens prefilled at once")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
 
-    p = verbs.add_parser("chat", help="chat with a checkpoint in the terminal (history kept, chat template)")
+    p = subparsers.add_parser("chat", help="chat with a checkpoint in the terminal (history kept, chat template)")
     _model_args(p)
     p.add_argument("--system", help="system message that starts the conversation")
     p.add_argument("--max-new-tokens", type=int, default=256)
@@ -65,28 +47,10 @@ def add_serve_parsers(verbs) -> None:
     p.add_argument("--seed", type=int, help="turn t samples with seed + t (default: random)")
 
 
-def inference_options(args: argparse.Namespace):
-    from kiln.infer.load import InferenceOptions
-
-    return InferenceOptions(
-        device=getattr(args, "device", "auto"),
-        dtype=getattr(args, "dtype", "auto"),
-        quant=getattr(args, "quant", None),
-        group_size=getattr(args, "group_size", None),
-    )
-
-
-def load_for_inference(args: argparse.Namespace):
-    """(model on its device, tokenizer) for --checkpoint/--tokenizer/--device/--dtype/--quant/--group-size."""
-    from kiln.infer.load import load_for_inference as load
-
-    return load(args.checkpoint, args.tokenizer, inference_options(args))
-
-
 def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from kiln.serve.app import create_app
+    from kiln.serve.app import create_app  # fastapi: the optional [serve] extra; `kiln chat` runs without it
 
     for key in ("max_batch", "max_tokens_limit", "max_body_bytes", "max_prefill_tokens"):
         value = getattr(args, key)
@@ -124,8 +88,6 @@ def run_serve(args: argparse.Namespace) -> int:
 def _fit(tokenizer, history: list[dict], want: int, max_seq_len: int, err) -> list[int] | None:
     """The prompt for history, dropping the oldest exchanges (never a system message or the last
     question) until the reply has room for `want` tokens; None if the last question alone is too long."""
-    from kiln.data.chat import render_prompt
-
     start = 1 if history and history[0]["role"] == "system" else 0
     while True:
         prompt = render_prompt(tokenizer, history)
@@ -140,9 +102,6 @@ def _fit(tokenizer, history: list[dict], want: int, max_seq_len: int, err) -> li
 def run_chat(args: argparse.Namespace, stdin=None, stdout=None, stderr=None) -> int:
     """Read a message per line; print the streamed reply. /reset clears the history, /exit (or
     end of input) quits. Without a terminal (input piped) only the replies go to stdout."""
-    from kiln.data.chat import ChatTokens
-    from kiln.infer.engine import Engine
-
     stdin, stdout, err = stdin or sys.stdin, stdout or sys.stdout, stderr or sys.stderr
     if args.max_new_tokens < 1:
         raise ConfigError("--max-new-tokens", f"must be >= 1, got {args.max_new_tokens}", "<command line>")
@@ -205,12 +164,15 @@ def run_chat(args: argparse.Namespace, stdin=None, stdout=None, stderr=None) -> 
     return 0
 
 
+def run(args: argparse.Namespace) -> int:
+    return run_serve(args) if args.verb == "serve" else run_chat(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     """`python -m kiln.serve.cli serve|chat ...`, the same verbs as `kiln serve|chat`."""
     parser = argparse.ArgumentParser(prog="kiln")
-    add_serve_parsers(parser.add_subparsers(dest="verb", required=True))
-    args = parser.parse_args(argv)
-    return run_serve(args) if args.verb == "serve" else run_chat(args)
+    add_parser(parser.add_subparsers(dest="verb", required=True))
+    return run(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -263,7 +263,7 @@ def make_run(root: Path, tok, steps=(10, 20)) -> Path:
 
 
 def parse(argv):
-    from kiln.eval.cli import add_eval_parser
+    from kiln.eval.cli import add_parser as add_eval_parser
 
     parser = argparse.ArgumentParser()
     add_eval_parser(parser.add_subparsers(dest="verb"))
@@ -271,7 +271,7 @@ def parse(argv):
 
 
 def test_kiln_eval_writes_results_the_report_plots(tmp_path, tok, capsys):
-    from kiln.eval.cli import run_eval
+    from kiln.eval.cli import run as run_eval
     from kiln.report import build_report
 
     run = make_run(tmp_path / "runs" / "evaldemo", tok)

@@ -29,7 +29,8 @@ from kiln.parallel.plan import (
     stage_layer_ids,
     total_params,
 )
-from kiln.parallel.plan_cli import DEFAULT_VOCAB, REFERENCE_MODELS, add_plan_parser, run_plan
+from kiln.parallel.plan_cli import DEFAULT_VOCAB, REFERENCE_MODELS, add_plan_parser
+from kiln.pipeline import run as run_plan  # the plan verb: its recipe is read in the top layer
 
 # Published MFU must fall within this many points of the planner's estimate (absolute, e.g. 0.41 +- 0.10).
 MFU_BAND = 0.10

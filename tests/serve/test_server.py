@@ -24,7 +24,8 @@ from kiln.data.chat import ChatTokens, render_prompt
 from kiln.infer.engine import Engine
 from kiln.model import ModelConfig, build_model
 from kiln.serve.app import create_app
-from kiln.serve.cli import add_serve_parsers, load_for_inference, run_chat
+from kiln.serve.cli import add_parser as add_serve_parsers
+from kiln.serve.cli import load_for_inference, run_chat
 
 KEY = "sk-kiln-test"
 NAME = "tiny"

@@ -1,0 +1,127 @@
+"""`kiln generate`: sample text from a checkpoint, and the inference flags it shares with `kiln serve`
+and `kiln chat` (--device, --dtype, --quant, --group-size)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from kiln.errors import ConfigError
+from kiln.infer.config import SampleConfig
+from kiln.infer.engine import Engine
+from kiln.infer.load import InferenceOptions, load_draft
+from kiln.infer.load import load_for_inference as load
+from kiln.infer.speculative import SpeculativeEngine
+
+
+def add_inference_args(p: argparse.ArgumentParser) -> None:
+    """--device, --dtype, --quant and --group-size, shared with `kiln serve` and `kiln chat`."""
+    p.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda, cuda:1, ...")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", "float32", "bfloat16", "float16"),
+        help="auto: bfloat16 on a GPU or with --quant, float32 otherwise",
+    )
+    p.add_argument(
+        "--quant",
+        choices=("int8", "int4", "nf4"),
+        help="weight-only quantisation of the linear layers (docs/inference.md#quantisation)",
+    )
+    p.add_argument(
+        "--group-size",
+        type=int,
+        help="int4: 32, 64, 128 or 256 inputs per scale (default 64); nf4: block size (default 64)",
+    )
+
+
+def inference_options(args: argparse.Namespace) -> InferenceOptions:
+    return InferenceOptions(
+        device=getattr(args, "device", "auto"),
+        dtype=getattr(args, "dtype", "auto"),
+        quant=getattr(args, "quant", None),
+        group_size=getattr(args, "group_size", None),
+    )
+
+
+def load_for_inference(args: argparse.Namespace):
+    """(model on its device, tokenizer) for --checkpoint/--tokenizer/--device/--dtype/--quant/--group-size."""
+    return load(args.checkpoint, args.tokenizer, inference_options(args))
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("generate", help="sample text from a checkpoint")
+    p.add_argument("checkpoint", help="checkpoint folder, checkpoints root, or stage folder")
+    p.add_argument("--prompt", default="def ")
+    p.add_argument("--tokenizer", help="tokenizer.json (default: found next to the checkpoint)")
+    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-k", type=int, default=50)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--num-samples", type=int, default=1, help="completions of the prompt, generated as one batch")
+    p.add_argument("--seed", type=int, default=0, help="sample i uses seed + i")
+    add_inference_args(p)
+    p.add_argument("--draft", help="draft checkpoint for speculative decoding (same tokenizer, smaller model)")
+    p.add_argument("--draft-tokens", type=int, default=4, help="tokens the draft proposes per step")
+
+
+def run(args: argparse.Namespace) -> int:
+    """num_samples completions of the prompt with the KV-cache engine (speculative with --draft),
+    each printed after the prompt. The prompt follows <|endoftext|>, so the model reads it as the
+    start of a document, as pretraining data lays documents out."""
+    cfg = SampleConfig(
+        prompt=args.prompt,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        num_samples=args.num_samples,
+        seed=args.seed,
+    )
+    try:
+        cfg.validate()
+    except ConfigError as err:
+        raise ConfigError("--" + err.key.replace("_", "-"), err.message, "<command line>") from None
+    model, tokenizer = load_for_inference(args)
+    prompt_tokens = tokenizer.encode(args.prompt)
+    prompt = [tokenizer.eot_id] + prompt_tokens
+    max_new = min(args.max_new_tokens, model.cfg.max_seq_len - len(prompt))
+    if max_new < 1:
+        raise ConfigError(
+            "--prompt",
+            f"{len(prompt)} tokens leave no room in the model's context of {model.cfg.max_seq_len}",
+            "<command line>",
+        )
+    kwargs = dict(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        stop_token_ids=[tokenizer.eot_id],
+        seed=args.seed,
+    )
+    try:
+        if args.draft:
+            engine = SpeculativeEngine(
+                model, load_draft(args.draft, model, args.draft_tokens), tokenizer, k=args.draft_tokens
+            )
+        else:
+            engine = Engine(model, tokenizer)
+        outs = engine.generate([prompt] * args.num_samples, max_new, **kwargs)
+    except ConfigError as err:
+        flag = {"draft": "--draft", "k": "--draft-tokens"}.get(err.key, "--" + err.key.replace("_", "-"))
+        raise ConfigError(flag, err.message, "<command line>") from None
+    prompt_text = tokenizer.decode(prompt_tokens)
+    for out in outs:
+        ids = out.ids[:-1] if out.stop == tokenizer.eot_id else out.ids
+        # Decoding prompt and completion together keeps a character whose bytes straddle the boundary
+        # whole; the prompt's own text is then cut off the front.
+        full = tokenizer.decode(prompt_tokens + ids)
+        print(args.prompt + (full[len(prompt_text) :] if full.startswith(prompt_text) else tokenizer.decode(ids)))
+    if args.draft:
+        stats = engine.stats
+        print(
+            f"speculative decoding: {stats.accepted}/{stats.proposed} proposals kept "
+            f"({stats.acceptance_rate:.0%}), {stats.target_calls} target forwards for {stats.tokens} tokens",
+            file=sys.stderr,
+        )
+    return 0
