@@ -34,8 +34,10 @@ from typing import Callable, Sequence
 
 import torch
 
+from kiln.data.chat import render_prompt
 from kiln.errors import ConfigError
 from kiln.eval.sandbox import Limits, run_many
+from kiln.infer.engine import Engine, WithoutSpecialTokens
 from kiln.progress import progress
 
 HUMANEVAL_STOP = ("\nclass", "\ndef", "\n#", "\nif", "\nprint")
@@ -154,8 +156,6 @@ class KilnLM:
     def context_ids(self, description: str, context: str, chat: bool | None = None) -> list[int]:
         """The prompt's ids; chat (default: the model's) renders it with the chat template."""
         if self.chat if chat is None else chat:
-            from kiln.data.chat import render_prompt
-
             system = [{"role": "system", "content": description}] if description else []
             return render_prompt(self.tokenizer, system + [{"role": "user", "content": context}])
         return self.tokenizer.encode(description + context) or [self.prefix_id]
@@ -232,8 +232,6 @@ class KilnLM:
         """Text generated after each context, ending before the first stop string or stop token.
         A context too long for the model keeps its last tokens, leaving room for at least
         min(max_gen_toks, max_length // 2) new ones."""
-        from kiln.infer.engine import Engine, WithoutSpecialTokens
-
         engine = Engine(self.model, WithoutSpecialTokens(self.tokenizer))
         stop_ids = sorted({*self.stop_ids, *(self.tokenizer.token_id(t) for t in stop_tokens)})
         keep = self.max_length - min(max_gen_toks, self.max_length // 2)
