@@ -361,9 +361,8 @@ class PPO(Stage):
         self.reference, _ = load_model(self.init)
         self.reference.requires_grad_(False)
         self.cycles = Cycles(self.recipe, cfg, tokenizer, examples, prompts, reward_fn, self.reference)
-        sampled = self.heldout[:: max(1, len(self.heldout) // 64)][
-            :64
-        ]  # spread over the families, which come in blocks
+        # 64 held-out problems spread over the families, which come in blocks.
+        sampled = self.heldout[:: max(1, len(self.heldout) // 64)][:64]
         val = reference_answer_batches(tokenizer, sampled, cfg.train.seq_len)
         source = OnlineSource(
             self.cycles, seed=self.recipe.train.seed, val_batches=val, vocab_size=tokenizer.vocab_size
