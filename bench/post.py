@@ -8,12 +8,12 @@ Both sides start from the same weights and train on the same examples, in one pr
   that folder: TRL as `LlamaForCausalLM.from_pretrained`, Kiln through `kiln.hf.import_hf_to_checkpoint`
   and `Trainer(init_from=...)`, as `kiln import hf` would.
 - The data are Kiln's verifiable tasks (`generate_tasks` -> `task_sft_examples` /
-  `task_preference_pairs`). Kiln renders them as its stages do (`stages.sft_rows`, `stages.pair_rows`
+  `task_preference_pairs`). Kiln renders them as its stages do (`rows.sft_rows`, `dpo.pair_rows`
   plus the precomputed reference log-probs); TRL gets the same conversations in its conversational
   prompt-completion and preference formats and renders them with the exported chat template. The
   script checks that TRL's token ids and loss labels are exactly Kiln's before timing anything.
-- Kiln steps with the stage code path: `Trainer.train_step` with `stages.sft_loss` or
-  `stages.make_dpo_loss` on an `ExampleSource`, one micro-batch per step, the stage's default
+- Kiln steps with the stage code path: `Trainer.train_step` with `sft.sft_loss` or
+  `dpo.make_dpo_loss` on an `ExampleSource`, one micro-batch per step, the stage's default
   StageTrainConfig (AdamW foreach, grad clip 1.0). TRL steps through `trainer.train()` with the
   same batch size, max length, learning rate, betas, weight decay, clipping and precision, its
   defaults otherwise, except: gradient checkpointing off (TRL turns it on by default; Kiln's stages
@@ -377,8 +377,9 @@ def main() -> None:
     args = parser.parse_args()
 
     from kiln.data.chat import render_conversation
-    from kiln.post import stages as S
+    from kiln.post import dpo, sft
     from kiln.post.config import DPOConfig, StageTrainConfig
+    from kiln.post.rows import sft_rows
     from kiln.post.tasks import task_preference_pairs, task_sft_examples
 
     warnings.filterwarnings("ignore")
@@ -417,8 +418,8 @@ def main() -> None:
         ("kiln-packed", True, None),
         ("kiln-trimmed", False, trim_to_longest(pad, (0,))),
     ):
-        rows, _ = S.sft_rows(tokenizer, conversations, args.seq_len, packing)
-        trainer, source = kiln_trainer(kiln_dir, args.work / "kiln-sft", sft_train, args.precision, S.sft_loss, rows)
+        rows, _ = sft_rows(tokenizer, conversations, args.seq_len, packing)
+        trainer, source = kiln_trainer(kiln_dir, args.work / "kiln-sft", sft_train, args.precision, sft.sft_loss, rows)
         results[("sft", side)] = run_kiln(trainer, source, total, args.warmup, count_sft_rows(pad), trim)
         del trainer
     results[("sft", "trl")] = trl_sft(args, hf_dir, args.work, conversations, rendered, total)
@@ -434,12 +435,12 @@ def main() -> None:
 
     reference, _ = load_model(kiln_dir)
     ref_started = time.perf_counter()
-    rows = S.reference_logprobs(reference, S.pair_rows(tokenizer, pairs, args.seq_len), precision=args.precision)
+    rows = dpo.reference_logprobs(reference, dpo.pair_rows(tokenizer, pairs, args.seq_len), precision=args.precision)
     kiln_ref_s = time.perf_counter() - ref_started
     del reference
     for side, trim in (("kiln", None), ("kiln-trimmed", trim_to_longest(pad, (0, 2)))):
         trainer, source = kiln_trainer(
-            kiln_dir, args.work / "kiln-dpo", dpo_cfg.train, args.precision, S.make_dpo_loss(dpo_cfg), rows
+            kiln_dir, args.work / "kiln-dpo", dpo_cfg.train, args.precision, dpo.make_dpo_loss(dpo_cfg), rows
         )
         results[("dpo", side)] = run_kiln(trainer, source, total, args.warmup, count_pair_rows(pad), trim)
         del trainer

@@ -29,7 +29,6 @@ dtype, so it says how close a step gets to this machine, not to a datasheet.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import statistics
 import time
@@ -40,6 +39,7 @@ from kiln.model import ModelConfig, build_model, count_params, flops_per_token
 from kiln.train.config import TrainConfig
 from kiln.train.objective import next_token_loss
 from kiln.train.optim import build_optimizer
+from kiln.train.precision import autocast
 
 GRAD_CLIP = 1.0  # Kiln's TrainConfig.grad_clip default and transformers Trainer's max_grad_norm
 
@@ -80,12 +80,6 @@ def matmul_peak(dtype: torch.dtype, size: int = 2048, reps: int = 10) -> float:
     return 2 * size**3 / best
 
 
-def autocast_for(precision: str):
-    if precision == "bf16":
-        return torch.autocast("cpu", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
-
-
 def kiln_step(cfg: ModelConfig, precision: str, compile: bool, seq: int, batch: int):
     torch.manual_seed(0)
     model = build_model(cfg)
@@ -99,7 +93,7 @@ def kiln_step(cfg: ModelConfig, precision: str, compile: bool, seq: int, batch: 
     params = list(model.parameters())
 
     def step(x, y):
-        with autocast_for(precision):
+        with autocast(precision, "cpu"):
             loss, _ = loss_fn(model, (x, y))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, train_cfg.grad_clip)
@@ -117,7 +111,7 @@ def hf_step(cfg: ModelConfig, precision: str, compile: bool):
     forward_model = torch.compile(model) if compile else model
 
     def step(x, y):
-        with autocast_for(precision):
+        with autocast(precision, "cpu"):
             # transformers' own causal-LM loss (labels shifted inside, logits upcast to float32).
             loss = forward_model(input_ids=x, labels=x, use_cache=False).loss
         loss.backward()

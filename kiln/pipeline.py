@@ -249,11 +249,11 @@ def init_checkpoint(recipe: Recipe, stage: str) -> Path:
 def _post(stage: str):
     def run(recipe: Recipe, out: Path, resume: str = "auto", init_from: str | None = None, **_) -> dict:
         from kiln.data.tokenizer import Tokenizer
-        from kiln.post import run as post
+        from kiln.post.driver import run_stage
 
         tokenizer = Tokenizer.load(stage_dir(recipe, "tokenizer"))
         init = Path(init_from) if init_from else init_checkpoint(recipe, stage)
-        return getattr(post, f"run_{stage}")(recipe, out, init, tokenizer, resume=resume)
+        return run_stage(stage, recipe, out, init, tokenizer, resume=resume)
 
     return run
 

@@ -266,8 +266,7 @@ def load_humaneval(
 def load_kiln_tasks(task_cfg=None, max_gen_toks: int = 16) -> GenerationTask:
     """The held-out verifiable tasks of kiln.post (the recipe's [tasks] section, or its defaults)."""
     from kiln.post.config import TaskConfig
-    from kiln.post.stages import heldout_tasks
-    from kiln.post.tasks import grade
+    from kiln.post.tasks import grade, heldout_tasks
 
     cfg = task_cfg or TaskConfig()
     cfg.validate()

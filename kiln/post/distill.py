@@ -13,7 +13,8 @@ The teacher (`[distill] teacher`, any Kiln checkpoint with the same tokenizer) c
 
 The teacher runs frozen beside the student, outside the Trainer's model: it is neither optimised nor
 checkpointed. Reported: held-out task accuracy of student (before, after) and teacher, and the
-held-out per-token KL(teacher || student) before and after.
+held-out per-token KL(teacher || student) before and after. [peft] and its outputs as in SFT; the
+driver (kiln.post.driver) runs the `Distill` stage below on the shared Trainer.
 """
 
 from __future__ import annotations
@@ -21,16 +22,27 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kiln.errors import ConfigError
-from kiln.post.config import DistillConfig
+import torch
+import torch.nn.functional as F
 
-IGNORE = -100
+from kiln.checkpoint import read_manifest, resolve_checkpoint
+from kiln.data.chat import render_prompt
+from kiln.errors import ConfigError
+from kiln.model.weights import load_model
+from kiln.post.config import DistillConfig
+from kiln.post.data import read_prompts, read_sft
+from kiln.post.evaluate import accuracy_line, complete, strip_stop, task_accuracy
+from kiln.post.losses import distill_loss
+from kiln.post.protocol import Stage
+from kiln.post.rows import IGNORE, sft_rows
+from kiln.post.sft import sft_loss
+from kiln.post.sources import ExampleSource
+from kiln.post.tasks import grade, task_sft_examples
+
 DATA_FILE = "teacher_data.jsonl"
 
 
 def load_teacher(path: str, vocab_size: int):
-    from kiln.model.weights import load_model
-
     try:
         teacher, _ = load_model(path)
     except (ValueError, OSError, RuntimeError) as err:  # CheckpointError is a ValueError
@@ -52,10 +64,6 @@ def teacher_conversations(
 ) -> tuple[list[list[dict]], dict]:
     """The teacher's answers to each example's prompt as [user, assistant] conversations (examples
     carry "messages" or a task "prompt"; with filter_correct, also "answer" and "task")."""
-    from kiln.data.chat import render_prompt
-    from kiln.post.stages import complete, strip_stop
-    from kiln.post.tasks import grade
-
     jobs = [ex for ex in examples for _ in range(cfg.samples_per_prompt)]
     conversations, kept, graded, correct = [], 0, 0, 0
     for start in range(0, len(jobs), batch_size):
@@ -100,11 +108,6 @@ def _cached_conversations(out: Path, key: dict, make) -> tuple[list, dict]:
 
 
 def make_distill_loss(cfg: DistillConfig, teacher):
-    import torch
-
-    from kiln.post.losses import distill_loss
-    from kiln.post.stages import sft_loss
-
     def loss_fn(model, batch: tuple) -> tuple[torch.Tensor, int]:
         if cfg.alpha == 0:
             return sft_loss(model, batch)
@@ -126,9 +129,6 @@ def make_distill_loss(cfg: DistillConfig, teacher):
 
 def teacher_kl(student, teacher, rows: list[tuple], batch_size: int = 16) -> float:
     """Mean per-token KL(teacher || student) at temperature 1 over the counted tokens of `rows`."""
-    import torch
-    import torch.nn.functional as F
-
     modes = (student.training, teacher.training)
     student.eval()
     teacher.eval()
@@ -152,50 +152,52 @@ def teacher_kl(student, teacher, rows: list[tuple], batch_size: int = 16) -> flo
 # ---- the stage -------------------------------------------------------------------------------------
 
 
-def _examples(recipe, cfg: DistillConfig, out: Path) -> tuple[list[dict], list[list[dict]]]:
+def _examples(cfg: DistillConfig, tasks: list[dict], out: Path) -> tuple[list[dict], list[list[dict]]]:
     """(prompt examples for the teacher, reference conversations) from [tasks] and cfg.files."""
-    from kiln.post import stages as S
-    from kiln.post.tasks import task_sft_examples
-
     prompts, conversations = [], []
     if cfg.tasks:
-        tasks = S.train_tasks(recipe.tasks)
         prompts += tasks
         conversations += task_sft_examples(tasks)
     if cfg.files:
         if cfg.data == "teacher":
-            from kiln.post.data import read_prompts
-
             prompts += read_prompts(cfg.files, rejected_path=out / "rejected.jsonl")[0]
         else:
-            from kiln.post.data import read_sft
-
             conversations += read_sft(cfg.files, rejected_path=out / "rejected.jsonl")[0]
     return prompts, conversations
 
 
-def run_distill(recipe, out: Path, init: Path, tokenizer, resume: str = "auto") -> dict:
-    from kiln.model.weights import load_model
-    from kiln.post import stages as S
-    from kiln.post.run import _finish, _peft, _trainer
-    from kiln.post.sources import ExampleSource
-    from kiln.post.tasks import task_sft_examples
+class Distill(Stage):
+    name = "distill"
 
-    cfg = recipe.distill
-    try:
-        cfg.validate()
-    except ConfigError as err:
-        raise err.within("distill") from None
-    if not cfg.teacher:
-        raise ConfigError("distill.teacher", "a teacher checkpoint is required (a Kiln checkpoint or stage folder)")
-    out = Path(out)
-    teacher = load_teacher(cfg.teacher, tokenizer.vocab_size)
-    prompts, references = _examples(recipe, cfg, out)
-    heldout = S.heldout_tasks(recipe.tasks)
-    seed = recipe.train.seed
-    if cfg.data == "teacher":
-        from kiln.checkpoint import read_manifest, resolve_checkpoint
+    def check(self) -> None:
+        if not self.cfg.teacher:
+            raise ConfigError("distill.teacher", "a teacher checkpoint is required (a Kiln checkpoint or stage folder)")
 
+    def sources(self) -> tuple[ExampleSource, ExampleSource]:
+        cfg, tokenizer = self.cfg, self.tokenizer
+        self.teacher = load_teacher(cfg.teacher, tokenizer.vocab_size)
+        prompts, references = _examples(cfg, self.train_tasks, self.out)
+        if cfg.data == "teacher":
+            conversations, data, val_conversations = self._teacher_data(prompts)
+        else:
+            conversations, data = references, {"conversations": len(references)}
+            val_conversations = task_sft_examples(self.heldout)
+        if not conversations:
+            raise ConfigError("distill.filter_correct", "the teacher answered no prompt correctly: nothing to train on")
+        seq_len, micro, vocab = cfg.train.seq_len, cfg.train.micro_batch_size, tokenizer.vocab_size
+        rows, row_stats = sft_rows(tokenizer, conversations, seq_len, cfg.packing)
+        self.val_rows, _ = sft_rows(tokenizer, val_conversations, seq_len, cfg.packing)
+        self.data = {**data, **row_stats}
+        return (
+            ExampleSource(rows, micro, seed=self.recipe.train.seed, vocab_size=vocab),
+            ExampleSource(self.val_rows, micro, shuffle=False, vocab_size=vocab),
+        )
+
+    def _teacher_data(self, prompts: list[dict]) -> tuple[list, dict, list]:
+        """The teacher's answers to the prompts (cached in the stage folder), their stats, and its
+        greedy answers to the held-out prompts: the reported KL and the validation loss measure
+        imitation of the teacher on problems neither saw in training."""
+        cfg, seed = self.cfg, self.recipe.train.seed
         folder = resolve_checkpoint(cfg.teacher)
         key = {
             "teacher": str(folder.resolve()),
@@ -208,53 +210,45 @@ def run_distill(recipe, out: Path, init: Path, tokenizer, resume: str = "auto") 
             },
         }
         conversations, data = _cached_conversations(
-            out, key, lambda: teacher_conversations(teacher, tokenizer, prompts, cfg, seed=seed)
+            self.out, key, lambda: teacher_conversations(self.teacher, self.tokenizer, prompts, cfg, seed=seed)
         )
-        # Held out: the teacher's greedy answers to the held-out prompts, so the reported KL and the
-        # validation loss measure imitation of the teacher on problems neither saw in training.
         val_cfg = DistillConfig(
             **{**cfg.__dict__, "samples_per_prompt": 1, "gen_temperature": 0.0, "filter_correct": False}
         )
-        val_conversations, _ = teacher_conversations(teacher, tokenizer, heldout, val_cfg)
-    else:
-        conversations, data = references, {"conversations": len(references)}
-        val_conversations = task_sft_examples(heldout)
-    if not conversations:
-        raise ConfigError("distill.filter_correct", "the teacher answered no prompt correctly: nothing to train on")
-    seq_len = cfg.train.seq_len
-    rows, row_stats = S.sft_rows(tokenizer, conversations, seq_len, cfg.packing)
-    val_rows, _ = S.sft_rows(tokenizer, val_conversations, seq_len, cfg.packing)
-    vocab = tokenizer.vocab_size
-    train = ExampleSource(rows, cfg.train.micro_batch_size, seed=seed, vocab_size=vocab)
-    val = ExampleSource(val_rows, cfg.train.micro_batch_size, shuffle=False, vocab_size=vocab)
+        val_conversations, _ = teacher_conversations(self.teacher, self.tokenizer, self.heldout, val_cfg)
+        return conversations, data, val_conversations
 
-    student, _ = load_model(init)
-    if student.cfg.vocab_size > teacher.cfg.vocab_size:
-        raise ConfigError(
-            "distill.teacher", f"teacher vocabulary {teacher.cfg.vocab_size} < the student's {student.cfg.vocab_size}"
-        )
-    before = {**S.task_accuracy(student, tokenizer, heldout), "teacher_kl": teacher_kl(student, teacher, val_rows)}
-    teacher_acc = S.task_accuracy(teacher, tokenizer, heldout)
-    del student
-    trainer = _trainer(
-        recipe, out, cfg, (train, val), make_distill_loss(cfg, teacher), init, resume, prepare_model=_peft(recipe)
-    )
-    teacher.to(trainer.device)
-    # Trains, measures held-out accuracy, writes the PEFT outputs and stats.json, as every stage does.
-    stats = _finish(
-        trainer,
-        tokenizer,
-        heldout,
-        before,
-        out,
-        {"data": {**data, **row_stats}, "teacher": {"path": cfg.teacher, "heldout": teacher_acc}},
-        recipe,
-    )
-    after = stats["heldout_after"]["teacher_kl"] = teacher_kl(trainer.model, teacher, val_rows)
-    if trainer.is_main:
-        S.write_stats(out, stats)
-        print(
-            f"[{out.name}] teacher held-out accuracy {teacher_acc['accuracy']:.3f}; KL(teacher||student) "
-            f"{before['teacher_kl']:.4f} -> {after:.4f}"
-        )
-    return stats
+    def loss_fn(self):
+        return make_distill_loss(self.cfg, self.teacher)
+
+    def evaluate(self, model) -> dict:
+        return {
+            **task_accuracy(model, self.tokenizer, self.heldout),
+            "teacher_kl": teacher_kl(model, self.teacher, self.val_rows),
+        }
+
+    def before(self) -> dict:
+        student, _ = load_model(self.init)
+        if student.cfg.vocab_size > self.teacher.cfg.vocab_size:
+            raise ConfigError(
+                "distill.teacher",
+                f"teacher vocabulary {self.teacher.cfg.vocab_size} < the student's {student.cfg.vocab_size}",
+            )
+        before = self.evaluate(student)
+        self.teacher_accuracy = task_accuracy(self.teacher, self.tokenizer, self.heldout)
+        return before
+
+    def start(self, trainer) -> None:
+        self.teacher.to(trainer.device)
+
+    def results(self, trainer, summary: dict, before: dict | None) -> dict:
+        teacher = {"path": self.cfg.teacher, "heldout": self.teacher_accuracy}
+        return {"data": self.data, "teacher": teacher, **super().results(trainer, summary, before)}
+
+    def closing_lines(self, stats: dict) -> list[str]:
+        before, after = stats["heldout_before"], stats["heldout_after"]
+        return [
+            accuracy_line(self.out.name, before, after),
+            f"[{self.out.name}] teacher held-out accuracy {self.teacher_accuracy['accuracy']:.3f}; "
+            f"KL(teacher||student) {before['teacher_kl']:.4f} -> {after['teacher_kl']:.4f}",
+        ]

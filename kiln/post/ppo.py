@@ -12,31 +12,55 @@ One rollout cycle (see docs/post_rl.md):
 5. `ppo_epochs` passes over the buffer in `minibatches` shuffled minibatches, one optimizer step
    each, minimising clipped policy loss + vf_coef * clipped value loss (- entropy_coef * entropy).
 
-The actor trains through the spine's Trainer. The critic is attached to the actor model as the
-submodule `critic` (`prepare_model`), so one optimizer updates both, every checkpoint holds both and
-resume restores both; the stage then writes the actor alone, LoRA merged, to `<out>/policy`, a
-plain weights checkpoint for sampling, export or the next stage (a training checkpoint of this
-stage has the extra `critic.*` tensors and does not load as a plain Transformer). Batches come from
-an OnlineSource whose batch index says which cycle, epoch and minibatch to serve; checkpoints fall
-on cycle boundaries (checked), so a resumed run regenerates exactly the rollouts it would have had.
+The actor trains through the spine's Trainer (the driver, kiln.post.driver, runs the `PPO` stage
+below on it). The critic is attached to the actor model as the submodule `critic`
+(`prepare_model`), so one optimizer updates both, every checkpoint holds both and resume restores
+both; the stage then writes the actor alone, LoRA merged, to `<out>/policy`, a plain weights
+checkpoint for sampling, export or the next stage (a training checkpoint of this stage has the
+extra `critic.*` tensors and does not load as a plain Transformer). Batches come from an
+OnlineSource bound to the Trainer, whose batch index says which cycle, epoch and minibatch to
+serve; checkpoints fall on cycle boundaries (checked), so a resumed run regenerates exactly the
+rollouts it would have had. The last cycle's statistics are logged by the Trainer's after-fit hook.
 """
 
 from __future__ import annotations
 
-import functools
 import random
-from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
+import torch
+
+from kiln.checkpoint import save_weights
+from kiln.data.chat import render_prompt
 from kiln.errors import ConfigError
+from kiln.infer.engine import Engine
+from kiln.model.weights import load_model
+from kiln.peft.apply import apply_peft
+from kiln.peft.peft_io import merged_state_dict
 from kiln.post.config import PPOConfig
+from kiln.post.data import read_prompts
+from kiln.post.evaluate import strip_stop
+from kiln.post.losses import (
+    gae,
+    kl_estimate,
+    masked_mean,
+    ppo_policy_loss,
+    ppo_value_loss,
+    token_entropy,
+    token_logprobs,
+    whiten,
+)
+from kiln.post.outputs import save_adapter
+from kiln.post.protocol import Stage
+from kiln.post.rm import attach_scalar_head, load_scalar_model, model_reward
+from kiln.post.rows import IGNORE
+from kiln.post.sft import reference_answer_batches, sft_loss
+from kiln.post.sources import OnlineSource
+from kiln.post.tasks import grade
+from kiln.train.precision import autocast
 
-if TYPE_CHECKING:
-    import torch
-
-IGNORE = -100
 POLICY_DIR = "policy"
 
 # reward_fn(examples, prompt ids, completion ids) -> one score per completion
@@ -71,57 +95,13 @@ class Rollout:
         return (self.inputs, self.targets, self.logprobs, self.values, self.advantages, self.returns)
 
 
-def _no_grad(fn):
-    @functools.wraps(fn)
-    def run(*args, **kwargs):
-        import torch
-
-        with torch.no_grad():
-            return fn(*args, **kwargs)
-
-    return run
-
-
-def autocast_for(precision: str, device: torch.device):
-    """The training loop's autocast, so rollout log-probs are computed as the loss computes them."""
-    import torch
-
-    from kiln.train.trainer import PRECISION_DTYPES
-
-    if precision == "fp32":
-        return nullcontext()
-    return torch.autocast(device.type, dtype=PRECISION_DTYPES[precision])
-
-
 def critic_of(model) -> torch.nn.Module:
     return getattr(model, "module", model).critic
 
 
-@_no_grad
-def make_rollout(
-    actor,
-    critic,
-    reference,
-    tokenizer,
-    examples: list[dict],
-    prompts: list[list[int]],
-    reward_fn: RewardFn,
-    cfg: PPOConfig,
-    seq_len: int,
-    seed: int,
-    precision: str = "fp32",
-) -> Rollout:
-    import torch
-
-    from kiln.infer.engine import Engine
-    from kiln.post.losses import gae, kl_estimate, masked_mean, token_logprobs, whiten
-
-    stop = (tokenizer.token_id("<|end|>"), tokenizer.eot_id)
-    outs = Engine(actor).generate(
-        prompts, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, stop_token_ids=stop, seed=seed
-    )
-    completions = [list(o.ids) for o in outs]
-    pad = tokenizer.token_id("<|pad|>")
+def _layout(prompts, completions, outs, pad: int, seq_len: int):
+    """[N, seq_len] inputs, targets (the completion tokens) and the engine's tempered log-probs of
+    them, and the position of each completion's last token."""
     n = len(prompts)
     inputs = torch.full((n, seq_len), pad, dtype=torch.long)
     targets = torch.full((n, seq_len), IGNORE, dtype=torch.long)
@@ -139,8 +119,12 @@ def make_rollout(
         targets[i, len(p) - 1 : len(ids) - 1] = torch.tensor(c)
         engine_logp[i, len(p) - 1 : len(ids) - 1] = torch.tensor(o.temperature_logprobs)
         last.append(len(ids) - 2)
-    mask = targets != IGNORE
+    return inputs, targets, engine_logp, torch.tensor(last)
 
+
+def _recompute(actor, reference, critic, inputs, targets, temperature: float, precision: str):
+    """Actor and reference log-probs and critic values, each in one forward under the training
+    precision, as the loss will compute them."""
     device = next(actor.parameters()).device
     x, y = inputs.to(device), targets.to(device)
     models = (actor, reference, critic)
@@ -148,31 +132,55 @@ def make_rollout(
     for m in models:
         m.eval()
     try:
-        with autocast_for(precision, device):
-            logp = token_logprobs(actor(x), y, cfg.temperature).cpu()
-            ref_logp = token_logprobs(reference(x), y, cfg.temperature).cpu()
+        with autocast(precision, device):
+            logp = token_logprobs(actor(x), y, temperature).cpu()
+            ref_logp = token_logprobs(reference(x), y, temperature).cpu()
             values = critic(x)[..., 0].float().cpu()
     finally:
         for m, was in zip(models, modes):
             m.train(was)
+    return logp, ref_logp, values
+
+
+@torch.no_grad()
+def make_rollout(
+    actor,
+    critic,
+    reference,
+    tokenizer,
+    examples: list[dict],
+    prompts: list[list[int]],
+    reward_fn: RewardFn,
+    cfg: PPOConfig,
+    seq_len: int,
+    seed: int,
+    precision: str = "fp32",
+) -> Rollout:
+    stop = (tokenizer.token_id("<|end|>"), tokenizer.eot_id)
+    outs = Engine(actor).generate(
+        prompts, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, stop_token_ids=stop, seed=seed
+    )
+    completions = [list(o.ids) for o in outs]
+    n = len(prompts)
+    inputs, targets, engine_logp, last = _layout(prompts, completions, outs, tokenizer.token_id("<|pad|>"), seq_len)
+    mask = targets != IGNORE
+    logp, ref_logp, values = _recompute(actor, reference, critic, inputs, targets, cfg.temperature, precision)
 
     scores = torch.as_tensor(reward_fn(examples, prompts, completions), dtype=torch.float32).reshape(n)
     stopped = torch.tensor([bool(c) and c[-1] in stop for c in completions])
     scores = scores - cfg.missing_stop_penalty * (~stopped).float()
     kl = kl_estimate(logp, ref_logp, cfg.kl_estimator, mask)
     rewards = -cfg.kl_coef * kl
-    rows = torch.arange(n)
-    rewards[rows, torch.tensor(last)] += scores
+    rewards[torch.arange(n), last] += scores
     values = torch.where(mask, values, torch.zeros(()))
     advantages, returns = gae(rewards, values, mask, cfg.gamma, cfg.lam)
     if cfg.whiten_advantages:
         advantages = whiten(advantages, mask)
-    lengths = mask.sum(-1).float()
     stats = {
         "score": scores.mean().item(),
         "kl": (kl.sum(-1)).mean().item(),
         "kl_per_token": masked_mean(kl, mask).item(),
-        "length": lengths.mean().item(),
+        "length": mask.sum(-1).float().mean().item(),
         "stopped": stopped.float().mean().item(),
         "value_error": masked_mean((values - returns) ** 2, mask).item(),
         # Engine (KV cache, fp32) vs the recomputed log-probs: a temperature or position
@@ -188,9 +196,6 @@ def make_rollout(
 def make_ppo_loss(cfg: PPOConfig, sink: list | None = None):
     """loss_fn(model, batch) -> (policy loss + vf_coef * value loss - entropy_coef * entropy, rows).
     Each call appends its detached statistics to `sink`."""
-    import torch
-
-    from kiln.post.losses import masked_mean, ppo_policy_loss, ppo_value_loss, token_entropy, token_logprobs
 
     def loss_fn(model, batch: tuple) -> tuple[torch.Tensor, int]:
         inputs, targets, old_logp, old_values, advantages, returns = batch
@@ -218,14 +223,13 @@ def make_ppo_loss(cfg: PPOConfig, sink: list | None = None):
 LOSS_STATS = ("policy_loss", "value_loss", "clip_fraction", "approx_kl", "entropy", "value_error")
 
 
-# ---- models and rewards ----------------------------------------------------------------------------
+# ---- models, rewards and prompts -------------------------------------------------------------------
 
 
 def _resolve(recipe, value: str, key: str) -> Path:
+    """A reward-model setting: "rm" names this run's rm stage folder, anything else is a path."""
     if value == "rm":
-        from kiln.pipeline import stage_dir
-
-        path = stage_dir(recipe, "rm")
+        path = recipe.run_dir / "rm"
         if not path.exists():
             raise ConfigError(
                 key,
@@ -237,9 +241,6 @@ def _resolve(recipe, value: str, key: str) -> Path:
 
 
 def build_critic(recipe, cfg: PPOConfig, init: Path) -> torch.nn.Module:
-    from kiln.model.weights import load_model
-    from kiln.post.rm import attach_scalar_head, load_scalar_model
-
     if cfg.critic_init == "policy":
         critic, _ = load_model(init)
         attach_scalar_head(critic)
@@ -248,46 +249,15 @@ def build_critic(recipe, cfg: PPOConfig, init: Path) -> torch.nn.Module:
 
 
 def verifier_reward(tokenizer) -> RewardFn:
-    from kiln.post.stages import strip_stop
-    from kiln.post.tasks import grade
-
     def reward(examples, prompts, completions):
         return [grade(ex, tokenizer.decode(strip_stop(tokenizer, c))) for ex, c in zip(examples, completions)]
 
     return reward
 
 
-def model_reward(model, tokenizer, batch_size: int = 32) -> RewardFn:
-    """Scores from a reward model: its value at the last token of prompt + completion."""
-    import torch
-
-    from kiln.post.rm import sequence_scores
-
-    pad = tokenizer.token_id("<|pad|>")
-
-    @_no_grad
-    def reward(examples, prompts, completions):
-        device = next(model.parameters()).device
-        seqs = [p + c for p, c in zip(prompts, completions)]
-        scores = []
-        for start in range(0, len(seqs), batch_size):
-            chunk = seqs[start : start + batch_size]
-            width = max(map(len, chunk))
-            ids = torch.tensor([s + [pad] * (width - len(s)) for s in chunk], device=device)
-            last = torch.tensor([len(s) - 1 for s in chunk], device=device)
-            scores.append(sequence_scores(model, ids, last).cpu())
-        return torch.cat(scores)
-
-    return reward
-
-
-def _prompts(recipe, cfg: PPOConfig, tokenizer, out: Path) -> tuple[list[dict], list[list[int]]]:
-    from kiln.data.chat import render_prompt
-    from kiln.post import stages as S
-
+def _prompts(recipe, cfg: PPOConfig, tokenizer, out: Path, tasks: list[dict]) -> tuple[list[dict], list[list[int]]]:
+    """(examples, rendered prompt ids) from ppo.files, else the [tasks] train split."""
     if cfg.files:
-        from kiln.post.data import read_prompts
-
         examples, _ = read_prompts(cfg.files, rejected_path=out / "rejected.jsonl")
         if cfg.reward == "verifier" and any(ex.get("answer") is None for ex in examples):
             raise ConfigError(
@@ -296,34 +266,29 @@ def _prompts(recipe, cfg: PPOConfig, tokenizer, out: Path) -> tuple[list[dict], 
                 "ppo.files have none (give answers or use a reward model)",
             )
         return examples, [render_prompt(tokenizer, ex["messages"]) for ex in examples]
-    examples = S.train_tasks(recipe.tasks)
-    return examples, [render_prompt(tokenizer, [{"role": "user", "content": ex["prompt"]}]) for ex in examples]
+    return tasks, [render_prompt(tokenizer, [{"role": "user", "content": ex["prompt"]}]) for ex in tasks]
 
 
-# ---- the stage -------------------------------------------------------------------------------------
+# ---- rollout cycles --------------------------------------------------------------------------------
 
 
-class _Cycles:
-    """Serves the minibatches of one rollout cycle after another from the OnlineSource's batch
-    index, and logs each cycle's rollout and optimisation statistics."""
+class Cycles:
+    """The OnlineSource's batch function: serves the minibatches of one rollout cycle after another
+    from the batch index, and logs each cycle's rollout and optimisation statistics."""
 
-    def __init__(self, recipe, cfg: PPOConfig, tokenizer, examples, prompts, reward_fn, reference, sink):
+    def __init__(self, recipe, cfg: PPOConfig, tokenizer, examples, prompts, reward_fn, reference):
         self.recipe, self.cfg, self.tokenizer = recipe, cfg, tokenizer
         self.examples, self.prompts, self.reward_fn = examples, prompts, reward_fn
-        self.reference, self.sink = reference, sink
-        self.trainer = self.source = None
+        self.reference, self.sink = reference, []
         self.cycle, self.buffer, self.history = None, None, []
 
-    def __call__(self, _seed: int) -> tuple[torch.Tensor, ...]:
-        import torch
-
-        trainer, cfg = self.trainer, self.cfg
-        micro, accum = trainer.cfg.micro_batch_size, trainer.accum_steps
-        per_epoch = cfg.minibatches * accum  # micro-batches in one pass over the buffer
-        cycle, position = divmod(self.source.batches, cfg.ppo_epochs * per_epoch)
+    def __call__(self, trainer, batch_index: int, _seed: int) -> tuple[torch.Tensor, ...]:
+        cfg, micro = self.cfg, trainer.cfg.micro_batch_size
+        per_epoch = cfg.minibatches * trainer.accum_steps  # micro-batches in one pass over the buffer
+        cycle, position = divmod(batch_index, cfg.ppo_epochs * per_epoch)
         if cycle != self.cycle:
-            self.flush()
-            self.buffer = self._rollout(cycle, micro * per_epoch)
+            self.flush(trainer)
+            self.buffer = self._rollout(trainer, cycle, micro * per_epoch)
             self.cycle = cycle
         epoch, index = divmod(position, per_epoch)
         g = torch.Generator().manual_seed(self._seed(cycle) + epoch)
@@ -333,11 +298,11 @@ class _Cycles:
     def _seed(self, cycle: int) -> int:
         return (self.recipe.train.seed * 1_000_003 + cycle) * 4099
 
-    def _rollout(self, cycle: int, n: int) -> tuple[torch.Tensor, ...]:
+    def _rollout(self, trainer, cycle: int, n: int) -> tuple[torch.Tensor, ...]:
         rng = random.Random(f"kiln-ppo|{self.recipe.train.seed}|{cycle}")
         total = len(self.prompts)
         picked = rng.sample(range(total), n) if n <= total else [rng.randrange(total) for _ in range(n)]
-        model = self.trainer.model
+        model = trainer.model
         rollout = make_rollout(
             model,
             critic_of(model),
@@ -347,171 +312,142 @@ class _Cycles:
             [self.prompts[i] for i in picked],
             self.reward_fn,
             self.cfg,
-            self.trainer.cfg.seq_len,
+            trainer.cfg.seq_len,
             self._seed(cycle),
-            self.trainer.cfg.precision,
+            trainer.cfg.precision,
         )
-        record = {"kind": "rollout", "step": self.trainer.step, "cycle": cycle, **rollout.stats}
+        record = {"kind": "rollout", "step": trainer.step, "cycle": cycle, **rollout.stats}
         self.history.append(record)
-        if self.trainer.metrics:
-            self.trainer.metrics.log(record)
+        if trainer.metrics:
+            trainer.metrics.log(record)
         return rollout.training_tensors()
 
-    def flush(self, after_fit: bool = False) -> None:
+    def flush(self, trainer) -> None:
         """Log the mean optimisation statistics of the cycle that just ended."""
         if not self.sink:
             return
-        import torch
-
         means = torch.stack(self.sink).mean(0).tolist()
         self.sink.clear()
-        record = {"kind": "ppo", "step": self.trainer.step, "cycle": self.cycle, **dict(zip(LOSS_STATS, means))}
+        record = {"kind": "ppo", "step": trainer.step, "cycle": self.cycle, **dict(zip(LOSS_STATS, means))}
         if self.history and self.history[-1].get("cycle") == self.cycle:
             self.history[-1].update({k: v for k, v in record.items() if k not in ("kind", "step")})
-        if self.trainer.is_main and after_fit:  # fit() has closed its logger: append to the same file
-            from kiln.train.metrics import MetricsLogger
-
-            logger = MetricsLogger(self.trainer.out_dir)
-            logger.log(record)
-            logger.close()
-        elif self.trainer.metrics:
-            self.trainer.metrics.log(record)
+        if trainer.metrics:
+            trainer.metrics.log(record)
 
 
-def run_ppo(recipe, out: Path, init: Path, tokenizer, resume: str = "auto", reward_fn: RewardFn | None = None) -> dict:
+# ---- the stage -------------------------------------------------------------------------------------
+
+
+class PPO(Stage):
     """reward_fn overrides the configured reward (e.g. a custom verifier)."""
-    import torch
 
-    from kiln.model.weights import load_model
-    from kiln.post import stages as S
-    from kiln.post.rm import load_scalar_model
-    from kiln.post.run import _baseline, _peft, _trainer
-    from kiln.post.sources import OnlineSource
+    name = "ppo"
 
-    cfg = recipe.ppo
-    try:
-        cfg.validate()
-    except ConfigError as err:
-        raise err.within("ppo") from None
-    out = Path(out)
-    examples, prompts = _prompts(recipe, cfg, tokenizer, out)
-    longest = max(map(len, prompts))
-    if longest + cfg.max_new_tokens > cfg.train.seq_len + 1:
-        raise ConfigError(
-            "ppo.train.seq_len",
-            f"the longest prompt ({longest} tokens) + max_new_tokens ({cfg.max_new_tokens}) must fit in seq_len + 1",
+    def __init__(self, recipe, out, init, tokenizer, reward_fn: RewardFn | None = None):
+        super().__init__(recipe, out, init, tokenizer)
+        self.reward_fn, self.reward_model = reward_fn, None
+        self.reward_name = "custom" if reward_fn is not None else self.cfg.reward
+
+    def sources(self) -> tuple[OnlineSource, OnlineSource]:
+        cfg, tokenizer = self.cfg, self.tokenizer
+        examples, prompts = _prompts(self.recipe, cfg, tokenizer, self.out, self.train_tasks)
+        longest = max(map(len, prompts))
+        if longest + cfg.max_new_tokens > cfg.train.seq_len + 1:
+            raise ConfigError(
+                "ppo.train.seq_len",
+                f"the longest prompt ({longest} tokens) + max_new_tokens ({cfg.max_new_tokens}) must fit in seq_len + 1",
+            )
+        reward_fn = self.reward_fn or self._configured_reward()
+        self.reference, _ = load_model(self.init)
+        self.reference.requires_grad_(False)
+        self.cycles = Cycles(self.recipe, cfg, tokenizer, examples, prompts, reward_fn, self.reference)
+        # 64 held-out problems spread over the families, which come in blocks.
+        sampled = self.heldout[:: max(1, len(self.heldout) // 64)][:64]
+        val = reference_answer_batches(tokenizer, sampled, cfg.train.seq_len)
+        source = OnlineSource(
+            self.cycles, seed=self.recipe.train.seed, val_batches=val, vocab_size=tokenizer.vocab_size
         )
-    reward_name, reward_model = ("custom" if reward_fn is not None else cfg.reward), None
-    if reward_fn is None:
-        if cfg.reward == "verifier":
-            reward_fn = verifier_reward(tokenizer)
-        else:
-            reward_model = load_scalar_model(_resolve(recipe, cfg.reward, "ppo.reward"), "ppo.reward")
-            if reward_model.cfg.vocab_size < tokenizer.vocab_size:
-                raise ConfigError(
-                    "ppo.reward",
-                    f"reward model vocabulary {reward_model.cfg.vocab_size} < the "
-                    f"tokenizer's {tokenizer.vocab_size} (same tokenizer needed)",
-                )
-            reward_fn = model_reward(reward_model, tokenizer)
-    heldout = S.heldout_tasks(recipe.tasks)
-    before = _baseline(init, tokenizer, heldout)
-    reference, _ = load_model(init)
-    reference.requires_grad_(False)
-    peft = _peft(recipe)
+        return source, source
 
-    def prepare(model):
-        if peft is not None:
-            peft(model)  # the actor only: the critic, attached after, trains fully
-        critic = build_critic(recipe, cfg, init).to(next(model.parameters()).device)
-        if critic.cfg.vocab_size < tokenizer.vocab_size:
+    def _configured_reward(self) -> RewardFn:
+        if self.cfg.reward == "verifier":
+            return verifier_reward(self.tokenizer)
+        self.reward_model = load_scalar_model(_resolve(self.recipe, self.cfg.reward, "ppo.reward"), "ppo.reward")
+        if self.reward_model.cfg.vocab_size < self.tokenizer.vocab_size:
+            raise ConfigError(
+                "ppo.reward",
+                f"reward model vocabulary {self.reward_model.cfg.vocab_size} < the "
+                f"tokenizer's {self.tokenizer.vocab_size} (same tokenizer needed)",
+            )
+        return model_reward(self.reward_model, self.tokenizer)
+
+    def loss_fn(self):
+        return make_ppo_loss(self.cfg, self.cycles.sink)
+
+    def eval_loss_fn(self):
+        return sft_loss  # validation: the SFT loss of the held-out reference answers, a policy-only measure
+
+    def prepare_model(self, model) -> None:
+        if self.peft is not None:
+            apply_peft(model, self.peft)  # the actor only: the critic, attached after, trains fully
+        critic = build_critic(self.recipe, self.cfg, self.init).to(next(model.parameters()).device)
+        if critic.cfg.vocab_size < self.tokenizer.vocab_size:
             raise ConfigError(
                 "ppo.critic_init",
                 f"critic vocabulary {critic.cfg.vocab_size} < the tokenizer's "
-                f"{tokenizer.vocab_size} (same tokenizer needed)",
+                f"{self.tokenizer.vocab_size} (same tokenizer needed)",
             )
         model.add_module("critic", critic)
 
-    sink: list = []
-    cycles = _Cycles(recipe, cfg, tokenizer, examples, prompts, reward_fn, reference, sink)
-    sampled = heldout[:: max(1, len(heldout) // 64)][:64]  # spread over the families, which come in blocks
-    val_rows, _ = S.sft_rows(
-        tokenizer,
-        [[{"role": "user", "content": ex["prompt"]}, {"role": "assistant", "content": ex["answer"]}] for ex in sampled],
-        cfg.train.seq_len,
-        packing=False,
-    )
-    val_batches = [tuple(torch.stack(p) for p in zip(*val_rows[i : i + 16])) for i in range(0, len(val_rows), 16)]
-    source = OnlineSource(cycles, seed=recipe.train.seed, val_batches=val_batches, vocab_size=tokenizer.vocab_size)
-    # Validation: the SFT loss of the held-out reference answers, a policy-only measure.
-    trainer = _trainer(
-        recipe,
-        out,
-        cfg,
-        (source, source),
-        make_ppo_loss(cfg, sink),
-        init,
-        resume,
-        prepare_model=prepare,
-        eval_loss_fn=S.sft_loss,
-    )
-    if trainer.world_size > 1:
-        raise ConfigError("parallel", "ppo runs in one process: rollouts sample from the whole actor")
-    reference.to(trainer.device)
-    if reward_model is not None:
-        reward_model.to(trainer.device)
-    cycles.trainer, cycles.source = trainer, source
-    summary = trainer.fit()
-    cycles.flush(after_fit=True)
-    after = S.task_accuracy(trainer.model, tokenizer, heldout)
-    stats = {
-        "train": summary,
-        "rollouts": cycles.history,
-        "heldout_before": before,
-        "heldout_after": after,
-        "reward": reward_name,
-    }
-    if trainer.is_main:
-        stats["policy"] = str(
-            export_policy(
-                trainer.model,
-                trainer.model_cfg,
-                out / POLICY_DIR,
-                {"stage": "ppo", "checkpoint": summary["checkpoint"]},
-            )
-        )
-        peft_cfg = getattr(recipe, "peft", None)
-        if peft_cfg is not None and peft_cfg.method != "none":
-            stats["peft"] = export_adapter(trainer.model, trainer.model_cfg, peft_cfg, out / "adapter")
-        S.write_stats(out, stats)
-        line = f"[{out.name}] held-out task accuracy {before['accuracy']:.3f} -> {after['accuracy']:.3f}"
-        if cycles.history:
-            first, final = cycles.history[0], cycles.history[-1]
+    def start(self, trainer) -> None:
+        if trainer.world_size > 1:
+            raise ConfigError("parallel", "ppo runs in one process: rollouts sample from the whole actor")
+        self.reference.to(trainer.device)
+        if self.reward_model is not None:
+            self.reward_model.to(trainer.device)
+
+    def after_fit(self, trainer) -> None:
+        self.cycles.flush(trainer)  # the last cycle's optimisation statistics
+
+    def results(self, trainer, summary: dict, before: dict | None) -> dict:
+        after = self.evaluate(trainer.model)
+        return {
+            "train": summary,
+            "rollouts": self.cycles.history,
+            "heldout_before": before,
+            "heldout_after": after,
+            "reward": self.reward_name,
+        }
+
+    def export(self, trainer, stats: dict) -> dict:
+        """`<out>/policy`: the actor alone, LoRA merged; with [peft], the actor's adapter too."""
+        extra = {"stage": "ppo", "checkpoint": stats["train"]["checkpoint"]}
+        outputs = {"policy": str(export_policy(trainer.model, trainer.model_cfg, self.out / POLICY_DIR, extra))}
+        if self.peft is not None:
+            outputs["peft"] = export_adapter(trainer.model, trainer.model_cfg, self.peft, self.out / "adapter")
+        return outputs
+
+    def closing_lines(self, stats: dict) -> list[str]:
+        before, after = stats["heldout_before"], stats["heldout_after"]
+        line = f"[{self.out.name}] held-out task accuracy {before['accuracy']:.3f} -> {after['accuracy']:.3f}"
+        if self.cycles.history:
+            first, final = self.cycles.history[0], self.cycles.history[-1]
             line += (
                 f"; rollout score {first['score']:.3f} -> {final['score']:.3f}, "
                 f"KL {first['kl']:.2e} -> {final['kl']:.2e}"
             )
-        print(line)
-    return stats
+        return [line]
 
 
 def export_adapter(model, model_cfg, peft_cfg, folder: Path) -> dict:
     """The actor's small trainable weights: PEFT format for LoRA/QLoRA, Kiln's own for adapters.
     The critic holds no PEFT layers, so neither writer sees it."""
-    from kiln.peft.peft_io import save_peft_adapter, save_trainable
-
-    if peft_cfg.method in ("lora", "qlora"):
-        save_peft_adapter(model, model_cfg, folder, peft_cfg)
-    else:
-        save_trainable(model, peft_cfg, folder)
+    save_adapter(model, model_cfg, peft_cfg, folder)
     return {"method": peft_cfg.method, "adapter": str(folder)}
 
 
 def export_policy(model, model_cfg, folder: Path, extra: dict) -> Path:
     """The actor alone (no `critic.*`), LoRA merged: a plain checkpoint `load_model` reads."""
-    from kiln.checkpoint import save_weights
-    from kiln.peft.peft_io import merged_state_dict
-
     try:
         state = merged_state_dict(model)
     except ValueError:

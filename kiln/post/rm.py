@@ -19,15 +19,23 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+import torch
+from torch import nn
+
+from kiln.checkpoint import MANIFEST_FILE, save_weights
+from kiln.data.chat import render_conversation
 from kiln.errors import ConfigError
+from kiln.model import Transformer
+from kiln.model.weights import load_weights
+from kiln.peft.apply import apply_peft
+from kiln.peft.peft_io import merged_state_dict
 from kiln.post.config import RMConfig
-
-IGNORE = -100
-if TYPE_CHECKING:
-    import torch
-    from torch import nn
+from kiln.post.data import read_preferences
+from kiln.post.losses import bradley_terry_loss
+from kiln.post.protocol import Stage
+from kiln.post.sources import ExampleSource
+from kiln.post.tasks import task_preference_pairs
 
 HEAD = {"kind": "scalar", "outputs": 1, "reduction": "last_token"}
 EXPORT_DIR = "reward_model"
@@ -39,8 +47,6 @@ EXPORT_DIR = "reward_model"
 def attach_scalar_head(model: nn.Module) -> nn.Linear:
     """Replace the model's vocabulary head by a fresh `Linear(dim, 1)` (no bias: Bradley-Terry is
     blind to a constant, and without one an untied model keeps its key set). Returns the head."""
-    from torch import nn
-
     param = model.tok_embeddings.weight
     head = nn.Linear(model.cfg.dim, 1, bias=False, device=param.device, dtype=param.dtype)
     # Small weights start every reward near 0, so the first pairwise losses are about log 2 and
@@ -61,10 +67,6 @@ def has_scalar_head(state: dict, manifest: dict) -> bool:
 def load_scalar_model(path, key: str = "reward_model") -> nn.Module:
     """A reward model (or critic) saved by `kiln rm`, in eval mode. `path`: the rm stage folder (its
     `reward_model` export is used), the export itself, or a training checkpoint of the stage."""
-    from kiln.checkpoint import MANIFEST_FILE
-    from kiln.model import Transformer
-    from kiln.model.weights import load_weights
-
     p = Path(path)
     if (p / EXPORT_DIR / MANIFEST_FILE).is_file():
         p = p / EXPORT_DIR
@@ -93,6 +95,27 @@ def sequence_scores(model: nn.Module, ids: torch.Tensor, last: torch.Tensor) -> 
     return values.gather(1, last.long()[:, None])[:, 0].float()
 
 
+def model_reward(model: nn.Module, tokenizer, batch_size: int = 32):
+    """A reward function (examples, prompt ids, completion ids) -> [N] scores: the reward model's
+    value at the last token of prompt + completion (PPO's and GRPO's learned reward)."""
+    pad = tokenizer.token_id("<|pad|>")
+
+    @torch.no_grad()
+    def reward(examples, prompts, completions):
+        device = next(model.parameters()).device
+        seqs = [p + c for p, c in zip(prompts, completions)]
+        scores = []
+        for start in range(0, len(seqs), batch_size):
+            chunk = seqs[start : start + batch_size]
+            width = max(map(len, chunk))
+            ids = torch.tensor([s + [pad] * (width - len(s)) for s in chunk], device=device)
+            last = torch.tensor([len(s) - 1 for s in chunk], device=device)
+            scores.append(sequence_scores(model, ids, last).cpu())
+        return torch.cat(scores)
+
+    return reward
+
+
 # ---- data ------------------------------------------------------------------------------------------
 
 
@@ -100,10 +123,6 @@ def rm_rows(tokenizer, pairs: list[tuple[list[dict], str, str]], seq_len: int) -
     """(chosen ids [T], chosen last index, rejected ids [T], rejected last index) per pair, each the
     whole rendered conversation (its closing `<|end|>` included), right-padded. Returns the rows
     and how many sequences were cut at seq_len."""
-    import torch
-
-    from kiln.data.chat import render_conversation
-
     pad = tokenizer.token_id("<|pad|>")
     rows, cut = [], 0
     for prompt, chosen, rejected in pairs:
@@ -119,10 +138,6 @@ def rm_rows(tokenizer, pairs: list[tuple[list[dict], str, str]], seq_len: int) -
 
 
 def make_rm_loss(cfg: RMConfig):
-    import torch
-
-    from kiln.post.losses import bradley_terry_loss
-
     def loss_fn(model, batch: tuple) -> tuple[torch.Tensor, int]:
         chosen, chosen_last, rejected, rejected_last = batch
         # One forward over both halves: the same weights score chosen and rejected in one pass.
@@ -136,8 +151,6 @@ def make_rm_loss(cfg: RMConfig):
 
 def preference_accuracy(model: nn.Module, rows: list[tuple], batch_size: int = 32) -> dict:
     """Pairwise accuracy (chosen scored strictly higher) and mean score margin over `rows`."""
-    import torch
-
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
@@ -170,97 +183,84 @@ def _split_file_pairs(pairs: list, fraction: float, seed: int) -> tuple[list, li
 # ---- the stage -------------------------------------------------------------------------------------
 
 
-def _prepare(recipe):
-    from kiln.post.run import _peft
+class RM(Stage):
+    name = "rm"
 
-    peft = _peft(recipe)
+    def check(self) -> None:
+        if self.peft is not None and self.peft.method == "adapter":
+            raise ConfigError(
+                "peft.method",
+                "a reward model is exported as plain weights, which bottleneck "
+                "adapters cannot be folded into; use lora, qlora or none",
+            )
 
-    def prepare(model):
+    def sources(self) -> tuple[ExampleSource, ExampleSource]:
+        cfg, seed = self.cfg, self.recipe.train.seed
+        task_val = task_preference_pairs(self.heldout, seed=self.recipe.tasks.seed + 1)
+        if cfg.files:
+            pairs, read_stats = read_preferences(cfg.files, rejected_path=self.out / "rejected.jsonl")
+            pairs, val_pairs = _split_file_pairs(pairs, cfg.heldout_fraction, seed)
+            data = {"files": read_stats}
+        else:
+            pairs, val_pairs = task_preference_pairs(self.train_tasks, seed=self.recipe.tasks.seed), task_val
+            data = {"tasks": len(pairs)}
+        seq_len = cfg.train.seq_len
+        rows, cut = rm_rows(self.tokenizer, pairs, seq_len)
+        self.val_rows, _ = rm_rows(self.tokenizer, val_pairs, seq_len)
+        # With files, the held-out task pairs are measured too.
+        self.task_rows = rm_rows(self.tokenizer, task_val, seq_len)[0] if cfg.files else None
+        self.data = {**data, "pairs": len(rows), "heldout_pairs": len(self.val_rows), "truncated": cut}
+        micro, vocab = cfg.train.micro_batch_size, self.tokenizer.vocab_size
+        return (
+            ExampleSource(rows, micro, seed=seed, vocab_size=vocab),
+            ExampleSource(self.val_rows, micro, shuffle=False, vocab_size=vocab),
+        )
+
+    def loss_fn(self):
+        return make_rm_loss(self.cfg)
+
+    def prepare_model(self, model) -> None:
         head = attach_scalar_head(model)
-        if peft is not None:
-            peft(model)
+        if self.peft is not None:
+            apply_peft(model, self.peft)
             # PEFT freezes every base weight; the new head has nothing to adapt from and trains fully.
             head.weight.requires_grad_(True)
 
-    return prepare
+    def evaluate(self, model) -> dict:
+        after = {"heldout": preference_accuracy(model, self.val_rows)}
+        if self.task_rows is not None:
+            after["heldout_tasks"] = preference_accuracy(model, self.task_rows)
+        return after
 
+    def before(self) -> None:
+        return None  # the fresh head exists only once the Trainer has built the model: see start()
 
-def run_rm(recipe, out: Path, init: Path, tokenizer, resume: str = "auto") -> dict:
-    from kiln.post import stages as S
-    from kiln.post.run import _trainer
-    from kiln.post.sources import ExampleSource
-    from kiln.post.tasks import task_preference_pairs
+    def start(self, trainer) -> None:
+        """The untrained head's accuracy, measured once, on the first run, and kept for resumed runs."""
+        before_file = self.out / "rm_before.json"
+        if trainer.resumed_from is None:
+            self.initial = {"heldout": preference_accuracy(trainer.model, self.val_rows)}
+            if trainer.is_main:
+                before_file.write_text(json.dumps(self.initial))
+        else:
+            self.initial = json.loads(before_file.read_text()) if before_file.is_file() else None
 
-    cfg = recipe.rm
-    try:
-        cfg.validate()
-    except ConfigError as err:
-        raise err.within("rm") from None
-    peft = getattr(recipe, "peft", None)
-    if peft is not None and peft.method == "adapter":
-        raise ConfigError(
-            "peft.method",
-            "a reward model is exported as plain weights, which bottleneck "
-            "adapters cannot be folded into; use lora, qlora or none",
-        )
-    out = Path(out)
-    heldout = S.heldout_tasks(recipe.tasks)
-    task_val = task_preference_pairs(heldout, seed=recipe.tasks.seed + 1)
-    if cfg.files:
-        from kiln.post.data import read_preferences
+    def results(self, trainer, summary: dict, before: None) -> dict:
+        return {"data": self.data, "train": summary, "before": self.initial, "after": self.evaluate(trainer.model)}
 
-        pairs, read_stats = read_preferences(cfg.files, rejected_path=out / "rejected.jsonl")
-        pairs, val_pairs = _split_file_pairs(pairs, cfg.heldout_fraction, recipe.train.seed)
-        data = {"files": read_stats}
-    else:
-        pairs, val_pairs = task_preference_pairs(S.train_tasks(recipe.tasks), seed=recipe.tasks.seed), task_val
-        data = {"tasks": len(pairs)}
-    seq_len = cfg.train.seq_len
-    rows, cut = rm_rows(tokenizer, pairs, seq_len)
-    val_rows, _ = rm_rows(tokenizer, val_pairs, seq_len)
-    task_rows = val_rows if not cfg.files else rm_rows(tokenizer, task_val, seq_len)[0]
-    vocab = tokenizer.vocab_size
-    train = ExampleSource(rows, cfg.train.micro_batch_size, seed=recipe.train.seed, vocab_size=vocab)
-    val = ExampleSource(val_rows, cfg.train.micro_batch_size, shuffle=False, vocab_size=vocab)
-    trainer = _trainer(recipe, out, cfg, (train, val), make_rm_loss(cfg), init, resume, prepare_model=_prepare(recipe))
+    def export(self, trainer, stats: dict) -> dict:
+        """`<out>/reward_model`: plain weights (LoRA merged) with the head recorded; no adapter."""
+        accuracy = stats["after"]["heldout"]["accuracy"]
+        extra = {"stage": "rm", "checkpoint": stats["train"]["checkpoint"], "heldout_accuracy": accuracy}
+        export_reward_model(trainer, self.out / EXPORT_DIR, extra)
+        return {"reward_model": str(self.out / EXPORT_DIR)}
 
-    # The untrained head's accuracy is measured once, on the first run, and kept for resumed runs.
-    before_file = out / "rm_before.json"
-    if trainer.resumed_from is None:
-        before = {"heldout": preference_accuracy(trainer.model, val_rows)}
-        if trainer.is_main:
-            before_file.write_text(json.dumps(before))
-    else:
-        before = json.loads(before_file.read_text()) if before_file.is_file() else None
-    summary = trainer.fit()
-    after = {"heldout": preference_accuracy(trainer.model, val_rows)}
-    if cfg.files:
-        after["heldout_tasks"] = preference_accuracy(trainer.model, task_rows)
-    stats = {
-        "data": {**data, "pairs": len(rows), "heldout_pairs": len(val_rows), "truncated": cut},
-        "train": summary,
-        "before": before,
-        "after": after,
-    }
-    if trainer.is_main:
-        export_reward_model(
-            trainer,
-            out / EXPORT_DIR,
-            {"stage": "rm", "checkpoint": summary["checkpoint"], "heldout_accuracy": after["heldout"]["accuracy"]},
-        )
-        stats["reward_model"] = str(out / EXPORT_DIR)
-        S.write_stats(out, stats)
-        start = f"{before['heldout']['accuracy']:.3f}" if before else "?"
-        print(
-            f"[{out.name}] held-out pairwise accuracy {start} -> "
-            f"{after['heldout']['accuracy']:.3f} ({len(val_rows)} pairs)"
-        )
-    return stats
+    def closing_lines(self, stats: dict) -> list[str]:
+        start = f"{stats['before']['heldout']['accuracy']:.3f}" if stats["before"] else "?"
+        after = stats["after"]["heldout"]["accuracy"]
+        return [f"[{self.out.name}] held-out pairwise accuracy {start} -> {after:.3f} ({len(self.val_rows)} pairs)"]
 
 
 def export_reward_model(trainer, folder: Path, extra: dict) -> Path:
     """Plain weights (LoRA merged) of the trained reward model, with the head recorded."""
-    from kiln.checkpoint import save_weights
-    from kiln.peft.peft_io import merged_state_dict
-
     return save_weights(folder, trainer.model_cfg, merged_state_dict(trainer.model), {**extra, "head": HEAD})

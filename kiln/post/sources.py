@@ -3,12 +3,13 @@ endless iteration, `state_dict`/`load_state_dict` (exact resume), `iter_batches(
 
 `ExampleSource` serves fixed, pre-tokenised examples (SFT rows, preference pairs) shuffled per epoch;
 `OnlineSource` asks a function for each batch (RL rollouts sampled from the current policy), seeded
-by the step so a resumed run samples the same rollouts.
+by the batch index so a resumed run samples the same rollouts. The Trainer binds it to itself
+(`bind(trainer)`) once built, so the function samples from the live model.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -73,11 +74,12 @@ class ExampleSource:
 
 
 class OnlineSource:
-    """Each batch comes from make_batch(step_seed); the step counter is the whole state."""
+    """Each batch comes from make_batch(trainer, index, seed): the trainer the source is bound to,
+    the batch's index (the batch counter is the whole state) and a seed derived from it."""
 
     def __init__(
         self,
-        make_batch: Callable[[int], tuple[torch.Tensor, ...]],
+        make_batch: Callable[[Any, int, int], tuple[torch.Tensor, ...]],
         seed: int = 0,
         val_batches: list | None = None,
         vocab_size: int = 0,
@@ -86,10 +88,16 @@ class OnlineSource:
         self.val = val_batches or []
         self.bytes_per_token = None
         self.batches = 0
+        self.trainer = None
+
+    def bind(self, trainer) -> None:
+        self.trainer = trainer
 
     def __iter__(self):
+        if self.trainer is None:
+            raise RuntimeError("an OnlineSource samples from its trainer's model: bind(trainer) first")
         while True:
-            batch = self.make_batch(self.seed * 1_000_003 + self.batches)
+            batch = self.make_batch(self.trainer, self.batches, self.seed * 1_000_003 + self.batches)
             self.batches += 1
             yield batch
 

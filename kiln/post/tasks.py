@@ -35,6 +35,7 @@ import re
 from decimal import Decimal, InvalidOperation
 
 from kiln.errors import ConfigError
+from kiln.post.config import TaskConfig
 
 FAMILIES = ("arithmetic", "sort", "reverse", "convert", "word_problem")
 SPLITS = ("train", "heldout")
@@ -522,3 +523,25 @@ def task_preference_pairs(examples: list[dict], seed: int = 0) -> list[tuple[lis
     the shape read_preferences returns; the seed picks the distractors."""
     rng = random.Random(f"kiln-pairs|{seed}")
     return [preference_pair(ex, rng) for ex in examples]
+
+
+def train_tasks(cfg: TaskConfig) -> list[dict]:
+    """The [tasks] train split: `train_per_family` problems of each family (SFT data, pairs, RL prompts)."""
+    return [
+        ex
+        for i, family in enumerate(cfg.families)
+        for ex in generate_tasks(
+            family, cfg.train_per_family, split="train", difficulty=cfg.difficulty, seed=cfg.seed + 104729 * (i + 1)
+        )
+    ]
+
+
+def heldout_tasks(cfg: TaskConfig) -> list[dict]:
+    """The [tasks] held-out split: the problems every stage's held-out accuracy is measured on."""
+    return [
+        ex
+        for i, family in enumerate(cfg.families)
+        for ex in generate_tasks(
+            family, cfg.heldout_per_family, split="heldout", difficulty=cfg.difficulty, seed=cfg.seed + 7919 * (i + 1)
+        )
+    ]

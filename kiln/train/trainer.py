@@ -12,7 +12,6 @@ import math
 import sys
 import time
 import warnings
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Callable
 
@@ -21,8 +20,10 @@ from tqdm import tqdm
 
 from kiln.checkpoint import (
     CheckpointManager,
+    ShardedSaver,
     capture_rng_state,
     complete_checkpoints,
+    load_sharded,
     resolve_checkpoint,
     restore_rng_state,
 )
@@ -45,11 +46,11 @@ from kiln.train.metrics import (
 )
 from kiln.train.objective import LossFn, next_token_loss
 from kiln.train.optim import build_optimizer
+from kiln.train.precision import PRECISION_DTYPES, autocast
 from kiln.train.schedule import lr_at
 from kiln.train.system import system_metrics
 from kiln.train.watchdog import Watchdog
 
-PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Full activation checkpointing runs each block's forward twice. Training costs ~3 forwards per token
 # (forward 2N FLOPs, backward 4N: gradients of activations and of weights); recomputing the forward
 # adds one more, so the hardware does 4/3 of the model FLOPs (Korthikanti et al. 2022, sec. 5). The
@@ -81,7 +82,12 @@ class Trainer:
         data: tuple | None = None,
         prepare_model: Callable[[torch.nn.Module], object] | None = None,
         eval_loss_fn: LossFn | None = None,
+        after_fit: Callable[[Trainer], object] | None = None,
     ):
+        """`data`: a stage's own (train, val) batch sources instead of the pack's; a source with a
+        `bind(trainer)` method is bound to this trainer once it is built (online sources sample
+        from the live model). `after_fit(trainer)` runs at the end of fit(), while the metrics
+        logger is still open."""
         train_cfg.validate()
         cfg = self.cfg = train_cfg
         self.pack_dir = Path(pack_dir) if pack_dir is not None else None
@@ -89,6 +95,7 @@ class Trainer:
         self.recipe_dict = recipe_dict
         self.loss_fn = loss_fn or next_token_loss
         self.eval_loss_fn = eval_loss_fn or self.loss_fn
+        self.after_fit = after_fit
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if cfg.threads > 0:
             torch.set_num_threads(cfg.threads)
@@ -96,47 +103,8 @@ class Trainer:
         self.rank, self.world_size = self.layout.rank, self.layout.world_size
         self.is_main = self.rank == 0
 
-        # Gradient accumulation keeps the tokens per optimizer step at global_batch_tokens whatever
-        # the micro batch and rank count, so the same recipe trains the same way on 1 or 64 devices.
-        # Only data-parallel ranks read different data; TP/CP/PP ranks of one replica share a batch.
-        tokens_per_micro_step = cfg.seq_len * cfg.micro_batch_size * self.layout.dp_size
-        if cfg.global_batch_tokens % tokens_per_micro_step:
-            raise ConfigError(
-                "global_batch_tokens",
-                f"must be a multiple of seq_len*micro_batch_size*dp ranks="
-                f"{tokens_per_micro_step}, got {cfg.global_batch_tokens}",
-            )
-        self.accum_steps = cfg.global_batch_tokens // tokens_per_micro_step
-        self.tokens_per_micro_step = tokens_per_micro_step
-        self.ramp_start_accum = self.accum_steps
-        if cfg.batch_ramp_steps > 0:
-            if cfg.batch_ramp_start_tokens % tokens_per_micro_step:
-                raise ConfigError(
-                    "batch_ramp_start_tokens",
-                    f"must be a multiple of seq_len*micro_batch_size*dp ranks={tokens_per_micro_step}, "
-                    f"got {cfg.batch_ramp_start_tokens}",
-                )
-            self.ramp_start_accum = cfg.batch_ramp_start_tokens // tokens_per_micro_step
-
-        def make_loader(split: str):
-            return TokenLoader(
-                self.pack_dir,
-                split=split,
-                seq_len=cfg.seq_len,
-                batch_size=cfg.micro_batch_size,
-                rank=self.layout.dp_rank,
-                world_size=self.layout.dp_size,
-                seed=cfg.seed,
-            )
-
-        if data is not None:
-            # A post-training stage brings its own (train, val) sources with the TokenLoader interface:
-            # iteration, state_dict/load_state_dict, iter_batches(n), vocab_size, bytes_per_token.
-            self.train_loader, self.val_loader = data
-        else:
-            self.train_loader = make_loader("train")
-            # The validation set is fixed: iter_batches(n) yields the same first n batches every time.
-            self.val_loader = make_loader("val")
+        self._batch_geometry()
+        self.train_loader, self.val_loader = data if data is not None else self._pack_loaders()
 
         if model_cfg.vocab_size == 0:
             model_cfg = dataclasses.replace(model_cfg, vocab_size=self.train_loader.vocab_size)
@@ -164,23 +132,12 @@ class Trainer:
         )
         self.sharded_saver = None
         if self.layout.sharded:
-            from kiln.checkpoint import ShardedSaver
-
             self.sharded_saver = ShardedSaver(self.ckpt, self.layout.cfg.async_checkpoint)
         # Dynamic loss scaling keeps small fp16 gradients from flushing to zero; bf16 has fp32's
         # exponent range and needs none. A disabled scaler passes everything through unchanged.
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=cfg.precision == "fp16")
 
-        self.step = 0
-        self.tokens_seen = 0
-        self.best_val_loss = math.inf
-        self.best_val_bpb = math.inf
-        self.best_step = -1
-        self.evals_since_best = 0
-        self.last_val_loss = None
-        self.last_val_bpb = None
-        self.stopped_early = False
-        self.lr_scale = 1.0  # lowered by the guard's rollbacks (lr_factor); saved with the loop state
+        self._start_loop_state()
         # Under fp16 the grad scaler owns overflowing gradients (it skips the step and backs off).
         self.guard = LossGuard(cfg.guard, scaler_handles_overflow=cfg.precision == "fp16")
         # Full weights (a single-file checkpoint, or init_from) load before the model is split, so
@@ -217,17 +174,76 @@ class Trainer:
         )
         self.optimizer = build_optimizer(self.model, cfg)
         self.resumed_from = self._resume(found, init_from) if found is not None else None
-        self.metrics = None
-        if self.is_main:
-            run_name = f"{self.out_dir.absolute().parent.name}/{self.out_dir.absolute().name}"
-            self.metrics = MetricsLogger(
-                self.out_dir,
-                loggers=cfg.loggers,
-                run_name=run_name,
-                config=recipe_dict if recipe_dict is not None else {"train": dataclasses.asdict(cfg)},
-            )
+        self.metrics = self._metrics_logger() if self.is_main else None
+        for source in {id(s): s for s in (self.train_loader, self.val_loader)}.values():
+            if hasattr(source, "bind"):
+                source.bind(self)
 
     # ---- setup -----------------------------------------------------------------------------------
+
+    def _batch_geometry(self) -> None:
+        """Micro-batches per optimizer step (accum_steps) and at the start of the batch ramp.
+
+        Gradient accumulation keeps the tokens per optimizer step at global_batch_tokens whatever
+        the micro batch and rank count, so the same recipe trains the same way on 1 or 64 devices.
+        Only data-parallel ranks read different data; TP/CP/PP ranks of one replica share a batch."""
+        cfg = self.cfg
+        tokens_per_micro_step = cfg.seq_len * cfg.micro_batch_size * self.layout.dp_size
+        if cfg.global_batch_tokens % tokens_per_micro_step:
+            raise ConfigError(
+                "global_batch_tokens",
+                f"must be a multiple of seq_len*micro_batch_size*dp ranks="
+                f"{tokens_per_micro_step}, got {cfg.global_batch_tokens}",
+            )
+        self.accum_steps = cfg.global_batch_tokens // tokens_per_micro_step
+        self.tokens_per_micro_step = tokens_per_micro_step
+        self.ramp_start_accum = self.accum_steps
+        if cfg.batch_ramp_steps > 0:
+            if cfg.batch_ramp_start_tokens % tokens_per_micro_step:
+                raise ConfigError(
+                    "batch_ramp_start_tokens",
+                    f"must be a multiple of seq_len*micro_batch_size*dp ranks={tokens_per_micro_step}, "
+                    f"got {cfg.batch_ramp_start_tokens}",
+                )
+            self.ramp_start_accum = cfg.batch_ramp_start_tokens // tokens_per_micro_step
+
+    def _start_loop_state(self) -> None:
+        """The loop's counters at step 0 (a resumed run overwrites them from its checkpoint)."""
+        self.step = 0
+        self.tokens_seen = 0
+        self.best_val_loss = math.inf
+        self.best_val_bpb = math.inf
+        self.best_step = -1
+        self.evals_since_best = 0
+        self.last_val_loss = None
+        self.last_val_bpb = None
+        self.stopped_early = False
+        self.lr_scale = 1.0  # lowered by the guard's rollbacks (lr_factor); saved with the loop state
+
+    def _metrics_logger(self) -> MetricsLogger:
+        run_name = f"{self.out_dir.absolute().parent.name}/{self.out_dir.absolute().name}"
+        config = self.recipe_dict if self.recipe_dict is not None else {"train": dataclasses.asdict(self.cfg)}
+        return MetricsLogger(self.out_dir, loggers=self.cfg.loggers, run_name=run_name, config=config)
+
+    def _pack_loaders(self) -> tuple[TokenLoader, TokenLoader]:
+        """The pack's (train, val) loaders. A post-training stage brings its own sources instead,
+        with the same interface: iteration, state_dict/load_state_dict, iter_batches(n), vocab_size,
+        bytes_per_token. The validation set is fixed: iter_batches(n) yields the same first n
+        batches every time."""
+        cfg = self.cfg
+
+        def make_loader(split: str):
+            return TokenLoader(
+                self.pack_dir,
+                split=split,
+                seq_len=cfg.seq_len,
+                batch_size=cfg.micro_batch_size,
+                rank=self.layout.dp_rank,
+                world_size=self.layout.dp_size,
+                seed=cfg.seed,
+            )
+
+        return make_loader("train"), make_loader("val")
 
     def _find_checkpoint(self, resume: str):
         """(folder, manifest, full model state or None if sharded, train state) or None."""
@@ -262,8 +278,6 @@ class Trainer:
         if init_from is not None:
             warnings.warn(f"resuming from {folder}; init_from={init_from} is ignored", stacklevel=3)
         if model_state is None:
-            from kiln.checkpoint import load_sharded
-
             load_sharded(folder, self.model, self.optimizer)
         else:
             self.layout.load_full_optimizer_state(self.model, self.optimizer, train_state["optimizer"])
@@ -293,11 +307,6 @@ class Trainer:
                 f"({first[1].strip() if len(first) > 1 else first[0]}); "
                 f"checkpoint model is {init_cfg}",
             ) from None
-
-    def _autocast(self):
-        if self.cfg.precision == "fp32":
-            return nullcontext()
-        return torch.autocast(self.device.type, dtype=self.compute_dtype)
 
     def _batch_to_device(self, batch):
         return tuple(t.to(self.device, non_blocking=True) for t in self.layout.shard_batch(batch))
@@ -332,7 +341,7 @@ class Trainer:
             # Gradients are reduced across data-parallel ranks once, in the last micro-batch's backward.
             with self.layout.gradient_sync(last_micro_batch=i == len(micro_batches) - 1):
                 batch = self._batch_to_device(batch)
-                with self._autocast(), self.layout.loss_context():
+                with autocast(self.cfg.precision, self.device), self.layout.loss_context():
                     if self.layout.pipelined:  # the schedule runs forward and backward itself
                         loss, n_tokens = self.layout.pipeline_step(batch, train=True), batch[1].numel()
                         nominal = n_tokens * len(micro_batches)
@@ -389,7 +398,7 @@ class Trainer:
         total, tokens = 0.0, 0
         for batch in self.val_loader.iter_batches(self.cfg.eval_batches):
             batch = self._batch_to_device(batch)
-            with self._autocast(), self.layout.loss_context():
+            with autocast(self.cfg.precision, self.device), self.layout.loss_context():
                 if self.layout.pipelined:
                     loss, n_tokens = self.layout.pipeline_step(batch, train=False), batch[1].numel()
                 else:
@@ -549,9 +558,19 @@ class Trainer:
         if self.sharded_saver is not None:
             with self.watchdog.watch(f"finishing the checkpoint of step {self.step}", self.step):
                 self.sharded_saver.finish()
+        if self.after_fit is not None:
+            self.after_fit(self)
+        summary = self._summary(train_time, train_tokens, start_wall)
+        if self.is_main:
+            (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+            self.metrics.close()
+        return summary
+
+    def _summary(self, train_time: float, train_tokens: int, start_wall: float) -> dict:
+        """What fit() returns and writes to summary.json."""
         tokens_per_s = train_tokens / train_time if train_time > 0 else 0.0
         mfu = model_flops_utilization(self.flops_per_token, tokens_per_s, self.peak_flops, self.world_size)
-        summary = {
+        return {
             "steps": self.step,
             "tokens_seen": self.tokens_seen,
             "stopped_early": self.stopped_early,
@@ -583,10 +602,6 @@ class Trainer:
             "wall_s": time.perf_counter() - start_wall,
             "checkpoint": str(self.ckpt.root / self.ckpt.latest_name) if self.ckpt.latest_name else None,
         }
-        if self.is_main:
-            (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-            self.metrics.close()
-        return summary
 
     # ---- guard responses and events ---------------------------------------------------------------
 

@@ -183,7 +183,7 @@ def test_humaneval_from_the_wheel_canonical_solutions_pass():
 
 def test_kiln_tasks_are_the_post_training_held_out_measure(tok, model):
     from kiln.post.config import TaskConfig
-    from kiln.post.stages import complete, strip_stop, task_accuracy
+    from kiln.post.evaluate import complete, strip_stop, task_accuracy
 
     task = load_kiln_tasks(TaskConfig(families=["arithmetic", "sort"], heldout_per_family=2))
     examples = [d["example"] for d in task.docs]

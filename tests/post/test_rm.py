@@ -9,37 +9,23 @@ import torch
 import torch.nn.functional as F
 
 from kiln.checkpoint import read_manifest, save_weights
-from kiln.data.config import TokenizerConfig
-from kiln.data.tokenizer import Tokenizer, train_tokenizer
+from kiln.data.chat import render_prompt
 from kiln.errors import ConfigError
-from kiln.model import ModelConfig, build_model
+from kiln.model import build_model
 from kiln.post.config import RMConfig, StageTrainConfig, TaskConfig
+from kiln.post.driver import run_stage
 from kiln.post.rm import (
+    HEAD,
     attach_scalar_head,
     load_scalar_model,
     make_rm_loss,
+    model_reward,
     preference_accuracy,
     rm_rows,
-    run_rm,
     sequence_scores,
 )
-from kiln.post.stages import heldout_tasks
-from kiln.post.tasks import FAMILIES, generate_tasks, task_preference_pairs
+from kiln.post.tasks import generate_tasks, heldout_tasks, task_preference_pairs
 from kiln.recipe import Recipe
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    out = tmp_path_factory.mktemp("rm_tok")
-    texts = [f"{e['prompt']} {e['answer']}" for f in FAMILIES for e in generate_tasks(f, 300, seed=3)]
-    train_tokenizer(texts, TokenizerConfig(vocab_size=512, heldout_fraction=0.1), out, heldout=[])
-    return Tokenizer.load(out)
-
-
-def model_cfg(tok, **overrides):
-    return ModelConfig(
-        **{**dict(vocab_size=tok.vocab_size, dim=32, n_layers=2, n_heads=4, max_seq_len=64), **overrides}
-    )
 
 
 def make_recipe(families, rm: RMConfig, train_per_family=400, heldout_per_family=100):
@@ -53,8 +39,8 @@ def make_recipe(families, rm: RMConfig, train_per_family=400, heldout_per_family
 
 
 @pytest.mark.parametrize("tied", [False, True])
-def test_scalar_head_gives_one_value_per_token(tok, tied):
-    model = build_model(model_cfg(tok, tie_embeddings=tied))
+def test_scalar_head_gives_one_value_per_token(tok, model_cfg, tied):
+    model = build_model(model_cfg(tie_embeddings=tied))
     embeddings = model.tok_embeddings.weight.detach().clone()
     head = attach_scalar_head(model)
     ids = torch.randint(16, tok.vocab_size, (3, 10))
@@ -76,8 +62,8 @@ def _hidden(model, ids):
     return x
 
 
-def test_reward_is_read_at_the_last_real_token(tok):
-    model = build_model(model_cfg(tok))
+def test_reward_is_read_at_the_last_real_token(tok, model_cfg):
+    model = build_model(model_cfg())
     attach_scalar_head(model)
     pairs = task_preference_pairs(generate_tasks("sort", 6, seed=1))
     rows, cut = rm_rows(tok, pairs, seq_len=48)
@@ -94,8 +80,8 @@ def test_reward_is_read_at_the_last_real_token(tok):
     assert torch.allclose(sequence_scores(model, wider, last), scores, atol=1e-5)
 
 
-def test_loss_is_bradley_terry_with_margin(tok):
-    model = build_model(model_cfg(tok))
+def test_loss_is_bradley_terry_with_margin(tok, model_cfg):
+    model = build_model(model_cfg())
     attach_scalar_head(model)
     torch.nn.init.normal_(model.output.weight, std=0.5)  # scores far enough apart for the margin to matter
     rows, _ = rm_rows(tok, task_preference_pairs(generate_tasks("reverse", 8, seed=2)), seq_len=48)
@@ -110,16 +96,16 @@ def test_loss_is_bradley_terry_with_margin(tok):
     assert plain < loss  # the margin asks for more than winning
 
 
-def test_rm_learns_to_rank_correct_over_wrong(tok, tmp_path):
+def test_rm_learns_to_rank_correct_over_wrong(tok, model_cfg, tmp_path):
     torch.manual_seed(0)
-    cfg = model_cfg(tok)
+    cfg = model_cfg()
     save_weights(tmp_path / "init", cfg, build_model(cfg).state_dict())
     rm = RMConfig(
         train=StageTrainConfig(
             lr=1e-3, max_steps=40, warmup_steps=2, seq_len=32, micro_batch_size=16, eval_every=20, ckpt_every=20
         )
     )
-    stats = run_rm(make_recipe(["sort"], rm), tmp_path / "rm", tmp_path / "init", tok, resume="none")
+    stats = run_stage("rm", make_recipe(["sort"], rm), tmp_path / "rm", tmp_path / "init", tok, resume="none")
     before, after = stats["before"]["heldout"], stats["after"]["heldout"]
     assert after["pairs"] == 100
     # Measured: 0.55 -> 0.78 (sorted answer over a shuffled or reversed one).
@@ -138,9 +124,9 @@ def test_rm_learns_to_rank_correct_over_wrong(tok, tmp_path):
     assert load_scalar_model(tmp_path / "rm" / "checkpoints").output.weight.shape == (1, 32)
 
 
-def test_pairs_from_files_hold_some_out_and_quarantine_bad_lines(tok, tmp_path):
+def test_pairs_from_files_hold_some_out_and_quarantine_bad_lines(tok, model_cfg, tmp_path):
     torch.manual_seed(0)
-    cfg = model_cfg(tok)
+    cfg = model_cfg()
     save_weights(tmp_path / "init", cfg, build_model(cfg).state_dict())
     pairs = task_preference_pairs(generate_tasks("sort", 60, seed=4))
     lines = [json.dumps({"prompt": p[0]["content"], "chosen": c, "rejected": r}) for p, c, r in pairs]
@@ -151,8 +137,8 @@ def test_pairs_from_files_hold_some_out_and_quarantine_bad_lines(tok, tmp_path):
         heldout_fraction=0.1,
         train=StageTrainConfig(max_steps=2, warmup_steps=0, seq_len=32, micro_batch_size=8, eval_every=2, ckpt_every=2),
     )
-    stats = run_rm(
-        make_recipe(["sort"], rm, heldout_per_family=10), tmp_path / "rm", tmp_path / "init", tok, resume="none"
+    stats = run_stage(
+        "rm", make_recipe(["sort"], rm, heldout_per_family=10), tmp_path / "rm", tmp_path / "init", tok, resume="none"
     )
     assert stats["data"]["pairs"] == 54 and stats["data"]["heldout_pairs"] == 6
     assert stats["data"]["files"]["rejected"] == 1
@@ -160,8 +146,8 @@ def test_pairs_from_files_hold_some_out_and_quarantine_bad_lines(tok, tmp_path):
     assert stats["after"]["heldout_tasks"]["pairs"] == 10  # the task pairs are reported as well
 
 
-def test_language_model_is_not_a_reward_model(tok, tmp_path):
-    cfg = model_cfg(tok)
+def test_language_model_is_not_a_reward_model(tok, model_cfg, tmp_path):
+    cfg = model_cfg()
     save_weights(tmp_path / "lm", cfg, build_model(cfg).state_dict())
     with pytest.raises(ConfigError, match="ppo.reward: .*not a reward model"):
         load_scalar_model(tmp_path / "lm", key="ppo.reward")
@@ -179,5 +165,21 @@ def test_language_model_is_not_a_reward_model(tok, tmp_path):
 )
 def test_config_errors_name_the_key(tok, tmp_path, change, key):
     with pytest.raises(ConfigError) as err:
-        run_rm(make_recipe(["sort"], RMConfig(**change)), tmp_path / "rm", tmp_path / "init", tok)
+        run_stage("rm", make_recipe(["sort"], RMConfig(**change)), tmp_path / "rm", tmp_path / "init", tok)
     assert err.value.key == key
+
+
+def test_learned_reward_model_scores_the_last_token(tok, model_cfg, tmp_path):
+    cfg = model_cfg()
+    rm = build_model(cfg)
+    attach_scalar_head(rm)
+    save_weights(tmp_path / "rm", cfg, rm.state_dict(), {"head": HEAD})
+    loaded = load_scalar_model(tmp_path / "rm")
+    examples = generate_tasks("arithmetic", 5, seed=1)
+    prompts = [render_prompt(tok, [{"role": "user", "content": e["prompt"]}]) for e in examples]
+    completions = [[40 + i] * (i + 1) + [tok.token_id("<|end|>")] for i in range(5)]  # different lengths
+    scores = model_reward(loaded, tok, batch_size=2)(examples, prompts, completions)
+    expected = [
+        sequence_scores(rm, torch.tensor([p + c]), torch.tensor([len(p + c) - 1])) for p, c in zip(prompts, completions)
+    ]
+    assert torch.allclose(scores, torch.cat(expected), atol=1e-5)

@@ -1,13 +1,74 @@
-"""Post-training stages on the spine's loop: sources, objectives, and a miniature run of them all."""
+"""The driver runs every post-training stage on the shared Trainer: a short SFT, DPO and GRPO run with
+LoRA through `run_stage` (the scaffolding every stage shares: validation, sources, PEFT outputs,
+stats.json, the closing line), and, marked slow, a miniature `kiln run` of every stage and the
+direction of the demo chain."""
 
+import dataclasses
 import json
 
 import pytest
 import torch
 
+from kiln.checkpoint import save_weights
 from kiln.cli import main
-from kiln.post.sources import ExampleSource
-from kiln.post.stages import IGNORE, sft_loss
+from kiln.errors import ConfigError
+from kiln.model import build_model
+from kiln.peft.config import PeftConfig
+from kiln.pipeline import run_recipe
+from kiln.post.config import DPOConfig, GRPOConfig, SFTConfig, StageTrainConfig, TaskConfig
+from kiln.post.driver import STAGES, run_stage
+from kiln.recipe import POST_STAGES, Recipe, load_recipe
+
+SHORT = StageTrainConfig(
+    lr=1e-3, max_steps=2, warmup_steps=0, seq_len=48, micro_batch_size=4, eval_every=2, eval_batches=1, ckpt_every=2
+)
+STAGE_CONFIGS = {
+    "sft": SFTConfig(train=SHORT),
+    "dpo": DPOConfig(train=SHORT),
+    "grpo": GRPOConfig(group_size=2, prompts_per_step=2, max_new_tokens=4, train=SHORT),
+}
+
+
+def short_recipe(stage: str, peft: str = "lora") -> Recipe:
+    recipe = Recipe()
+    recipe.train = dataclasses.replace(recipe.train, precision="fp32", peak_flops=1e12, log_every=1, compile=False)
+    recipe.tasks = TaskConfig(families=["sort"], train_per_family=40, heldout_per_family=4)
+    setattr(recipe, stage, STAGE_CONFIGS[stage])
+    recipe.peft = PeftConfig(method=peft, r=4)
+    return recipe
+
+
+def test_every_post_stage_has_a_stage_module():
+    assert set(STAGES) == set(POST_STAGES)
+    assert all(STAGES[name].__module__ == f"kiln.post.{name}" for name in STAGES)
+
+
+@pytest.mark.parametrize("stage", ["sft", "dpo", "grpo"])
+def test_driver_trains_measures_and_exports_a_lora_stage(tok, model_cfg, tmp_path, capsys, stage):
+    torch.manual_seed(0)
+    cfg = model_cfg()
+    save_weights(tmp_path / "init", cfg, build_model(cfg).state_dict())
+    stats = run_stage(stage, short_recipe(stage), tmp_path / stage, tmp_path / "init", tok, resume="none")
+    assert stats["train"]["steps"] == 2
+    assert stats["heldout_before"]["examples"] == stats["heldout_after"]["examples"] == 4
+    assert stats["peft"]["method"] == "lora" and stats["peft"]["trainable_params"] < stats["peft"]["total_params"]
+    assert (tmp_path / stage / "adapter" / "adapter_config.json").is_file()
+    assert (tmp_path / stage / "merged" / "model.safetensors").is_file()
+    assert json.loads((tmp_path / stage / "stats.json").read_text())["peft"] == stats["peft"]
+    assert f"[{stage}] held-out task accuracy" in capsys.readouterr().out
+    if stage == "dpo":
+        assert 0.0 <= stats["heldout_preferences"]["reward_accuracy"] <= 1.0
+    if stage == "grpo":  # rollouts sampled from the live policy by the source bound to the Trainer
+        assert stats["rollout"]["rollouts"] == 2 * 2 * 2
+
+
+def test_driver_validates_the_stage_config_first(tok, tmp_path):
+    recipe = short_recipe("sft")
+    recipe.sft = SFTConfig(tasks=False)
+    with pytest.raises(ConfigError) as err:
+        run_stage("sft", recipe, tmp_path / "sft", tmp_path / "missing-init", tok)
+    assert err.value.key == "sft.files"
+
 
 MINI = [
     "corpus.max_bytes_per_source=120000",
@@ -44,53 +105,6 @@ MINI = [
     "grpo.prompts_per_step=2",
     "grpo.max_new_tokens=6",
 ]
-
-
-def _rows(n):
-    return [(torch.tensor([i, i]), torch.tensor([i])) for i in range(n)]
-
-
-def test_example_source_is_deterministic_rank_sliced_and_resumable():
-    a, b = ExampleSource(_rows(10), 2, seed=3), ExampleSource(_rows(10), 2, seed=3)
-    it_a, it_b = iter(a), iter(b)
-    seq_a = [next(it_a)[1].flatten().tolist() for _ in range(12)]
-    seq_b = [next(it_b)[1].flatten().tolist() for _ in range(12)]
-    assert seq_a == seq_b
-    # Two ranks of batch 1 read exactly the single-rank batch of 2, split.
-    single = iter(ExampleSource(_rows(10), 2, seed=5))
-    ranks = [iter(ExampleSource(_rows(10), 1, rank=r, world_size=2, seed=5)) for r in (0, 1)]
-    for _ in range(7):
-        whole = next(single)[1].flatten().tolist()
-        assert whole == [next(ranks[0])[1].item(), next(ranks[1])[1].item()]
-    # Resume continues the same stream.
-    src = ExampleSource(_rows(10), 2, seed=1)
-    it = iter(src)
-    for _ in range(7):
-        next(it)
-    state = src.state_dict()
-    expected = [next(it)[1].flatten().tolist() for _ in range(5)]
-    again = ExampleSource(_rows(10), 2, seed=1)
-    again.load_state_dict(state)
-    it2 = iter(again)
-    assert [next(it2)[1].flatten().tolist() for _ in range(5)] == expected
-    with pytest.raises(ValueError, match="examples"):
-        ExampleSource(_rows(12), 2, seed=1).load_state_dict(state)
-
-
-def test_sft_loss_counts_only_answer_tokens():
-    vocab = 11
-
-    def model(inputs, position_ids=None, document_ids=None):
-        return torch.nn.functional.one_hot(inputs % vocab, vocab).float() * 3.0
-
-    inputs = torch.tensor([[1, 2, 3, 4]])
-    targets = torch.tensor([[IGNORE, 3, IGNORE, 5]])
-    loss, counted = sft_loss(model, (inputs, targets, torch.zeros_like(inputs), torch.zeros_like(inputs)))
-    logits = model(inputs)[0]
-    expected = torch.nn.functional.cross_entropy(logits[[1, 3]], torch.tensor([3, 5]))
-    assert counted == 2 and loss.item() == pytest.approx(expected.item())
-    empty, n = sft_loss(model, (inputs, torch.full_like(targets, IGNORE), inputs, inputs))
-    assert n == 0 and empty.item() == 0.0
 
 
 @pytest.mark.slow
@@ -137,9 +151,6 @@ def test_sft_then_grpo_raise_heldout_task_accuracy(tmp_path):
     faster configuration: held-out accuracy on the reverse/sort tasks rises at every post-training
     stage. Seeds are the recipe's (train.seed 1337, tasks.seed 0); measured 0.00 -> 0.20 -> 0.24, the
     same with 1 and 2 torch threads (~5 min on a quiet 2-core machine)."""
-    from kiln.pipeline import run_recipe
-    from kiln.recipe import load_recipe
-
     recipe = load_recipe(
         "recipes/tiny.toml",
         [
@@ -183,19 +194,3 @@ def test_sft_then_grpo_raise_heldout_task_accuracy(tmp_path):
     assert grpo["heldout_before"]["accuracy"] == sft["heldout_after"]["accuracy"]
     assert grpo["heldout_after"]["accuracy"] > grpo["heldout_before"]["accuracy"]  # measured +0.04
     assert grpo["rollout"]["rollouts"] == 20 * 8 * 8
-
-
-def test_trailing_padding_is_cut_without_changing_the_loss():
-    from kiln.model import ModelConfig, build_model
-
-    model = build_model(ModelConfig(vocab_size=40, dim=32, n_layers=2, n_heads=4, max_seq_len=32))
-    inputs = torch.randint(2, 40, (3, 32))
-    targets = torch.full((3, 32), IGNORE)
-    targets[0, 3:9], targets[1, 5:12], targets[2, 1:4] = 7, 8, 9  # the last target at position 11
-    positions = torch.arange(32).expand(3, 32)
-    documents = torch.zeros(3, 32, dtype=torch.long)
-    loss, n = sft_loss(model, (inputs, targets, positions, documents))
-    logits = model(inputs, position_ids=positions, document_ids=documents)
-    expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
-    assert n == 6 + 7 + 3
-    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)

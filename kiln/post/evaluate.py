@@ -1,0 +1,57 @@
+"""Greedy completions and held-out task accuracy, the headline number of every post-training stage.
+
+`complete` runs the KV-cache engine (also for RL rollouts and teacher answers); `task_accuracy`
+grades greedy completions of held-out task problems exactly, overall and per task family.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kiln.data.chat import render_prompt
+from kiln.infer.engine import Engine
+from kiln.post.tasks import grade
+
+
+@torch.no_grad()
+def complete(
+    model, tokenizer, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0, seed: int = 0
+) -> list[list[int]]:
+    """Completion ids of each prompt from the KV-cache engine; a completion that ended at a stop
+    token (`<|end|>` or `<|endoftext|>`) keeps it, since RL trains on emitting it."""
+    stop = (tokenizer.token_id("<|end|>"), tokenizer.eot_id)
+    outs = Engine(model).generate(
+        prompts, max_new_tokens=max_new_tokens, temperature=temperature, stop_token_ids=stop, seed=seed
+    )
+    return [list(o.ids) for o in outs]
+
+
+def strip_stop(tokenizer, ids: list[int]) -> list[int]:
+    stop = {tokenizer.token_id("<|end|>"), tokenizer.eot_id}
+    return ids[:-1] if ids and ids[-1] in stop else ids
+
+
+def task_accuracy(model, tokenizer, examples: list[dict], max_new_tokens: int = 16) -> dict:
+    """Greedy accuracy on `examples`, overall and per task family."""
+    was_training = model.training
+    model.eval()
+    prompts = [render_prompt(tokenizer, [{"role": "user", "content": ex["prompt"]}]) for ex in examples]
+    completions = complete(model, tokenizer, prompts, max_new_tokens)
+    model.train(was_training)
+    scores: dict[str, list[float]] = {}
+    for ex, ids in zip(examples, completions):
+        scores.setdefault(ex["task"], []).append(grade(ex, tokenizer.decode(strip_stop(tokenizer, ids))))
+    flat = [s for v in scores.values() for s in v]
+    return {
+        "accuracy": sum(flat) / len(flat),
+        "examples": len(flat),
+        "per_task": {k: sum(v) / len(v) for k, v in sorted(scores.items())},
+    }
+
+
+def accuracy_line(name: str, before: dict, after: dict) -> str:
+    """The closing line of a stage measured by task accuracy."""
+    return (
+        f"[{name}] held-out task accuracy {before['accuracy']:.3f} -> {after['accuracy']:.3f} "
+        f"({', '.join(f'{k} {v:.2f}' for k, v in after['per_task'].items())})"
+    )

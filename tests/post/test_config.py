@@ -1,0 +1,52 @@
+"""The post-training configs (kiln/post/config.py): torch-free, validated, and each stage's [<stage>.train]
+table inheriting from [train] only what it does not set."""
+
+import subprocess
+import sys
+
+import pytest
+
+from kiln.errors import ConfigError
+from kiln.post import config, losses
+from kiln.post.config import DPOConfig
+from kiln.recipe import load_recipe
+
+
+def test_dpo_config_rejects_unknown_pair_sources():
+    with pytest.raises(ConfigError, match="rejected"):
+        DPOConfig(rejected="sampled").validate()
+    with pytest.raises(ConfigError, match="rejected"):
+        DPOConfig(rejected="policy", files=["pairs.jsonl"]).validate()
+    with pytest.raises(ConfigError, match="nll_weight"):
+        DPOConfig(nll_weight=-1.0).validate()
+
+
+def test_stage_compile_inherits_train_compile_unless_the_stage_sets_it():
+    recipe = load_recipe("recipes/tiny.toml")  # compiles pretraining, not its post stages
+    assert recipe.train.compile is True
+    assert recipe.sft.train.train_config(recipe.train).compile is False
+    assert recipe.grpo.train.train_config(recipe.train).compile is False
+    # Unset in the stage's table: [train]'s value.
+    assert recipe.dpo.train.compile is None and recipe.dpo.train.train_config(recipe.train).compile is True
+    again = load_recipe("recipes/tiny.toml", ["dpo.train.compile=false"])
+    assert again.dpo.train.train_config(again.train).compile is False
+
+
+def test_post_stages_do_not_inherit_the_pretraining_batch_ramp():
+    recipe = load_recipe("recipes/tiny.toml", ["train.batch_ramp_steps=30", "train.batch_ramp_start_tokens=2048"])
+    cfg = recipe.sft.train.train_config(recipe.train)
+    cfg.validate()
+    assert (cfg.batch_ramp_steps, cfg.batch_ramp_start_tokens) == (0, 0)
+
+
+def test_stage_configs_load_without_torch():
+    # Recipes are parsed by data-only commands: the post-training configs must not import torch on
+    # import, and their defaults must validate (every recipe validates every section, used or not).
+    code = (
+        "import sys; from kiln.post.config import DistillConfig, PPOConfig, RMConfig; "
+        "RMConfig().validate(); PPOConfig().validate(); "
+        "DistillConfig().validate(); print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+    assert config.KL_ESTIMATORS == losses.KL_ESTIMATORS and config.DISTILL_KINDS == losses.DISTILL_KINDS
