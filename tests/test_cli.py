@@ -11,30 +11,15 @@ import sys
 from pathlib import Path
 
 import pytest
+from kiln_testing.recipes import mini_overrides
 
 from kiln.cli import VERBS, main
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# Small enough for the default suite: ~0.3 MB of real text, a 512-token vocabulary, a 2-layer model.
 MINI = [
-    "corpus.max_bytes_per_source=120000",
-    "tokenizer.vocab_size=512",
-    "model.dim=64",
-    "model.n_layers=2",
-    "model.n_heads=4",
-    "model.n_kv_heads=2",
-    "model.max_seq_len=64",
-    "train.seq_len=64",
-    "train.micro_batch_size=4",
-    "train.global_batch_tokens=512",
-    "train.max_steps=12",
-    "train.warmup_steps=2",
-    "train.eval_every=6",
-    "train.eval_batches=2",
-    "train.ckpt_every=6",
+    *mini_overrides(max_steps=12, warmup_steps=2, every=6),
     "train.log_every=2",
-    "train.precision=fp32",
     "sample.max_new_tokens=8",
     "sample.num_samples=1",
     # recipes/tiny.toml also runs the post-training stages; this miniature run checks the spine only.

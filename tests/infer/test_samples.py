@@ -11,16 +11,8 @@ from kiln.data.tokenizer import Tokenizer
 from kiln.errors import ConfigError
 from kiln.infer.config import SampleConfig
 from kiln.infer.samples import sample_texts
-from kiln.model import ModelConfig, build_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(scope="module")
-def model():
-    torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=300, dim=32, n_layers=2, n_heads=2, max_seq_len=16, init_std=0.2)
-    return build_model(cfg).eval()
 
 
 @pytest.fixture(scope="module")
@@ -50,22 +42,24 @@ def tokenizer(tmp_path_factory):
         dict(temperature=0.0, repetition_penalty=2.0),
     ],
 )
-def test_sample_texts_are_the_references_continuations(model, tokenizer, sampling):
+def test_sample_texts_are_the_references_continuations(byte_model, tokenizer, sampling):
     cfg = SampleConfig(prompt="def ", max_new_tokens=8, num_samples=3, seed=4, **sampling)
-    texts = sample_texts(model, tokenizer, cfg)
+    texts = sample_texts(byte_model, tokenizer, cfg)
     assert len(texts) == 3
     # Each text is exactly the decoded continuation of [eot] + prompt that the reference draws with
     # sample i's generator, seeded with seed + i.
     prompt_ids = [tokenizer.eot_id] + tokenizer.encode("def ")
     for i, text in enumerate(texts):
         generator = torch.Generator().manual_seed(cfg.seed + i)
-        new = reference_generate(model, prompt_ids, 8, **sampling, generator=generator, stop_ids=(tokenizer.eot_id,))
+        new = reference_generate(
+            byte_model, prompt_ids, 8, **sampling, generator=generator, stop_ids=(tokenizer.eot_id,)
+        )
         assert text == tokenizer.decode(new)
-    assert sample_texts(model, tokenizer, cfg) == texts
+    assert sample_texts(byte_model, tokenizer, cfg) == texts
     if sampling["temperature"] > 0:
         assert len(set(texts)) > 1  # each sample has its own seed
 
 
-def test_a_prompt_that_fills_the_context_is_a_config_error(model, tokenizer):
+def test_a_prompt_that_fills_the_context_is_a_config_error(byte_model, tokenizer):
     with pytest.raises(ConfigError, match="sample.prompt"):
-        sample_texts(model, tokenizer, SampleConfig(prompt="def main(): print(1) " * 4))
+        sample_texts(byte_model, tokenizer, SampleConfig(prompt="def main(): print(1) " * 4))

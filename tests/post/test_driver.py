@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+from kiln_testing.recipes import mini_overrides
 
 from kiln.checkpoint import save_weights
 from kiln.cli import main
@@ -71,22 +72,7 @@ def test_driver_validates_the_stage_config_first(tok, tmp_path):
 
 
 MINI = [
-    "corpus.max_bytes_per_source=120000",
-    "tokenizer.vocab_size=512",
-    "model.dim=64",
-    "model.n_layers=2",
-    "model.n_heads=4",
-    "model.n_kv_heads=2",
-    "model.max_seq_len=64",
-    "train.seq_len=64",
-    "train.micro_batch_size=4",
-    "train.global_batch_tokens=512",
-    "train.max_steps=8",
-    "train.warmup_steps=1",
-    "train.eval_every=4",
-    "train.eval_batches=2",
-    "train.ckpt_every=4",
-    "train.precision=fp32",
+    *mini_overrides(max_steps=8, warmup_steps=1, every=4),
     "tasks.heldout_per_family=8",
     "tasks.train_per_family=200",
     "sft.train.max_steps=6",
