@@ -11,6 +11,7 @@ from kiln.infer.config import SampleConfig
 from kiln.infer.engine import Engine
 from kiln.infer.load import InferenceOptions, load_draft
 from kiln.infer.load import load_for_inference as load
+from kiln.infer.samples import sample_texts
 from kiln.infer.speculative import SpeculativeEngine
 
 
@@ -83,22 +84,6 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as err:
         raise ConfigError("--" + err.key.replace("_", "-"), err.message, "<command line>") from None
     model, tokenizer = load_for_inference(args)
-    prompt_tokens = tokenizer.encode(args.prompt)
-    prompt = [tokenizer.eot_id] + prompt_tokens
-    max_new = min(args.max_new_tokens, model.cfg.max_seq_len - len(prompt))
-    if max_new < 1:
-        raise ConfigError(
-            "--prompt",
-            f"{len(prompt)} tokens leave no room in the model's context of {model.cfg.max_seq_len}",
-            "<command line>",
-        )
-    kwargs = dict(
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        stop_token_ids=[tokenizer.eot_id],
-        seed=args.seed,
-    )
     try:
         if args.draft:
             engine = SpeculativeEngine(
@@ -106,17 +91,14 @@ def run(args: argparse.Namespace) -> int:
             )
         else:
             engine = Engine(model, tokenizer)
-        outs = engine.generate([prompt] * args.num_samples, max_new, **kwargs)
+        texts = sample_texts(model, tokenizer, cfg, engine)
     except ConfigError as err:
-        flag = {"draft": "--draft", "k": "--draft-tokens"}.get(err.key, "--" + err.key.replace("_", "-"))
+        flag = {"draft": "--draft", "k": "--draft-tokens", "sample.prompt": "--prompt"}.get(
+            err.key, "--" + err.key.replace("_", "-")
+        )
         raise ConfigError(flag, err.message, "<command line>") from None
-    prompt_text = tokenizer.decode(prompt_tokens)
-    for out in outs:
-        ids = out.ids[:-1] if out.stop == tokenizer.eot_id else out.ids
-        # Decoding prompt and completion together keeps a character whose bytes straddle the boundary
-        # whole; the prompt's own text is then cut off the front.
-        full = tokenizer.decode(prompt_tokens + ids)
-        print(args.prompt + (full[len(prompt_text) :] if full.startswith(prompt_text) else tokenizer.decode(ids)))
+    for text in texts:
+        print(args.prompt + text)
     if args.draft:
         stats = engine.stats
         print(

@@ -9,11 +9,12 @@ from kiln.infer.config import SampleConfig
 from kiln.infer.engine import Engine
 
 
-def sample_texts(model, tokenizer, cfg: SampleConfig) -> list[str]:
+def sample_texts(model, tokenizer, cfg: SampleConfig, engine=None) -> list[str]:
     """cfg.num_samples completions of cfg.prompt (the continuation text only, without the prompt),
-    generated as one batch. Sample i draws from a generator seeded with cfg.seed + i, so it is the
-    i-th completion `kiln generate` prints with the same prompt, settings and seed. A completion
-    ends at <|endoftext|>, after max_new_tokens, or where the model's context is full."""
+    generated as one batch by `engine` (default: the KV-cache Engine of `model`; `kiln generate
+    --draft` passes a SpeculativeEngine). Sample i draws from a generator seeded with cfg.seed + i. A
+    completion ends at <|endoftext|>, after max_new_tokens, or where the model's context is full.
+    A prompt that fills the context is a ConfigError naming `sample.prompt`."""
     cfg.validate()
     # Pretraining shards end every document with <|endoftext|>, so a document normally starts right
     # after one: leading with it makes the prompt read as a document's beginning, not its middle.
@@ -23,7 +24,7 @@ def sample_texts(model, tokenizer, cfg: SampleConfig) -> list[str]:
         raise ConfigError(
             "sample.prompt", f"{len(prompt_ids)} tokens leave no room in the model's context of {model.cfg.max_seq_len}"
         )
-    completions = Engine(model).generate(
+    completions = (engine or Engine(model)).generate(
         [prompt_ids] * cfg.num_samples,
         cfg.max_new_tokens,
         **asdict(cfg.sampling),

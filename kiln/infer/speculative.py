@@ -111,12 +111,17 @@ class SpeculativeEngine:
         top_k: int = 0,
         top_p: float = 1.0,
         min_p: float = 0.0,
+        repetition_penalty: float = 1.0,
         stop_token_ids: Sequence[int] = (),
         stop_strings: Sequence[str] = (),
         seed: int | Sequence[int] | None = None,
     ) -> list[Completion]:
-        params = SamplingParams(temperature, top_k, top_p, min_p)
+        params = SamplingParams(temperature, top_k, top_p, min_p, repetition_penalty)
         params.validate()
+        if params.repetition_penalty != 1.0:
+            # The acceptance test compares draft and target distributions position by position; a
+            # penalty would change the target's at every drafted position by the tokens before it.
+            raise ConfigError("repetition_penalty", "speculative decoding does not apply one; leave it at 1.0")
         prompts = [self._engine._encode(p) for p in prompts]
         self._engine._check(prompts, max_new_tokens, stop_strings)
         models = (self.target, self.draft)

@@ -190,3 +190,13 @@ def test_bad_configurations_name_the_key(target):
         SpeculativeEngine(target, target).generate(PROMPTS, 5, top_p=0.0)
     with pytest.raises(ConfigError, match="prompts"):
         SpeculativeEngine(target, target).generate([[]], 5)
+
+
+def test_a_repetition_penalty_is_refused_by_name():
+    target = build_model(ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=2, max_seq_len=32)).eval()
+    draft = build_model(ModelConfig(vocab_size=64, dim=16, n_layers=1, n_heads=2, max_seq_len=32)).eval()
+    engine = SpeculativeEngine(target, draft, k=2)
+    assert len(engine.generate([[1, 2]], 4, temperature=0, repetition_penalty=1.0)[0].ids) == 4
+    with pytest.raises(ConfigError) as err:
+        engine.generate([[1, 2]], 4, temperature=0, repetition_penalty=1.3)
+    assert err.value.key == "repetition_penalty"
