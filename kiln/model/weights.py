@@ -34,10 +34,12 @@ def model_config_from_dict(d: dict, where: str) -> ModelConfig:
 
 
 def upgrade_layout(state: dict, manifest: dict) -> dict:
-    """Convert a state dict saved with an older fused-row layout to the current one (in place)."""
+    """Convert a state dict saved with an older fused-row layout to the current one (in place).
+    The manifest's model config is checked first, whatever the layout: a checkpoint written by a
+    newer Kiln (unknown keys) is refused, and resume=auto falls back to an older one."""
+    model_cfg = model_config_from_dict(manifest["model_config"], MANIFEST_FILE)
     if manifest.get("weights_layout", 1) >= WEIGHTS_LAYOUT:
         return state
-    model_cfg = model_config_from_dict(manifest["model_config"], MANIFEST_FILE)
     q_rows, kv_rows = model_cfg.n_heads * model_cfg.head_dim, model_cfg.kv_heads * model_cfg.head_dim
     for i in range(model_cfg.n_layers):
         for suffix in ("weight", "bias"):

@@ -7,8 +7,8 @@ running cache (KVCache.extend), then samples one token for every row, sends it t
 drops the rows that finished (KVCache.keep) before the next decode forward. Rows keep their own
 lengths and positions, so a request's tokens do not depend on which other requests share the batch:
 with the same seed they are the tokens Engine.stream gives for it alone (sampling is the engine's
-own `_sample`, one call per group of rows with equal sampling parameters, each row drawing from its
-own generator).
+own `kiln.infer.sampling.sample_next_tokens`, one call per group of rows with equal sampling
+parameters, each row drawing from its own generator).
 
 Requests are submitted from any thread; their events come back through a Handle that is iterated
 either synchronously (`for event in handle`) or from an asyncio loop (`async for`).
@@ -29,7 +29,7 @@ import torch
 from kiln.errors import ConfigError
 from kiln.infer.config import SamplingParams
 from kiln.infer.engine import KVCache, TextStream, WithoutSpecialTokens
-from kiln.infer.sampling import sample_next_tokens as _sample
+from kiln.infer.sampling import sample_next_tokens
 
 log = logging.getLogger(__name__)
 
@@ -359,7 +359,7 @@ class Scheduler:
             seen = None
             if params.repetition_penalty != 1.0:
                 seen = torch.stack([rows[i].seen for i in idx])
-            tokens, lps, _, _ = _sample(logits[index], params, seen, [rows[i].generator for i in idx])
+            tokens, lps, _, _ = sample_next_tokens(logits[index], params, seen, [rows[i].generator for i in idx])
             for i, token, lp in zip(idx, tokens, lps):
                 new[i], logprob[i] = token, lp
         tops = self._top_logprobs(rows, logits, new, logprob)

@@ -16,8 +16,9 @@ from kiln.checkpoint import (
     restore_rng_state,
     save_weights,
 )
+from kiln.checkpoint.format import _manifest_digest
 from kiln.model import ModelConfig, build_model
-from kiln.model.weights import load_weights
+from kiln.model.weights import load_weights, upgrade_layout
 from kiln.train.config import TrainConfig
 from kiln.train.optim import build_optimizer
 
@@ -151,6 +152,24 @@ def test_corrupted_manifest_is_named(tmp_path):
         manager.load(folder)
     with pytest.warns(UserWarning):
         assert manager.load_newest_valid() is None
+
+
+def test_a_checkpoint_from_a_newer_kiln_is_skipped_on_resume(tmp_path):
+    """The trainer's manager converts states through kiln.model.weights.upgrade_layout, which reads
+    the manifest's model config first: unknown keys (a newer Kiln's) refuse that checkpoint, and
+    resume falls back to the one before."""
+    manager = CheckpointManager(tmp_path, keep_last=3, convert_state=upgrade_layout)
+    _save(manager, 1, _model(1))
+    newer = _save(manager, 2, _model(2))
+    manifest = json.loads((newer / "manifest.json").read_text())
+    manifest["model_config"]["sliding_window"] = 4096
+    manifest["manifest_sha256"] = _manifest_digest(manifest)
+    (newer / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=r"unknown keys \['sliding_window'\]"):
+        manager.load(newer)
+    CheckpointManager(tmp_path).load(newer)  # the format alone does not know model configs
+    with pytest.warns(UserWarning, match="skipping checkpoint step-00000002"):
+        assert manager.load_newest_valid()[0].name == "step-00000001"
 
 
 def test_keep_last_and_best_retention(tmp_path):
