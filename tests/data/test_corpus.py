@@ -167,3 +167,6 @@ def test_bad_input_errors(tmp_path):
     (tmp_path / "docs-00000.jsonl").write_text('{"id": "a", "text": 5, "source": "c"}\n')
     with pytest.raises(DataError, match="docs-00000.jsonl:1: field 'text'"):
         list(iter_documents(tmp_path))
+    (tmp_path / "docs-00000.jsonl").write_bytes(b'{"id": "a", "text": "b", "source": "c"}\n{"id": "\xff"}\n')
+    with pytest.raises(DataError, match="docs-00000.jsonl:2: not UTF-8 text"):
+        list(iter_documents(tmp_path))
