@@ -146,10 +146,7 @@ def read_metrics(path, strict: bool = False) -> Metrics:
     # Undecodable bytes are replaced, not refused: a metrics file is read to draw what it can.
     for line in iter_jsonl(path, decode_errors="replace"):
         record = line.record
-        if line.problem == "bad_json" and hasattr(line.error, "colno"):
-            why = f"not JSON ({line.error.msg} at column {line.error.colno})"
-        else:
-            why = line.why or _check_record(record)
+        why = line.why or _check_record(record)
         if why:
             if strict:
                 raise DataError(f"{path}:{line.number}: {why}")

@@ -246,7 +246,9 @@ class JsonLine:
         if self.problem == "bad_utf8":
             return "not UTF-8 text"
         if self.problem == "bad_json":
-            return f"not JSON ({getattr(self.error, 'msg', None) or self.error})"
+            if isinstance(self.error, json.JSONDecodeError):
+                return f"not JSON ({self.error.msg} at column {self.error.colno})"
+            return f"not JSON ({self.error})"
         return "not a JSON object" if self.problem else ""
 
 
