@@ -229,7 +229,7 @@ def decompress_errors() -> tuple[type[BaseException], ...]:
     return tuple(errors)
 
 
-@dataclass
+@dataclass(slots=True)
 class JsonLine:
     """One non-blank line of a JSONL file: its 1-based number, the object it holds (None when it
     holds none), the line as read (bytes when it is not UTF-8) and what is wrong with it."""
