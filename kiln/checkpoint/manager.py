@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 import warnings
 from pathlib import Path
 from typing import Callable
@@ -34,13 +35,28 @@ StateConverter = Callable[[dict, dict], dict]
 
 
 class CheckpointManager:
-    """Saves, finds, verifies and prunes the step folders of one run's checkpoints root."""
+    """Saves, finds, verifies and prunes the step folders of one run's checkpoints root.
 
-    def __init__(self, root, keep_last: int = 2, keep_best: bool = True, convert_state: StateConverter | None = None):
+    With `background` (parallel.async_checkpoint in a run without sharded checkpoints) `save` copies
+    the state and returns; a thread writes, checksums and publishes the folder while training goes
+    on. One save is in flight at a time: the next save, `finish` and every load wait for it.
+    """
+
+    def __init__(
+        self,
+        root,
+        keep_last: int = 2,
+        keep_best: bool = True,
+        convert_state: StateConverter | None = None,
+        background: bool = False,
+    ):
         self.root = Path(root)
         self.keep_last = keep_last
         self.keep_best = keep_best
         self.convert_state = convert_state
+        self.background = background
+        self._writer: threading.Thread | None = None
+        self._writer_error: BaseException | None = None
 
     def _pointer(self, name: str) -> str | None:
         path = self.root / name
@@ -63,9 +79,38 @@ class CheckpointManager:
         manifest_extra: dict,
         is_best: bool = False,
     ) -> Path:
+        """The folder the checkpoint of `step` is (or, saved in the background, will be) published as."""
+        self.finish()
         tmp = self.begin(step)
-        write_files(tmp, model_cfg, model_state, {"step": step, **manifest_extra}, train_state)
-        return self.commit(tmp, step, is_best)
+        manifest_extra = {"step": step, **manifest_extra}
+        if not self.background:
+            write_files(tmp, model_cfg, model_state, manifest_extra, train_state)
+            return self.commit(tmp, step, is_best)
+        # Training goes on updating the tensors in place, so the thread writes copies taken now.
+        memo = {}
+        state = [snapshot(x, memo) for x in (model_state, train_state, manifest_extra)]
+        self._writer = threading.Thread(
+            target=self._write_and_commit, args=(tmp, step, model_cfg, *state, is_best), name=f"checkpoint-{step}"
+        )
+        self._writer.start()
+        return self.root / step_dirname(step)
+
+    def _write_and_commit(self, tmp, step, model_cfg, model_state, train_state, manifest_extra, is_best) -> None:
+        try:
+            write_files(tmp, model_cfg, model_state, manifest_extra, train_state)
+            self.commit(tmp, step, is_best)
+        except BaseException as e:  # re-raised in the training thread by finish()
+            self._writer_error = e
+
+    def finish(self) -> None:
+        """Wait for the checkpoint being written in the background, if any; raise what it raised."""
+        if self._writer is None:
+            return
+        self._writer.join()
+        self._writer = None
+        error, self._writer_error = self._writer_error, None
+        if error is not None:
+            raise error
 
     def begin(self, step: int) -> Path:
         """A fresh temporary folder for the checkpoint of `step`."""
@@ -92,6 +137,7 @@ class CheckpointManager:
 
     def load(self, folder) -> tuple[dict, dict[str, torch.Tensor], dict]:
         """(manifest, model state dict, train state) of one verified checkpoint folder."""
+        self.finish()
         folder = Path(folder)
         manifest = read_manifest(folder)
         verify(folder, manifest)
@@ -118,6 +164,7 @@ class CheckpointManager:
 
     def load_newest_valid(self) -> tuple[Path, dict, dict, dict] | None:
         """The newest checkpoint that verifies; corrupted ones are skipped with a warning."""
+        self.finish()
         for folder in reversed(complete_checkpoints(self.root)):
             try:
                 return (folder, *self.load(folder))
@@ -166,3 +213,19 @@ class CheckpointManager:
         for folder in folders:
             if folder.name not in keep:
                 self._discard(folder)
+
+
+def snapshot(obj, memo: dict):
+    """A copy of a nested state (dicts, lists, tuples, tensors) that later in-place updates of the
+    original do not reach. Tensors are copied to the CPU; tensors sharing memory (a tied embedding
+    and head) share their copy, so the writer still stores them once."""
+    if isinstance(obj, torch.Tensor):
+        key = (obj.device, obj.untyped_storage().data_ptr(), obj.storage_offset(), obj.shape, obj.stride())
+        if key not in memo or obj.numel() == 0:
+            memo[key] = obj.detach().to("cpu", copy=True)
+        return memo[key]
+    if isinstance(obj, dict):
+        return {k: snapshot(v, memo) for k, v in obj.items()}
+    if type(obj) in (list, tuple):
+        return type(obj)(snapshot(v, memo) for v in obj)
+    return obj

@@ -45,6 +45,7 @@ class ShardedSaver:
         self.manager = manager
         self.async_save = async_save
         self._pending = None  # (future, tmp folder, step, model_cfg, train_state, manifest_extra, is_best)
+        self._cpu_group = None
 
     def save(
         self, step: int, model_cfg, model, optimizer, train_state: dict, manifest_extra: dict, is_best: bool = False
@@ -57,11 +58,20 @@ class ShardedSaver:
         state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
         writer = tmp / SHARDED_DIR
         if self.async_save:
-            future = dcp.async_save(state, checkpoint_id=writer)
+            future = dcp.async_save(state, checkpoint_id=writer, process_group=self._async_group())
             self._pending = (future, tmp, step, model_cfg, train_state, manifest_extra, is_best)
         else:
             dcp.save(state, checkpoint_id=writer)
             self._publish(tmp, step, model_cfg, train_state, manifest_extra, is_best)
+
+    def _async_group(self):
+        """async_save coordinates the ranks over a CPU backend, which an NCCL job's default group
+        lacks; a gloo group over the same ranks serves (made once, by every rank at its first save)."""
+        if not dist.is_initialized():
+            return None
+        if self._cpu_group is None:
+            self._cpu_group = dist.new_group(backend="gloo")
+        return self._cpu_group
 
     def finish(self) -> None:
         if self._pending is None:

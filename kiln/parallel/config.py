@@ -51,6 +51,48 @@ class ParallelConfig:
             raise ConfigError("cp_backend", f"must be one of auto, ring, allgather, torch, got {self.cp_backend!r}")
         if self.reduce_dtype not in ("fp32", "bf16"):
             raise ConfigError("reduce_dtype", f"must be fp32 or bf16, got {self.reduce_dtype!r}")
+        if self.dp_shard != -1:  # every degree is given, so the world size is known already
+            self.check_options(self.dp_shard, device_type=None)
+
+    def check_options(self, dp_shard: int, device_type: str | None) -> None:
+        """Refuse a memory or reduction option the layout would not use (docs/parallel.md, "Which
+        options apply where"). `dp_shard` is resolved (never -1); `device_type` None skips the
+        checks that depend on the device."""
+        world = self.dp_replicate * dp_shard * self.tp * self.pp * self.cp
+        sharded = dp_shard * self.cp > 1
+        layout = self.describe(dp_shard)
+        if self.dp_replicate > 1 and not sharded and (self.tp > 1 or self.pp > 1):
+            raise ConfigError(
+                "dp_replicate",
+                f"replicas of a tensor- or pipeline-parallel layout ({layout}) are averaged only by HSDP; "
+                "set dp_shard > 1 (FSDP over the data-parallel ranks) instead",
+            )
+        if self.offload and device_type == "cpu":
+            raise ConfigError(
+                "offload",
+                "moves parameters, gradients and optimizer state from the GPU to CPU memory; "
+                "on device cpu they are there already",
+            )
+        if self.offload and world > 1 and not sharded:
+            raise ConfigError(
+                "offload", f"is FSDP2's CPU offload and {layout} shards nothing: it needs dp_shard * cp > 1"
+            )
+        if not self.reshard_after_forward and not (sharded or (world == 1 and self.offload)):
+            raise ConfigError(
+                "reshard_after_forward",
+                f"applies to FSDP2 (dp_shard * cp > 1, or offload = true in one process); {layout} gathers no parameters",
+            )
+        if self.reduce_dtype != "fp32" and not sharded:
+            raise ConfigError(
+                "reduce_dtype",
+                f"is the dtype of FSDP2's gradient reduce-scatter, which needs dp_shard * cp > 1; {layout} has none",
+            )
+
+    def describe(self, dp_shard: int) -> str:
+        """The layout in words for error messages: 'one process' or its degrees above 1."""
+        degrees = {"dp_replicate": self.dp_replicate, "dp_shard": dp_shard, "tp": self.tp, "pp": self.pp, "cp": self.cp}
+        above = [f"{name}={d}" for name, d in degrees.items() if d > 1]
+        return "one process" if not above else "the layout " + " ".join(above)
 
     @property
     def microbatches(self) -> int:

@@ -170,3 +170,25 @@ def init_distributed(device_type: str) -> tuple[int, int]:
         backend, store=dist.PrefixStore(f"kiln/attempt-{attempt}", store), rank=rank, world_size=world
     )
     return dist.get_rank(), dist.get_world_size()
+
+
+def init_single_process_group(device_type: str) -> None:
+    """A one-rank process group in this process, for FSDP2 on one device (parallel.offload).
+
+    gloo serves the CPU side (DCP's async_save needs a CPU backend), NCCL the GPU tensors FSDP2
+    gathers. It lives as long as the process, as a torchrun worker's group does.
+    """
+    import atexit
+
+    import torch.distributed as dist
+
+    backend = "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    atexit.register(_destroy_process_group)
+
+
+def _destroy_process_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()

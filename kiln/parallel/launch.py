@@ -267,6 +267,10 @@ def check_layout(parallel: ParallelConfig | None, cfg: LaunchConfig, recipe: str
             f"but the launch has {cfg.nodes} nodes x {cfg.nproc_per_node} = {world} ranks",
             recipe,
         )
+    try:  # the options the layout of this many ranks would not use; "auto" decides the device later
+        parallel.check_options(world // fixed, None if cfg.device == "auto" else cfg.device)
+    except ConfigError as err:
+        raise err.within("parallel", recipe) from None
 
 
 def _default_name(recipe: str) -> str:

@@ -12,9 +12,10 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 
+from kiln.errors import ConfigError
 from kiln.parallel.config import ParallelConfig
 from kiln.parallel.context import shard_sequence
-from kiln.parallel.dims import ParallelDims
+from kiln.parallel.dims import ParallelDims, init_single_process_group
 from kiln.parallel.grad import clip_grad_norm
 from kiln.parallel.parallelize import parallelize
 from kiln.parallel.pipeline import (
@@ -35,7 +36,17 @@ class Layout:
         self.world_size = dist.get_world_size() if distributed else 1
         self.dims = ParallelDims.from_config(self.cfg, self.world_size)
         self.dims.check_model(model_cfg)
-        self.mesh = self.dims.build_mesh(device.type) if distributed else None
+        try:
+            self.cfg.check_options(self.dims.dp_shard, device.type)
+        except ConfigError as err:
+            raise err.within("parallel") from None
+        # One process with offload: FSDP2 keeps the parameters on the CPU and copies each block to
+        # the GPU for its forward and backward, which needs a mesh, so a one-rank group.
+        self.one_rank_fsdp = self.world_size == 1 and self.cfg.offload
+        if self.one_rank_fsdp and not distributed:
+            init_single_process_group(device.type)
+        needs_mesh = self.world_size > 1 or self.one_rank_fsdp
+        self.mesh = self.dims.build_mesh(device.type) if needs_mesh else None
         self.dp_mesh = self._sub("dp")
         self.dp_rank = self.dp_mesh.get_local_rank() if self.dp_mesh is not None else 0
         self.dp_size = self.dims.dp
@@ -55,7 +66,7 @@ class Layout:
     @property
     def sharded(self) -> bool:
         """Parameters are DTensors: checkpoints are written by every rank with DCP."""
-        return self.dims.model_parallel
+        return self.dims.model_parallel or self.one_rank_fsdp
 
     @property
     def grad_average_ranks(self) -> int:

@@ -116,18 +116,17 @@ def apply_compile(model: nn.Module) -> None:
 def apply_fsdp(model: nn.Module, mesh, cfg: ParallelConfig, param_dtype: torch.dtype, experts_mesh=None) -> None:
     """FSDP2 per block, then the root (embeddings, final norm, head).
 
-    With bf16 compute the parameters are all-gathered in bf16 while the sharded master copy and the
-    gradient reduction stay fp32 (reduce_dtype), so low precision never accumulates in the update.
+    With bf16 compute the parameters are all-gathered in bf16 while the sharded master copy stays
+    fp32; gradients are reduce-scattered in reduce_dtype (fp32 by default, so low precision never
+    accumulates in the update; bf16 halves the bytes sent, under any compute precision).
     On a 2-D (replicate, shard) mesh this is HSDP: shards within a group, replicas across groups.
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-    mp = MixedPrecisionPolicy(
-        param_dtype=param_dtype,
-        reduce_dtype=DTYPES[cfg.reduce_dtype] if param_dtype != torch.float32 else torch.float32,
-    )
-    # pin_memory needs an accelerator; on a CPU-only machine it fails at wrap time.
-    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cfg.offload else None
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=DTYPES[cfg.reduce_dtype])
+    # Pinned host memory makes the copies to the GPU asynchronous; it needs an accelerator, and
+    # without one it fails at wrap time (tests wrap CPU models on a gloo mesh).
+    offload = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if cfg.offload else None
     kwargs = {"mesh": mesh, "mp_policy": mp}
     if offload is not None:
         kwargs["offload_policy"] = offload
@@ -184,7 +183,8 @@ def parallelize(
         apply_activation_checkpointing(model)
     if compile_blocks:
         apply_compile(model)
-    if dims.fsdp:
+    # One process with offload shards over a one-rank mesh: FSDP2 then only moves parameters.
+    if dims.fsdp or (dims.world_size == 1 and cfg.offload):
         shard_mesh = dims.submesh(mesh, "dp_shard_cp")
         if dims.dp_replicate > 1:  # HSDP: a 2-D (replicate, shard) mesh
             shard_mesh = mesh[("dp_replicate", shard_mesh.mesh_dim_names[0])]

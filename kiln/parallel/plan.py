@@ -135,7 +135,8 @@ class Layout:
             pp=self.pp,
             cp=self.cp,
             ep=self.ep,
-            reshard_after_forward=self.zero == 3,
+            # ZeRO-1/2 keep the gathered weights until backward; DDP (zero 0) leaves the key at its default.
+            reshard_after_forward=self.zero not in (1, 2),
             pp_schedule=self.pp_schedule,
             pp_microbatches=microbatches if self.pp > 1 else 0,
             pp_stages_per_rank=self.pp_stages_per_rank,

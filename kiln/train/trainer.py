@@ -128,7 +128,11 @@ class Trainer:
         self.model = build_model(model_cfg, device=self.device)
         self.model.train()
         self.ckpt = CheckpointManager(
-            self.out_dir / "checkpoints", cfg.keep_last, cfg.keep_best, convert_state=upgrade_layout
+            self.out_dir / "checkpoints",
+            cfg.keep_last,
+            cfg.keep_best,
+            convert_state=upgrade_layout,
+            background=self.layout.cfg.async_checkpoint and not self.layout.sharded,
         )
         self.sharded_saver = None
         if self.layout.sharded:
@@ -555,8 +559,9 @@ class Trainer:
                         is_best=improved, val_loss=self.last_val_loss if evaluated_at == self.step else None
                     )
         bar.close()
-        if self.sharded_saver is not None:
-            with self.watchdog.watch(f"finishing the checkpoint of step {self.step}", self.step):
+        with self.watchdog.watch(f"finishing the checkpoint of step {self.step}", self.step):
+            self.ckpt.finish()
+            if self.sharded_saver is not None:
                 self.sharded_saver.finish()
         if self.after_fit is not None:
             self.after_fit(self)
