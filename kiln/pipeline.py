@@ -22,7 +22,7 @@ from kiln.data.corpus import build_corpus
 from kiln.data.curate import curate
 from kiln.data.pack import pack
 from kiln.data.tokenizer import Tokenizer, train_tokenizer_from_corpus
-from kiln.parallel.dims import init_distributed
+from kiln.parallel.dims import check_job_options, init_distributed
 from kiln.parallel.launch import add_launch_parser, run_launch
 from kiln.parallel.plan import Workload
 from kiln.parallel.plan_cli import add_plan_parser, run_plan
@@ -339,8 +339,14 @@ def _plan_shape(args: argparse.Namespace):
     return model, Workload(recipe.train.seq_len, recipe.train.global_batch_tokens)
 
 
+def _check_training_layout(recipe: Recipe, stages: list[str]) -> None:
+    if any(s == "pretrain" or s in POST_STAGES for s in stages):  # torch only for a training run
+        check_job_options(recipe.parallel)
+
+
 def _run_all(recipe: Recipe, args: argparse.Namespace) -> None:
     stages = args.stages.split(",") if args.stages else None
+    _check_training_layout(recipe, stages or recipe.run.stages)
     results = run_recipe(recipe, stages, force=args.force)
     print(f"run folder: {recipe.run_dir}")
     if "pretrain" in results:
@@ -352,6 +358,7 @@ def _run_all(recipe: Recipe, args: argparse.Namespace) -> None:
 def _run_stage(recipe: Recipe, args: argparse.Namespace) -> None:
     extra = {"resume": args.resume, "init_from": args.init_from} if hasattr(args, "init_from") else {}
     target = args.verb
+    _check_training_layout(recipe, [target])
     # Unfinished upstream stages of the recipe run first (finished ones are skipped), so any verb
     # works on a fresh run folder. Curating explicit inputs needs no corpus.
     upstream = [s for s in recipe.run.stages if STAGES.index(s) < STAGES.index(target)]

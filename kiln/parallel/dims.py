@@ -172,6 +172,20 @@ def init_distributed(device_type: str) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
+def check_job_options(cfg: ParallelConfig) -> None:
+    """Refuse [parallel] options the layout this process will train in would not use (its torchrun
+    world size, the device the Trainer picks), before the data stages in front of training run."""
+    import torch
+    import torch.distributed as dist
+
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    dims = ParallelDims.from_config(cfg, world)
+    try:
+        cfg.check_options(dims.dp_shard, "cuda" if torch.cuda.is_available() else "cpu")
+    except ConfigError as err:
+        raise err.within("parallel") from None
+
+
 def init_single_process_group(device_type: str) -> None:
     """A one-rank process group in this process, for FSDP2 on one device (parallel.offload).
 

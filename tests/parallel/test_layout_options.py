@@ -88,13 +88,15 @@ def test_one_process_on_the_cpu_refuses_before_building_anything(table, key):
     assert not dist.is_initialized()
 
 
-def test_kiln_pretrain_refuses_offload_on_the_cpu_in_one_line(tmp_path, capsys):
-    # No pack exists: the layout is checked before the trainer reads any data.
-    argv = ["pretrain", "recipes/tiny.toml", f"run.out_dir={tmp_path}", "parallel.offload=true", "train.threads=1"]
+@pytest.mark.parametrize("verb", ["pretrain", "run"])
+def test_kiln_refuses_offload_on_the_cpu_in_one_line_before_any_stage_runs(verb, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the Trainer would pick the cpu
+    argv = [verb, "recipes/tiny.toml", f"run.out_dir={tmp_path}", "parallel.offload=true"]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("kiln: error: parallel.offload: ") and "on device cpu" in err
     assert len(err.splitlines()) == 1
+    assert not list(tmp_path.iterdir())  # not even the corpus stage ran
 
 
 def test_launch_refuses_an_option_the_launched_layout_would_not_use(tmp_path):
