@@ -20,8 +20,8 @@ class ParallelConfig:
     ep: int = 1  # expert parallel: MoE experts spread across ranks (borrows dp_shard x cp ranks)
     # FSDP2
     reshard_after_forward: bool = True  # True: ZeRO-3 (params freed after forward); False: ZeRO-2-like
-    offload: bool = False  # parameters, gradients and optimizer state kept on the CPU
-    reduce_dtype: str = "fp32"  # dtype of gradient reduction under bf16 compute: fp32 | bf16
+    offload: bool = False  # parameters, gradients and optimizer state kept on the CPU (GPU runs only)
+    reduce_dtype: str = "fp32"  # dtype of FSDP2's gradient reduce-scatter: fp32 | bf16
     # Pipeline
     pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b
     pp_microbatches: int = 0  # 0: 2 x pp (halves the bubble vs pp microbatches)
@@ -30,7 +30,7 @@ class ParallelConfig:
     cp_backend: str = "auto"  # auto (torch on NCCL, else ring) | ring | allgather | torch
     cp_load_balance: bool = True  # rank r gets sequence chunks r and 2cp-1-r: equal causal work
     # Checkpoints
-    async_checkpoint: bool = False  # sharded save runs in the background while training goes on
+    async_checkpoint: bool = False  # checkpoints are written in the background while training goes on
 
     def validate(self) -> None:
         for key in ("dp_replicate", "tp", "pp", "cp", "ep", "pp_stages_per_rank"):

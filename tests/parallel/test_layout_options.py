@@ -156,9 +156,7 @@ def _steps(model, batches):
 
 
 @pytest.mark.parametrize("reshard", [True, False])
-def test_offload_wraps_every_block_with_the_cpu_offload_policy_and_trains_like_the_plain_model(
-    one_rank_group, reshard
-):
+def test_offload_wraps_every_block_with_the_cpu_offload_policy_and_trains_like_the_plain_model(one_rank_group, reshard):
     cfg = ParallelConfig(offload=True, reshard_after_forward=reshard)
     model = _one_rank_fsdp(cfg)
     torch.manual_seed(0)
@@ -203,9 +201,13 @@ def test_trainer_with_one_rank_fsdp_offload_matches_the_plain_run(tiny_pack_fact
     plain = Trainer(MODEL, train, pack, tmp_path / "plain", resume="none")
     plain_summary = plain.fit()
     check = ParallelConfig.check_options
-    monkeypatch.setattr(ParallelConfig, "check_options", lambda self, dp_shard, device_type: check(self, dp_shard, None))
+    monkeypatch.setattr(
+        ParallelConfig, "check_options", lambda self, dp_shard, device_type: check(self, dp_shard, None)
+    )
     try:
-        trainer = Trainer(MODEL, train, pack, tmp_path / "offload", resume="none", parallel=ParallelConfig(offload=True))
+        trainer = Trainer(
+            MODEL, train, pack, tmp_path / "offload", resume="none", parallel=ParallelConfig(offload=True)
+        )
         assert trainer.layout.mesh is not None and trainer.layout.sharded
         summary = trainer.fit()
     finally:
