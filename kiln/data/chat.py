@@ -116,7 +116,7 @@ def has_kiln_chat_tokens(tokenizer) -> bool:
 
 
 def chat_format(tokenizer) -> str | None:
-    """"template" (the tokenizer's own Jinja chat template), "kiln" (Kiln's role tokens) or None."""
+    """ "template" (the tokenizer's own Jinja chat template), "kiln" (Kiln's role tokens) or None."""
     if own_template(tokenizer) is not None:
         return "template"
     return "kiln" if has_kiln_chat_tokens(tokenizer) else None

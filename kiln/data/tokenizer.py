@@ -111,7 +111,10 @@ def read_hf_tokenizer_config(folder: Path) -> tuple[dict[str, tuple[str | None, 
         if name == TOKENIZER_CONFIG and data.get("chat_template") is not None:
             template, template_from = data["chat_template"], f"{path}: chat_template"
     if (folder / CHAT_TEMPLATE_FILE).is_file():
-        template, template_from = (folder / CHAT_TEMPLATE_FILE).read_text(encoding="utf-8"), str(folder / CHAT_TEMPLATE_FILE)
+        template, template_from = (
+            (folder / CHAT_TEMPLATE_FILE).read_text(encoding="utf-8"),
+            str(folder / CHAT_TEMPLATE_FILE),
+        )
     if isinstance(template, list):  # several named templates: the one called "default" is the chat one
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         template = named.get("default")
