@@ -16,6 +16,9 @@ from kiln.cli import main  # noqa: E402
 from kiln.data.chat import chat_stop_ids, render_prompt  # noqa: E402
 from kiln.data.tokenizer import Tokenizer  # noqa: E402
 from kiln.errors import DataError  # noqa: E402
+from kiln.infer.config import SampleConfig  # noqa: E402
+from kiln.infer.samples import sample_texts  # noqa: E402
+from kiln.model import ModelConfig, build_model  # noqa: E402
 
 TEXT = [
     "hello world, the quick brown fox jumps over the lazy dog.",
@@ -252,8 +255,9 @@ def test_a_tokenizer_without_eos_is_a_named_error_where_eos_is_needed(tmp_path):
     (tmp_path / "special_tokens_map.json").unlink()
     tok = Tokenizer.load(tmp_path)
     assert tok.encode("hello world")  # plain encoding needs no eos
-    with pytest.raises(DataError, match="has no end-of-text token"):
-        tok.eot_id
+    model = build_model(ModelConfig(vocab_size=tok.vocab_size, dim=32, n_layers=1, n_heads=2, max_seq_len=32))
+    with pytest.raises(DataError, match="has no end-of-text token"):  # generation must know where to stop
+        sample_texts(model, tok, SampleConfig(prompt="hello", max_new_tokens=4))
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": "<|im_end|>"}))
     with pytest.raises(DataError, match=r"tokenizer_config.json: eos_token: '<\|im_end\|>' is not in the vocabulary"):
         Tokenizer.load(tmp_path)
