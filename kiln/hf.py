@@ -24,14 +24,13 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from kiln.checkpoint import save_weights
-from kiln.data.chat import hf_tokenizer_config_extra
-from kiln.data.tokenizer import find_tokenizer
+from kiln.data.chat import ChatTokens, has_kiln_chat_tokens, hf_tokenizer_config_extra
+from kiln.data.tokenizer import HF_TOKENIZER_FILES, Tokenizer, find_tokenizer
 from kiln.errors import ConfigError, DataError
 from kiln.model.config import ModelConfig
 from kiln.model.transformer import fuse_gate_up, fuse_qkv, split_gate_up, split_qkv
 from kiln.model.weights import load_weights
 
-EOT = "<|endoftext|>"
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -120,13 +119,50 @@ def _check_exportable(cfg: ModelConfig) -> None:
             )
 
 
-def _tokenizer_file(tokenizer_path) -> Path:
-    path = Path(tokenizer_path)
-    if path.is_dir():
-        path = path / "tokenizer.json"
-    if not path.is_file():
-        raise DataError(f"{path}: tokenizer file not found")
-    return path
+def _kiln_tokenizer_config(tok: Tokenizer, model_cfg: ModelConfig, chat: bool) -> tuple[dict, dict]:
+    """(tokenizer_config.json, special ids for config.json) for a Kiln-trained tokenizer, which has no
+    config of its own: its roles (eos = bos = <|endoftext|>, <|pad|>) and, with Kiln's chat tokens,
+    the chat template."""
+    eos = tok.eot_id
+    special_ids = {"bos_token_id": tok.prefix_id, "eos_token_id": eos}
+    tok_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        **{key: tok.special[key] for key in ("bos_token", "eos_token", "pad_token") if tok.special[key]},
+        "model_max_length": model_cfg.max_seq_len,
+        "clean_up_tokenization_spaces": False,
+    }
+    if has_kiln_chat_tokens(tok):
+        # The chat template travels with every export, so apply_chat_template gives Kiln's ids; a
+        # chat model (chat=True) also stops generating at the end of its turn.
+        tok_config.update(hf_tokenizer_config_extra(chat=chat))
+        if chat:
+            special_ids = {
+                "bos_token_id": tok.prefix_id,
+                "eos_token_id": list(ChatTokens(tok).stop),
+                "pad_token_id": tok.pad_id,
+            }
+    return tok_config, special_ids
+
+
+def _write_tokenizer(tokenizer_path, model_cfg: ModelConfig, out: Path, chat: bool) -> dict:
+    """Copy the tokenizer into out; returns the special token ids config.json carries. An imported
+    tokenizer's own config files (tokenizer_config.json, special_tokens_map.json, chat_template.jinja)
+    go back as they came, so AutoTokenizer loads it as before the import; a Kiln tokenizer gets Kiln's."""
+    tok = Tokenizer.load(tokenizer_path)
+    if tok.vocab_size > model_cfg.vocab_size:
+        raise ConfigError(
+            "vocab_size", f"model has {model_cfg.vocab_size} embeddings but {tok.path} has {tok.vocab_size} tokens"
+        )
+    shutil.copyfile(tok.path, out / "tokenizer.json")
+    own = [tok.path.parent / name for name in HF_TOKENIZER_FILES if (tok.path.parent / name).is_file()]
+    if not own:
+        tok_config, special_ids = _kiln_tokenizer_config(tok, model_cfg, chat)
+        (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
+        return special_ids
+    for path in own:
+        shutil.copyfile(path, out / path.name)
+    special_ids = {"bos_token_id": tok.bos_id, "eos_token_id": tok.eot_id, "pad_token_id": tok.pad_id}
+    return {key: value for key, value in special_ids.items() if value is not None}
 
 
 def export_hf(
@@ -134,50 +170,12 @@ def export_hf(
 ) -> Path:
     """Write a transformers-loadable folder. tokenizer_path (tokenizer.json or a folder holding it)
     may be None to export weights only. Tensors keep the dtype they have in state_dict."""
-    from tokenizers import Tokenizer as HFTokenizer
-
     _check_exportable(model_cfg)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tensors = kiln_to_hf_state(model_cfg, state_dict)
     dtype = tensors["model.embed_tokens.weight"].dtype
-
-    special_ids = {}
-    if tokenizer_path is not None:
-        tok_file = _tokenizer_file(tokenizer_path)
-        tok = HFTokenizer.from_file(str(tok_file))
-        if tok.get_vocab_size(with_added_tokens=True) > model_cfg.vocab_size:
-            raise ConfigError(
-                "vocab_size",
-                f"model has {model_cfg.vocab_size} embeddings but {tok_file} has "
-                f"{tok.get_vocab_size(with_added_tokens=True)} tokens",
-            )
-        eot = tok.token_to_id(EOT)
-        if eot is None:
-            raise DataError(f"{tok_file}: tokenizer has no {EOT!r} token")
-        # Packed pretraining puts <|endoftext|> between documents, so it both ends one and opens the
-        # next: it is the model's bos and eos (as in GPT-2).
-        special_ids = {"bos_token_id": eot, "eos_token_id": eot}
-        shutil.copyfile(tok_file, out / "tokenizer.json")
-        tok_config = {
-            "tokenizer_class": "PreTrainedTokenizerFast",
-            "eos_token": EOT,
-            "model_max_length": model_cfg.max_seq_len,
-            "clean_up_tokenization_spaces": False,
-        }
-        if tok.token_to_id("<|pad|>") is not None:
-            tok_config["pad_token"] = "<|pad|>"
-        if all(tok.token_to_id(t) is not None for t in ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>")):
-            # The chat template travels with every export, so apply_chat_template gives Kiln's ids; a
-            # chat model (chat=True) also stops generating at the end of its turn.
-            tok_config.update(hf_tokenizer_config_extra(chat=chat))
-            if chat:
-                special_ids = {
-                    "bos_token_id": eot,
-                    "eos_token_id": [tok.token_to_id("<|end|>"), eot],
-                    "pad_token_id": tok.token_to_id("<|pad|>"),
-                }
-        (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
+    special_ids = {} if tokenizer_path is None else _write_tokenizer(tokenizer_path, model_cfg, out, chat)
 
     model_type = "qwen2" if model_cfg.qkv_bias else "llama"  # Llama's attention_bias would add an o_proj bias
     config = {
@@ -339,12 +337,17 @@ def import_hf(folder) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
 
 def import_hf_to_checkpoint(folder, out_dir) -> Path:
     """Convert an HF folder into a Kiln weights checkpoint at out_dir; its tokenizer.json is copied
-    alongside when present, so `kiln generate` can use the result directly."""
+    alongside when present, with the config files that name its special tokens and chat template
+    (tokenizer_config.json, special_tokens_map.json, chat_template.jinja), so `kiln generate`,
+    `kiln serve` and `kiln eval` use the result directly and `kiln export hf` writes them back."""
     cfg, state = import_hf(folder)
     out = save_weights(out_dir, cfg, state, manifest_extra={"step": 0, "source": {"hf": str(Path(folder).resolve())}})
     tokenizer = Path(folder) / "tokenizer.json"
     if tokenizer.is_file():
-        shutil.copyfile(tokenizer, Path(out) / "tokenizer.json")
+        Tokenizer.load(tokenizer)  # its config names tokens it has (or the import stops here, saying which)
+        for name in ("tokenizer.json", *HF_TOKENIZER_FILES):
+            if (Path(folder) / name).is_file():
+                shutil.copyfile(Path(folder) / name, Path(out) / name)
     return Path(out)
 
 

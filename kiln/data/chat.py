@@ -24,6 +24,8 @@ ids; `TRAINING_CHAT_TEMPLATE` adds `{% generation %}` markers so that
 
 from __future__ import annotations
 
+import json
+from datetime import datetime
 from typing import Sequence
 
 from kiln.errors import DataError
@@ -31,7 +33,6 @@ from kiln.errors import DataError
 ROLES = ("system", "user", "assistant")
 ROLE_TOKENS = {"system": "<|system|>", "user": "<|user|>", "assistant": "<|assistant|>"}
 END = "<|end|>"
-STOP_TOKENS = (END, "<|endoftext|>")
 PAD = "<|pad|>"
 
 # Role tokens are spelled out per branch rather than built as '<|' + role + '|>', so a caller's
@@ -94,13 +95,93 @@ def validate_messages(messages) -> None:
 
 
 class ChatTokens:
-    """The control-token ids of one tokenizer, looked up once."""
+    """The control-token ids of Kiln's chat format in one tokenizer, looked up once."""
 
     def __init__(self, tokenizer):
         self.role = {role: tokenizer.token_id(token) for role, token in ROLE_TOKENS.items()}
         self.end = tokenizer.token_id(END)
-        self.stop = tuple(tokenizer.token_id(token) for token in STOP_TOKENS)
+        self.stop = tuple(dict.fromkeys((self.end, tokenizer.eot_id)))  # a reply ends its turn, or the text
         self.pad = tokenizer.token_id(PAD)
+
+
+def own_template(tokenizer) -> str | None:
+    """The tokenizer's own chat template (from its tokenizer_config.json), unless it is Kiln's
+    format, which Kiln renders natively (same ids, and message text can never become a control token)."""
+    template = getattr(tokenizer, "chat_template", None)
+    return None if template is None or template in (CHAT_TEMPLATE, TRAINING_CHAT_TEMPLATE) else template
+
+
+def has_kiln_chat_tokens(tokenizer) -> bool:
+    return all(tokenizer.hf.token_to_id(t) is not None for t in (*ROLE_TOKENS.values(), END, PAD))
+
+
+def chat_format(tokenizer) -> str | None:
+    """ "template" (the tokenizer's own Jinja chat template), "kiln" (Kiln's role tokens) or None."""
+    if own_template(tokenizer) is not None:
+        return "template"
+    return "kiln" if has_kiln_chat_tokens(tokenizer) else None
+
+
+def no_chat_format(tokenizer, instead: str = "plain completions") -> DataError:
+    return DataError(
+        f"{tokenizer.path}: the tokenizer has no chat format (no chat_template in its tokenizer_config.json "
+        f"and not Kiln's chat tokens <|system|>, <|user|>, <|assistant|>, <|end|>); use {instead}"
+    )
+
+
+def chat_template_text(tokenizer) -> str | None:
+    """The Jinja template that renders this tokenizer's chat format (for /tokenizer_info and exports)."""
+    kind = chat_format(tokenizer)
+    return tokenizer.chat_template if kind == "template" else CHAT_TEMPLATE if kind == "kiln" else None
+
+
+def chat_stop_ids(tokenizer) -> tuple[int, ...]:
+    """The tokens that end a chat reply: Kiln's <|end|> and the end of text, or, with the
+    tokenizer's own template, its eos (the token its template closes a turn with)."""
+    kind = chat_format(tokenizer)
+    if kind is None:
+        raise no_chat_format(tokenizer)
+    return ChatTokens(tokenizer).stop if kind == "kiln" else (tokenizer.eot_id,)
+
+
+def render_template(tokenizer, messages: Sequence[dict], add_generation_prompt: bool) -> list[int]:
+    """The ids of `messages` rendered with the tokenizer's own template, as transformers'
+    apply_chat_template(tokenize=True) gives them: the template sees the messages, add_generation_prompt
+    and the special tokens' texts (bos_token, eos_token, ...), and its text is encoded with special
+    tokens parsed and none added. As there (and in vLLM), a special token's text typed in a message
+    becomes that token."""
+    try:
+        import jinja2
+        from jinja2.ext import loopcontrols
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError:
+        raise DataError(
+            f"{tokenizer.path}: rendering the tokenizer's chat_template needs the jinja2 package (pip install jinja2)"
+        ) from None
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        # Jinja's own tojson escapes HTML characters, which chat templates do not expect.
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt))
+    try:
+        template = env.from_string(tokenizer.chat_template)
+    except jinja2.exceptions.TemplateSyntaxError as err:
+        raise DataError(f"{tokenizer.path}: chat_template line {err.lineno}: {err.message}") from None
+    try:
+        text = template.render(
+            messages=[dict(m) for m in messages],
+            add_generation_prompt=add_generation_prompt,
+            **{key: tokenizer.special[key] for key in tokenizer.special},
+        )
+    except jinja2.exceptions.TemplateError as err:
+        raise DataError(f"bad conversation: the chat template refused it: {err}") from None
+    return tokenizer.encode(text, parse_special=True)
 
 
 def _assemble(
@@ -121,6 +202,20 @@ def _assemble(
     return ids, mask
 
 
+def kiln_chat_tokens(tokenizer) -> ChatTokens:
+    """ChatTokens for rendering and training in Kiln's own format; a tokenizer with its own template
+    renders prompts with it, but Kiln's loss masks need Kiln's role tokens."""
+    kind = chat_format(tokenizer)
+    if kind == "template":
+        raise DataError(
+            f"{tokenizer.path}: training conversations (their loss mask) needs Kiln's chat tokens; this tokenizer "
+            "has its own chat_template, which renders prompts (kiln serve, kiln eval --chat) but not training rows"
+        )
+    if kind is None:
+        raise no_chat_format(tokenizer)
+    return ChatTokens(tokenizer)
+
+
 def render_conversations(
     tokenizer,
     conversations: Sequence[Sequence[dict]],
@@ -132,7 +227,7 @@ def render_conversations(
         problem = message_problem(messages)
         if problem is not None:
             raise DataError(f"conversation {k}: {problem[1]}")
-    tokens = ChatTokens(tokenizer)
+    tokens = kiln_chat_tokens(tokenizer)
     texts = [m["content"] for messages in conversations for m in messages]
     encoded = tokenizer.encode_batch(texts, parse_special=False) if texts else []
     out, start = [], 0
@@ -147,20 +242,27 @@ def render_conversation(
     messages: Sequence[dict],
     add_generation_prompt: bool = False,
 ) -> tuple[list[int], list[int]]:
-    """(ids, loss mask) of one conversation; messages are {"role", "content"} dicts."""
+    """(ids, loss mask) of one conversation in Kiln's format; messages are {"role", "content"} dicts."""
     validate_messages(messages)
+    tokens = kiln_chat_tokens(tokenizer)
     contents = tokenizer.encode_batch([m["content"] for m in messages], parse_special=False)
-    return _assemble(ChatTokens(tokenizer), messages, contents, add_generation_prompt)
+    return _assemble(tokens, messages, contents, add_generation_prompt)
 
 
 def render_prompt(tokenizer, messages: Sequence[dict]) -> list[int]:
-    """The ids a model continues to produce the next assistant reply."""
+    """The ids a model continues to produce the next assistant reply: Kiln's format, or the
+    tokenizer's own chat template when it has one."""
     validate_messages(messages)
     if messages[-1]["role"] == "assistant":
         raise DataError(
             "bad prompt: the last message is the assistant's; a prompt ends with a user "
             "(or system) message and the reply is generated"
         )
+    kind = chat_format(tokenizer)
+    if kind == "template":
+        return render_template(tokenizer, messages, add_generation_prompt=True)
+    if kind is None:
+        raise no_chat_format(tokenizer)
     return render_conversation(tokenizer, messages, add_generation_prompt=True)[0]
 
 

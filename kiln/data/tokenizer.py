@@ -65,18 +65,119 @@ def rust_threads():
         os.environ.pop("TOKENIZERS_PARALLELISM", None)
 
 
-class Tokenizer:
-    """A trained tokenizer.json with the few operations the rest of Kiln needs."""
+# What an imported (Hugging Face) tokenizer says about itself, beside its tokenizer.json.
+TOKENIZER_CONFIG = "tokenizer_config.json"
+SPECIAL_TOKENS_MAP = "special_tokens_map.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"  # newer transformers save the template in its own file
+HF_TOKENIZER_FILES = (TOKENIZER_CONFIG, SPECIAL_TOKENS_MAP, CHAT_TEMPLATE_FILE)
+ROLE_KEYS = ("eos_token", "bos_token", "pad_token", "unk_token")
+# A Kiln-trained tokenizer has no config: <|endoftext|> separates packed documents, so it both ends
+# one and opens the next (eos and bos, as in GPT-2), and <|pad|> pads.
+KILN_ROLES = {"eos_token": EOT, "bos_token": EOT, "pad_token": "<|pad|>", "unk_token": None}
 
-    def __init__(self, hf: HFTokenizer, path: Path | None = None, sha256: str = ""):
+
+def _token_text(value) -> str | None:
+    """A special token as tokenizer_config.json stores it: a string or an AddedToken object."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) and value else None
+
+
+def _read_config(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise DataError(f"{path}:{err.lineno}: invalid JSON ({err.msg})") from None
+    if not isinstance(data, dict):
+        raise DataError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def read_hf_tokenizer_config(folder: Path) -> tuple[dict[str, tuple[str | None, str]], str | None, str]:
+    """({role key: (token text or None, the file that set it)}, chat template or None, where the
+    template came from) from tokenizer_config.json, special_tokens_map.json and chat_template.jinja
+    in `folder`. A key set in neither file is absent (the Kiln default applies); a key set to null
+    means the tokenizer has no such token."""
+    roles: dict[str, tuple[str | None, str]] = {}
+    template, template_from = None, ""
+    for name in (SPECIAL_TOKENS_MAP, TOKENIZER_CONFIG):  # tokenizer_config.json wins where both say
+        path = folder / name
+        if not path.is_file():
+            continue
+        data = _read_config(path)
+        for key in ROLE_KEYS:
+            if key in data:
+                roles[key] = (_token_text(data[key]), f"{path}: {key}")
+        if name == TOKENIZER_CONFIG and data.get("chat_template") is not None:
+            template, template_from = data["chat_template"], f"{path}: chat_template"
+    if (folder / CHAT_TEMPLATE_FILE).is_file():
+        template, template_from = (
+            (folder / CHAT_TEMPLATE_FILE).read_text(encoding="utf-8"),
+            str(folder / CHAT_TEMPLATE_FILE),
+        )
+    if isinstance(template, list):  # several named templates: the one called "default" is the chat one
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    if template is not None and not isinstance(template, str):
+        raise DataError(f"{template_from}: must be a Jinja template string, got {type(template).__name__}")
+    return roles, template, template_from
+
+
+class Tokenizer:
+    """A tokenizer.json with the few operations the rest of Kiln needs, and its special tokens.
+
+    The roles (eos: ends a document, bos: opens one, pad) come from the tokenizer's own
+    tokenizer_config.json / special_tokens_map.json when it has them (an imported Hugging Face
+    tokenizer: Llama's <s> and </s>), else Kiln's names (KILN_ROLES) where the vocabulary has them.
+    chat_template is the Jinja template such a config carries (None for a Kiln-trained tokenizer,
+    whose chat format is kiln.data.chat's role tokens)."""
+
+    def __init__(
+        self,
+        hf: HFTokenizer,
+        path: Path | None = None,
+        sha256: str = "",
+        roles: dict[str, tuple[str | None, str]] | None = None,
+        chat_template: str | None = None,
+    ):
         self.hf = hf
         self.path = path
         self.sha256 = sha256
         self.vocab_size: int = hf.get_vocab_size(with_added_tokens=True)
-        eot = hf.token_to_id(EOT)
-        if eot is None:
-            raise DataError(f"{path}: tokenizer has no {EOT!r} token")
-        self.eot_id: int = eot
+        self.configured = dict(roles or {})  # what the config files set, for export to write back
+        self.chat_template = chat_template
+        self.special: dict[str, str | None] = {}
+        for key in ROLE_KEYS:
+            if key in self.configured:
+                token, where = self.configured[key]
+                if token is not None and hf.token_to_id(token) is None:
+                    raise DataError(f"{where}: {token!r} is not in the vocabulary of {path}")
+            else:
+                token = KILN_ROLES[key] if KILN_ROLES[key] and hf.token_to_id(KILN_ROLES[key]) is not None else None
+            self.special[key] = token
+        self.eos_id = self._id("eos_token")
+        self.bos_id = self._id("bos_token")
+        self.pad_id = self._id("pad_token")
+
+    def _id(self, key: str) -> int | None:
+        token = self.special[key]
+        return None if token is None else self.hf.token_to_id(token)
+
+    @property
+    def eot_id(self) -> int:
+        """The end-of-document (eos) token: where pretraining data ends a document and generation stops."""
+        if self.eos_id is None:
+            raise DataError(
+                f"{self.path}: the tokenizer has no end-of-text token (no eos_token in its "
+                f"{TOKENIZER_CONFIG} or {SPECIAL_TOKENS_MAP}, and no {EOT!r} in its vocabulary)"
+            )
+        return self.eos_id
+
+    @property
+    def prefix_id(self) -> int:
+        """The token a document starts after: bos, else eos (lm-eval's prefix token, the one
+        generation and the first rolling-perplexity window condition on)."""
+        return self.bos_id if self.bos_id is not None else self.eot_id
 
     @classmethod
     def load(cls, path: str | Path) -> "Tokenizer":
@@ -90,7 +191,8 @@ class Tokenizer:
             hf = HFTokenizer.from_str(data.decode("utf-8"))
         except Exception as err:  # the Rust side raises plain Exception with its parse message
             raise DataError(f"{path}: not a valid tokenizer.json ({err})") from None
-        return cls(hf, path, hashlib.sha256(data).hexdigest())
+        roles, template, _ = read_hf_tokenizer_config(path.parent)
+        return cls(hf, path, hashlib.sha256(data).hexdigest(), roles, template)
 
     def token_id(self, special: str) -> int:
         token_id = self.hf.token_to_id(special)

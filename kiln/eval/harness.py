@@ -6,7 +6,8 @@ compare with published ones.
   len(choice)) with the length in characters of the raw choice (no delimiter); acc_bytes divides by
   its UTF-8 bytes; exact_match = the gold continuation is the greedy one.
 - `PerplexityTask` (`loglikelihood_rolling`): every token of each document is predicted exactly once,
-  in windows of the model's length, the first conditioned on `<|endoftext|>`. word_perplexity =
+  in windows of the model's length, the first conditioned on the tokenizer's bos (else its eos:
+  Kiln's `<|endoftext|>`). word_perplexity =
   exp(-sum ll / sum words), byte_perplexity = exp(-sum ll / sum bytes), bits_per_byte = -sum ll /
   sum bytes / ln 2, token_perplexity = exp(-sum ll / sum tokens); words = len(re.split(r"\\s+", doc)).
 - `GenerationTask` (`generate_until`): greedy generation up to stop strings (and the end-of-text /
@@ -34,7 +35,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from kiln.data.chat import render_prompt
+from kiln.data.chat import chat_stop_ids, render_prompt
 from kiln.errors import ConfigError
 from kiln.eval.sandbox import Limits, run_many
 from kiln.infer.engine import Engine, WithoutSpecialTokens
@@ -146,10 +147,10 @@ class KilnLM:
         self.batch_size = batch_size
         self.chat = chat
         self.max_length = min(max_length or model.cfg.max_seq_len, model.cfg.max_seq_len)
-        # For an empty context and the first rolling window. lm-eval's HF backend takes the tokenizer's
-        # bos, else its eos: <|endoftext|> for a base-model export (a chat export's eos is <|end|>).
-        self.prefix_id = tokenizer.eot_id
-        self.stop_ids = [tokenizer.eot_id] + ([tokenizer.token_id("<|end|>")] if chat else [])
+        # For an empty context and the first rolling window: the tokenizer's bos, else its eos, as
+        # lm-eval's HF backend takes them (<|endoftext|> for a Kiln tokenizer, <s> for Llama's).
+        self.prefix_id = tokenizer.prefix_id
+        self.eos_id = tokenizer.eot_id
         self.device = next(model.parameters()).device
         self.label = "eval"  # names the progress bars; evaluate() sets it to the running task's name
 
@@ -228,12 +229,15 @@ class KilnLM:
         top_p: float = 1.0,
         seeds: Sequence[int] | None = None,
         stop_tokens: Sequence[str] = (),
+        chat: bool | None = None,
     ) -> list[str]:
-        """Text generated after each context, ending before the first stop string or stop token.
-        A context too long for the model keeps its last tokens, leaving room for at least
-        min(max_gen_toks, max_length // 2) new ones."""
+        """Text generated after each context, ending before the first stop string, at eos, at the
+        end of a chat turn when the contexts are chat prompts (chat; default: the model's), or at a
+        stop token. A context too long for the model keeps its last tokens, leaving room for at
+        least min(max_gen_toks, max_length // 2) new ones."""
         engine = Engine(self.model, WithoutSpecialTokens(self.tokenizer))
-        stop_ids = sorted({*self.stop_ids, *(self.tokenizer.token_id(t) for t in stop_tokens)})
+        turn_ends = chat_stop_ids(self.tokenizer) if (self.chat if chat is None else chat) else ()
+        stop_ids = sorted({self.eos_id, *turn_ends, *(self.tokenizer.token_id(t) for t in stop_tokens)})
         keep = self.max_length - min(max_gen_toks, self.max_length // 2)
         prompts = [list(c)[-keep:] for c in contexts]
         order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
@@ -442,7 +446,7 @@ def run_perplexity(lm: KilnLM, task: PerplexityTask, docs: list[str]) -> TaskRes
 
 def run_generation(lm: KilnLM, task: GenerationTask, docs: list[dict]) -> TaskResult:
     contexts = [lm.context_ids(d.get("description", ""), d["context"], task.chat) for d in docs]
-    outputs = lm.generate_until(contexts, task.until, task.max_gen_toks, stop_tokens=task.stop_tokens)
+    outputs = lm.generate_until(contexts, task.until, task.max_gen_toks, stop_tokens=task.stop_tokens, chat=task.chat)
     per_doc = [task.score(doc, text) for doc, text in zip(docs, outputs)]
     samples = [{"output": text, "scores": row} for text, row in zip(outputs, per_doc)]
     return _summarise(

@@ -275,8 +275,7 @@ def load_kiln_tasks(task_cfg=None, max_gen_toks: int = 16) -> GenerationTask:
         docs,
         lambda doc, text: {"accuracy": grade(doc["example"], text)},
         max_gen_toks=max_gen_toks,
-        chat=True,
-        stop_tokens=("<|end|>",),
+        chat=True,  # so generation also ends with the chat turn, whatever the model
         config={
             "families": list(cfg.families),
             "difficulty": cfg.difficulty,

@@ -68,8 +68,9 @@ def add_parser(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """num_samples completions of the prompt with the KV-cache engine (speculative with --draft),
-    each printed after the prompt. The prompt follows <|endoftext|>, so the model reads it as the
-    start of a document, as pretraining data lays documents out."""
+    each printed after the prompt. The prompt follows the tokenizer's bos (else its eos: Kiln's
+    <|endoftext|>), so the model reads it as the start of a document, as pretraining data lays
+    documents out."""
     cfg = SampleConfig(
         prompt=args.prompt,
         max_new_tokens=args.max_new_tokens,

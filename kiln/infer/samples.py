@@ -13,13 +13,16 @@ def sample_texts(model, tokenizer, cfg: SampleConfig, engine=None) -> list[str]:
     """cfg.num_samples completions of cfg.prompt (the continuation text only, without the prompt),
     generated as one batch by `engine` (default: the KV-cache Engine of `model`; `kiln generate
     --draft` passes a SpeculativeEngine). Sample i draws from a generator seeded with cfg.seed + i. A
-    completion ends at <|endoftext|>, after max_new_tokens, or where the model's context is full.
-    A prompt that fills the context is a ConfigError naming `sample.prompt`."""
+    completion ends at the tokenizer's eos (<|endoftext|> for Kiln's, </s> for Llama's), after
+    max_new_tokens, or where the model's context is full. A prompt that fills the context is a
+    ConfigError naming `sample.prompt`."""
     cfg.validate()
-    # Pretraining shards end every document with <|endoftext|>, so a document normally starts right
-    # after one: leading with it makes the prompt read as a document's beginning, not its middle.
+    # Pretraining shards end every document with eos, so a document normally starts right after one
+    # (or after bos, for a tokenizer that has one): leading with it makes the prompt read as a
+    # document's beginning, not its middle.
+    eos = tokenizer.eot_id
     prompt_tokens = tokenizer.encode(cfg.prompt)
-    prompt_ids = [tokenizer.eot_id] + prompt_tokens
+    prompt_ids = [tokenizer.prefix_id] + prompt_tokens
     if len(prompt_ids) >= model.cfg.max_seq_len:
         raise ConfigError(
             "sample.prompt", f"{len(prompt_ids)} tokens leave no room in the model's context of {model.cfg.max_seq_len}"
@@ -28,13 +31,13 @@ def sample_texts(model, tokenizer, cfg: SampleConfig, engine=None) -> list[str]:
         [prompt_ids] * cfg.num_samples,
         cfg.max_new_tokens,
         **asdict(cfg.sampling),
-        stop_token_ids=[tokenizer.eot_id],
+        stop_token_ids=[eos],
         seed=cfg.seed,
     )
     prompt_text = tokenizer.decode(prompt_tokens)
     texts = []
     for completion in completions:
-        new = completion.ids[:-1] if completion.stop == tokenizer.eot_id else completion.ids
+        new = completion.ids[:-1] if completion.stop == eos else completion.ids
         # Decoding prompt and completion together keeps a character whose bytes straddle the boundary
         # whole; the prompt's own text is then cut off the front.
         full = tokenizer.decode(prompt_tokens + new)

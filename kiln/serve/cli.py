@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from kiln.data.chat import ChatTokens, render_prompt
+from kiln.data.chat import chat_stop_ids, render_prompt
 from kiln.errors import ConfigError
 from kiln.infer.cli import add_inference_args, load_for_inference
 from kiln.infer.engine import Engine
@@ -107,7 +107,7 @@ def run_chat(args: argparse.Namespace, stdin=None, stdout=None, stderr=None) -> 
         raise ConfigError("--max-new-tokens", f"must be >= 1, got {args.max_new_tokens}", "<command line>")
     model, tokenizer = load_for_inference(args)
     engine = Engine(model, tokenizer)
-    stop = ChatTokens(tokenizer).stop
+    stop = chat_stop_ids(tokenizer)
     max_seq_len = model.cfg.max_seq_len
     start = [{"role": "system", "content": args.system}] if args.system else []
     history = list(start)

@@ -13,7 +13,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import HTMLResponse, JSONResponse
 
-from kiln.data.chat import CHAT_TEMPLATE, PAD, ChatTokens, render_prompt
+from kiln.data.chat import chat_format, chat_stop_ids, chat_template_text, no_chat_format, render_prompt
 from kiln.errors import ConfigError, DataError
 from kiln.infer.config import SamplingParams
 from kiln.serve.chat_page import chat_page
@@ -36,8 +36,9 @@ FLOAT32_TINY = 1.1754943508222875e-38  # torch.finfo(torch.float32).tiny
 
 @dataclass
 class ServeState:
-    """What the routes of one app share: create_app's arguments, what follows from them (chat
-    tokens, token texts, the chat page), and the scheduler, which the app's lifespan starts and closes."""
+    """What the routes of one app share: create_app's arguments, what follows from them (the end
+    of text and chat stop tokens, token texts, the chat page), and the scheduler, which the app's
+    lifespan starts and closes."""
 
     model: Any
     tokenizer: Any
@@ -47,16 +48,16 @@ class ServeState:
     max_batch: int
     max_waiting: int
     max_prefill_tokens: int
-    chat_tokens: ChatTokens | None = field(init=False)
+    eos_id: int = field(init=False)
+    chat_stop: tuple[int, ...] | None = field(init=False)
     token_text: TokenText = field(init=False)
     page: str = field(init=False)
     scheduler: Scheduler | None = field(init=False, default=None)
 
     def __post_init__(self):
-        try:
-            self.chat_tokens = ChatTokens(self.tokenizer)
-        except DataError:  # a tokenizer without Kiln's role tokens (e.g. imported) still serves completions
-            self.chat_tokens = None
+        self.eos_id = self.tokenizer.eot_id  # completions stop there: a tokenizer without one is refused here
+        # A tokenizer with no chat format (no template, not Kiln's role tokens) still serves completions.
+        self.chat_stop = chat_stop_ids(self.tokenizer) if chat_format(self.tokenizer) else None
         self.token_text = TokenText(self.tokenizer)
         self.page = chat_page(self.model_name, auth=bool(self.api_keys))
 
@@ -221,10 +222,10 @@ async def models(state: ServeStateDep):
 @router.get("/tokenizer_info", dependencies=AUTHED)
 async def tokenizer_info(state: ServeStateDep):
     return {
-        "eos_token": state.tokenizer.decode([state.tokenizer.eot_id]),
-        "bos_token": None,
-        "pad_token": PAD,
-        "chat_template": CHAT_TEMPLATE,
+        "eos_token": state.tokenizer.special["eos_token"],
+        "bos_token": state.tokenizer.special["bos_token"],
+        "pad_token": state.tokenizer.special["pad_token"],
+        "chat_template": chat_template_text(state.tokenizer),
         "model_max_length": state.cfg.max_seq_len,
         "tokenizer_class": "PreTrainedTokenizerFast",
     }
@@ -257,7 +258,7 @@ async def completions(body: CompletionRequest, state: ServeStateDep):
         raise APIError(400, "max_tokens must be >= 1 (0 only with echo, to score the prompt)", param="max_tokens")
     check_max_tokens(state, max_tokens, "max_tokens")
     prompts = encode_prompts(state, body.prompt)
-    stop_ids = ([] if body.ignore_eos else [state.tokenizer.eot_id]) + list(body.stop_token_ids or [])
+    stop_ids = ([] if body.ignore_eos else [state.eos_id]) + list(body.stop_token_ids or [])
     params, stops = sampling(body), stop_strings(body.stop)
     requests = [
         GenerationRequest(
@@ -296,19 +297,15 @@ def chat_max_tokens(state: ServeState, body: ChatRequest, prompt_tokens: int) ->
 @router.post("/v1/chat/completions", dependencies=AUTHED)
 async def chat_completions(body: ChatRequest, state: ServeStateDep):
     check_common(state, body)
-    if state.chat_tokens is None:
-        raise APIError(
-            400,
-            "this model's tokenizer has no chat tokens (<|user|>, <|assistant|>, <|end|>); use /v1/completions",
-            param="messages",
-        )
+    if state.chat_stop is None:
+        raise APIError(400, str(no_chat_format(state.tokenizer, "/v1/completions")), param="messages")
     prompt = encode_messages(state, body.messages)
     max_tokens = chat_max_tokens(state, body, len(prompt))
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
     # Chat asks with a bool and a count; the scheduler takes the count, None for none.
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    stop_ids = ([] if body.ignore_eos else list(state.chat_tokens.stop)) + list(body.stop_token_ids or [])
+    stop_ids = ([] if body.ignore_eos else list(state.chat_stop)) + list(body.stop_token_ids or [])
     params, stops = sampling(body), stop_strings(body.stop)
     requests = [
         GenerationRequest(
