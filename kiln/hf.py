@@ -25,6 +25,7 @@ from safetensors.torch import save_file
 
 from kiln.checkpoint import save_weights
 from kiln.data.chat import hf_tokenizer_config_extra
+from kiln.data.readers import read_json
 from kiln.data.tokenizer import find_tokenizer
 from kiln.errors import ConfigError, DataError
 from kiln.model.config import ModelConfig
@@ -217,15 +218,6 @@ def export_hf(
 # ---- import -------------------------------------------------------------------------------------
 
 
-def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise DataError(f"{path}: not found") from None
-    except json.JSONDecodeError as err:
-        raise DataError(f"{path}:{err.lineno}: invalid JSON ({err.msg})") from None
-
-
 def config_from_hf(hf: dict, where: str) -> ModelConfig:
     """Map a Llama/Mistral/Qwen2 config.json to a ModelConfig, refusing what Kiln cannot represent."""
     model_type = hf.get("model_type")
@@ -291,7 +283,7 @@ def _refuse_pickle(path: Path, where) -> None:
 def _load_safetensors(folder: Path) -> dict[str, torch.Tensor]:
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted(set(_read_json(index).get("weight_map", {}).values()))
+        files = sorted(set(read_json(index).get("weight_map", {}).values()))
         if not files:
             raise DataError(f"{index}: weight_map is empty")
     elif (folder / "model.safetensors").is_file():
@@ -323,7 +315,7 @@ def import_hf(folder) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     if not folder.is_dir():
         raise DataError(f"{folder}: not a folder")
     config_path = folder / "config.json"
-    hf = _read_json(config_path)
+    hf = read_json(config_path)
     try:
         cfg = config_from_hf(hf, str(config_path))
     except KeyError as err:
