@@ -30,7 +30,7 @@ from kiln.data.tokenizer import find_tokenizer
 from kiln.errors import ConfigError, DataError
 from kiln.model.config import ModelConfig
 from kiln.model.transformer import fuse_gate_up, fuse_qkv, split_gate_up, split_qkv
-from kiln.model.weights import load_weights
+from kiln.peft.load import plain_weights
 
 EOT = "<|endoftext|>"
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -342,8 +342,10 @@ def import_hf_to_checkpoint(folder, out_dir) -> Path:
 
 def export_checkpoint_to_hf(ckpt_path, tokenizer_path, out_dir, chat: bool | None = None) -> Path:
     """Export a Kiln checkpoint (folder, checkpoints root or stage folder) to an HF folder. chat=None:
-    a chat model when the checkpoint comes from a post-training stage (its recipe ran sft/dpo/grpo)."""
-    cfg, state, manifest = load_weights(ckpt_path)
+    a chat model when the checkpoint comes from a post-training stage (its recipe ran sft/dpo/grpo).
+    A LoRA/QLoRA training checkpoint exports with its LoRA merged; one with bottleneck adapters is
+    refused (a Llama model has no place for them)."""
+    cfg, state, manifest = plain_weights(ckpt_path, adapters=False)
     if chat is None:
         chat = any(part in ("sft", "dpo", "grpo") for part in Path(ckpt_path).resolve().parts)
     return export_hf(cfg, state, tokenizer_path, out_dir, chat=chat)
@@ -373,7 +375,7 @@ def add_parser(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.verb == "export" and args.format == "single":
-        cfg, state, manifest = load_weights(args.checkpoint)
+        cfg, state, manifest = plain_weights(args.checkpoint)
         save_weights(args.out, cfg, state, {"step": manifest.get("step"), "converted_from": str(args.checkpoint)})
         print(f"wrote {args.out}/model.safetensors ({len(state)} tensors, step {manifest.get('step')})")
         return 0

@@ -62,7 +62,7 @@ _EMBEDDING_LAYERS = {"lm_head": "output", "model.embed_tokens": "tok_embeddings"
 # ---- plain state dicts --------------------------------------------------------------------------
 
 
-def _plain_state(model: nn.Module, merge: bool) -> dict[str, torch.Tensor]:
+def _plain_state(model: nn.Module, merge: bool, keep_adapters: bool = False) -> dict[str, torch.Tensor]:
     state = {k: v.detach() for k, v in model.state_dict().items()}
     loras = lora_modules(model)
     layers = {name: (m.base, m) for name, m in loras.items()}
@@ -85,7 +85,7 @@ def _plain_state(model: nn.Module, merge: bool) -> dict[str, torch.Tensor]:
         state[f"{name}.weight"] = weight.to(dtype)
         if base.bias is not None:
             state[f"{name}.bias"] = base.bias.detach()
-    for name in adapter_modules(model):
+    for name in () if keep_adapters else adapter_modules(model):
         for key in [k for k in state if k.startswith(name + ".")]:
             del state[key]
     return state
@@ -101,6 +101,12 @@ def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
             "save_trainable and export the base with base_state_dict"
         )
     return _plain_state(model, merge=True)
+
+
+def folded_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """merged_state_dict with the bottleneck adapters' weights kept under their own names: LoRA
+    folded into plain weights, NF4 dequantised, what a Transformer with the same adapters loads."""
+    return _plain_state(model, merge=True, keep_adapters=True)
 
 
 def base_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
