@@ -129,5 +129,8 @@ def load_model(path) -> tuple[nn.Module, dict]:
     folder = resolve_checkpoint(path)
     cfg, state, manifest = plain_weights(folder)
     model = Transformer(cfg)
-    _load_state(model, state, folder)
+    try:
+        _load_state(model, state, folder)
+    except RuntimeError as err:  # e.g. a stage's extra modules (a PPO critic: its policy/ is the model)
+        raise CheckpointError(f"{folder}: the weights do not fit a Transformer ({_first_line(err)})") from None
     return model.eval(), manifest

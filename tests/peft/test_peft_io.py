@@ -114,12 +114,17 @@ def test_a_peft_trained_adapter_loads_into_kiln_and_saves_back(tmp_path, tiny_mo
     with torch.no_grad():
         expected = pm(tokens).logits
 
-    load_peft_adapter(model, tmp_path / "theirs")
+    loads_with_peft_logits_and_saves_back(model, tmp_path, tokens, expected)
     ranks = {n: m.r for n, m in lora_modules(model).items()}
     assert ranks["layers.0.attn.wqkv"] == 8 and ranks["layers.0.ffn.w13"] == 6 and ranks["layers.0.ffn.w2"] == 4
+
+
+def loads_with_peft_logits_and_saves_back(model, tmp_path, tokens, expected) -> None:
+    """`peft`'s adapter in tmp_path/theirs loads into `model` with peft's logits, and the adapter Kiln
+    saves from it gives peft the same logits on the exported base in tmp_path/hf."""
+    load_peft_adapter(model, tmp_path / "theirs")
     with torch.no_grad():
         torch.testing.assert_close(model(tokens), expected, rtol=1e-4, atol=1e-4)
-
     save_peft_adapter(model, model.cfg, tmp_path / "ours")
     torch.testing.assert_close(hf_logits(tmp_path / "hf", tmp_path / "ours", tokens), expected, rtol=1e-4, atol=1e-4)
 
@@ -168,12 +173,8 @@ def test_a_peft_lm_head_adapter_with_its_saved_base_weight_loads_and_saves_back(
     with safe_open(str(tmp_path / "theirs" / "adapter_model.safetensors"), "pt") as f:
         assert "base_model.model.lm_head.base_layer.weight" in set(f.keys())  # the copy peft adds
 
-    load_peft_adapter(model, tmp_path / "theirs")
+    loads_with_peft_logits_and_saves_back(model, tmp_path, tokens, expected)
     assert set(lora_modules(model)) == {"output", "layers.0.attn.wqkv", "layers.1.attn.wqkv"}
-    with torch.no_grad():
-        torch.testing.assert_close(model(tokens), expected, rtol=1e-4, atol=1e-4)
-    save_peft_adapter(model, model.cfg, tmp_path / "ours")
-    torch.testing.assert_close(hf_logits(tmp_path / "hf", tmp_path / "ours", tokens), expected, rtol=1e-4, atol=1e-4)
 
 
 def test_a_saved_base_weight_that_differs_from_the_model_is_refused(tmp_path, tiny_model, tokens):

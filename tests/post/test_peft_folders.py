@@ -157,3 +157,15 @@ def test_a_stage_that_cannot_continue_an_adapter_checkpoint_is_refused(sft_run, 
             tok,
             resume="none",
         )
+
+
+def test_checkpoints_the_loader_cannot_rebuild_are_one_line_errors(tok, tmp_path):
+    cfg = ModelConfig(vocab_size=tok.vocab_size, dim=32, n_layers=1, n_heads=4, max_seq_len=64)
+    state = build_model(cfg).state_dict()
+    save_weights(tmp_path / "critic", cfg, {**state, "critic.weight": torch.zeros(1, 32)})
+    with pytest.raises(CheckpointError, match=r"critic: the weights do not fit a Transformer .*critic\.weight"):
+        load_model(tmp_path / "critic")
+    lora = {k.replace("attn.wo.weight", "attn.wo.base.weight"): v for k, v in state.items()}
+    save_weights(tmp_path / "lora", cfg, {**lora, "layers.0.attn.wo.lora_A": torch.zeros(4, 32)})
+    with pytest.raises(CheckpointError, match="holds LoRA/NF4 weights but its manifest has no recipe"):
+        load_model(tmp_path / "lora")
