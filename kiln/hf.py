@@ -25,11 +25,12 @@ from safetensors.torch import save_file
 
 from kiln.checkpoint import save_weights
 from kiln.data.chat import ChatTokens, has_kiln_chat_tokens, hf_tokenizer_config_extra
+from kiln.data.readers import read_json
 from kiln.data.tokenizer import HF_TOKENIZER_FILES, Tokenizer, find_tokenizer
 from kiln.errors import ConfigError, DataError
 from kiln.model.config import ModelConfig
 from kiln.model.transformer import fuse_gate_up, fuse_qkv, split_gate_up, split_qkv
-from kiln.model.weights import load_weights
+from kiln.peft.load import plain_weights
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -215,15 +216,6 @@ def export_hf(
 # ---- import -------------------------------------------------------------------------------------
 
 
-def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise DataError(f"{path}: not found") from None
-    except json.JSONDecodeError as err:
-        raise DataError(f"{path}:{err.lineno}: invalid JSON ({err.msg})") from None
-
-
 def config_from_hf(hf: dict, where: str) -> ModelConfig:
     """Map a Llama/Mistral/Qwen2 config.json to a ModelConfig, refusing what Kiln cannot represent."""
     model_type = hf.get("model_type")
@@ -289,7 +281,7 @@ def _refuse_pickle(path: Path, where) -> None:
 def _load_safetensors(folder: Path) -> dict[str, torch.Tensor]:
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted(set(_read_json(index).get("weight_map", {}).values()))
+        files = sorted(set(read_json(index).get("weight_map", {}).values()))
         if not files:
             raise DataError(f"{index}: weight_map is empty")
     elif (folder / "model.safetensors").is_file():
@@ -321,7 +313,7 @@ def import_hf(folder) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     if not folder.is_dir():
         raise DataError(f"{folder}: not a folder")
     config_path = folder / "config.json"
-    hf = _read_json(config_path)
+    hf = read_json(config_path)
     try:
         cfg = config_from_hf(hf, str(config_path))
     except KeyError as err:
@@ -353,8 +345,10 @@ def import_hf_to_checkpoint(folder, out_dir) -> Path:
 
 def export_checkpoint_to_hf(ckpt_path, tokenizer_path, out_dir, chat: bool | None = None) -> Path:
     """Export a Kiln checkpoint (folder, checkpoints root or stage folder) to an HF folder. chat=None:
-    a chat model when the checkpoint comes from a post-training stage (its recipe ran sft/dpo/grpo)."""
-    cfg, state, manifest = load_weights(ckpt_path)
+    a chat model when the checkpoint comes from a post-training stage (its recipe ran sft/dpo/grpo).
+    A LoRA/QLoRA training checkpoint exports with its LoRA merged; one with bottleneck adapters is
+    refused (a Llama model has no place for them)."""
+    cfg, state, manifest = plain_weights(ckpt_path, adapters=False)
     if chat is None:
         chat = any(part in ("sft", "dpo", "grpo") for part in Path(ckpt_path).resolve().parts)
     return export_hf(cfg, state, tokenizer_path, out_dir, chat=chat)
@@ -384,7 +378,7 @@ def add_parser(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.verb == "export" and args.format == "single":
-        cfg, state, manifest = load_weights(args.checkpoint)
+        cfg, state, manifest = plain_weights(args.checkpoint)
         save_weights(args.out, cfg, state, {"step": manifest.get("step"), "converted_from": str(args.checkpoint)})
         print(f"wrote {args.out}/model.safetensors ({len(state)} tensors, step {manifest.get('step')})")
         return 0

@@ -208,7 +208,7 @@ def _pretrain(recipe: Recipe, out: Path, resume: str = "auto", init_from: str | 
 
 def _sample(recipe: Recipe, out: Path, **_) -> dict:
     from kiln.infer.samples import sample_texts  # lazy: torch, for model stages only
-    from kiln.model.weights import load_model  # lazy: torch, for model stages only
+    from kiln.peft.load import load_model  # lazy: torch, for model stages only
 
     checkpoints = stage_dir(recipe, "pretrain") / "checkpoints"
     best = checkpoints / "best"

@@ -252,6 +252,16 @@ class JsonLine:
         return "not a JSON object" if self.problem else ""
 
 
+def read_json(path: Path) -> dict:
+    """One JSON file (a config or index), refused as one line naming the path when missing or invalid."""
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise DataError(f"{path}: not found") from None
+    except json.JSONDecodeError as err:
+        raise DataError(f"{path}:{err.lineno}: invalid JSON ({err.msg})") from None
+
+
 def iter_jsonl(path: str | Path, decode_errors: str = "strict") -> Iterator[JsonLine]:
     """Every non-blank line of a JSONL file (plain, .gz or .zst), parsed, in order.
 

@@ -15,7 +15,7 @@ from kiln.data.tokenizer import Tokenizer, find_tokenizer
 from kiln.errors import ConfigError
 from kiln.eval import tasks as T
 from kiln.eval.harness import KilnLM, evaluate, format_table, results_document, write_results
-from kiln.model.weights import load_model
+from kiln.peft.load import load_model
 from kiln.post.config import TaskConfig
 
 TASKS = ("kiln_tasks", "humaneval", "safety", "mmlu", "gsm8k", "perplexity")

@@ -15,7 +15,7 @@ import torch
 from kiln.data.tokenizer import Tokenizer, find_tokenizer
 from kiln.errors import ConfigError
 from kiln.infer.quant import quantize_model
-from kiln.model.weights import load_model
+from kiln.peft.load import load_model
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANT_SCHEMES = ("int8", "int4", "nf4")

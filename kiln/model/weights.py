@@ -1,6 +1,6 @@
 """The model side of a checkpoint: the manifest's model config as a ModelConfig, older fused-row
-layouts converted to the current one, and a ready model built from a checkpoint folder. The file
-format itself (kiln.checkpoint) knows nothing of the model."""
+layouts converted to the current one. The file format itself (kiln.checkpoint) knows nothing of the
+model; the model of a checkpoint, PEFT training checkpoints included, is kiln.peft.load.load_model."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from kiln.checkpoint import (
 )
 from kiln.checkpoint.safety import check_sharded_pickles
 from kiln.model.config import ModelConfig
-from kiln.model.transformer import Transformer, fuse_gate_up, fuse_qkv
+from kiln.model.transformer import fuse_gate_up, fuse_qkv
 
 
 def model_config_from_dict(d: dict, where: str) -> ModelConfig:
@@ -62,12 +62,3 @@ def load_weights(path) -> tuple[ModelConfig, dict[str, torch.Tensor], dict]:
         check_sharded_pickles(folder, manifest)
         return cfg, load_sharded_weights(folder), manifest
     return cfg, upgrade_layout(load_single_file_state(folder, manifest), manifest), manifest
-
-
-def load_model(path) -> tuple[torch.nn.Module, dict]:
-    """The model of a Kiln checkpoint (folder, checkpoints root or stage folder), in eval mode, and
-    its manifest."""
-    model_cfg, state, manifest = load_weights(path)
-    model = Transformer(model_cfg)
-    model.load_state_dict(state)
-    return model.eval(), manifest

@@ -43,6 +43,7 @@ _EXPORTS = {
         "load_adapter_state_dict",
         "adapter_modules",
     ),
+    "kiln.peft.load": ("load_model", "load_into", "plain_weights"),
     "kiln.peft.peft_io": (
         "save_peft_adapter",
         "load_peft_adapter",
@@ -50,6 +51,7 @@ _EXPORTS = {
         "load_trainable",
         "peft_state_dict",
         "merged_state_dict",
+        "folded_state_dict",
         "base_state_dict",
     ),
 }

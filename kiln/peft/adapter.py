@@ -54,8 +54,9 @@ def apply_adapters(model: nn.Module, cfg: AdapterConfig) -> nn.Module:
     """Freeze every parameter and add an adapter after the attention and the FFN of every block."""
     if cfg.hidden < 1:
         raise ConfigError("adapter_hidden", f"must be >= 1, got {cfg.hidden}")
-    if adapter_modules(model):
-        raise ValueError("the model already has adapters")
+    existing = adapter_modules(model)
+    if existing:
+        return _continue_adapters(model, existing, cfg)
     layers = getattr(model, "layers", None)
     if layers is None:
         raise TypeError(f"adapters need a Kiln Transformer (with .layers), got {type(model).__name__}")
@@ -67,6 +68,24 @@ def apply_adapters(model: nn.Module, cfg: AdapterConfig) -> nn.Module:
         for sub in (block.attn, block.ffn):
             sub.adapter = BottleneckAdapter(dim, cfg.hidden, dtype=ref.dtype, device=ref.device).train(sub.training)
             sub.register_forward_hook(_adapter_hook)
+    return model
+
+
+def _continue_adapters(model: nn.Module, existing: dict, cfg: AdapterConfig) -> nn.Module:
+    """A model that already has adapters (loaded from the checkpoint a stage starts from) trains
+    those: a stage after an adapter stage continues from its adapters rather than stacking new ones."""
+    widths = {m.down.out_features for m in existing.values()}
+    if widths != {cfg.hidden}:
+        raise ConfigError(
+            "peft.adapter_hidden",
+            f"is {cfg.hidden}, but the model already has adapters of width {sorted(widths)[0]} "
+            f"(from the checkpoint it starts from); set it to that width to continue training them",
+        )
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for m in existing.values():
+        for p in m.parameters():
+            p.requires_grad_(True)
     return model
 
 

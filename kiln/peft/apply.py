@@ -8,6 +8,7 @@ from contextlib import contextmanager
 
 import torch
 
+from kiln.errors import ConfigError
 from kiln.peft.adapter import AdapterConfig, adapter_modules, apply_adapters
 from kiln.peft.config import PeftConfig
 from kiln.peft.lora import LoRAConfig, apply_lora, lora_modules
@@ -35,6 +36,14 @@ def apply_peft(model, cfg: PeftConfig):
         return model
     if cfg.method == "adapter":
         return apply_adapters(model, AdapterConfig(hidden=cfg.adapter_hidden))
+    if adapter_modules(model):
+        # Merging would have to fold a LoRA past an adapter's nonlinearity, and neither output
+        # format (PEFT files, merged weights) can hold both.
+        raise ConfigError(
+            "peft.method",
+            f"is {cfg.method!r}, but the model starts from a checkpoint with bottleneck adapters; "
+            f'continue it with method = "adapter" (or "none"), or start from a checkpoint without adapters',
+        )
     if cfg.method == "qlora":
         quantize_base(model, cfg.nf4_block_size, cfg.double_quant)
     return apply_lora(model, lora_config(cfg))

@@ -34,8 +34,8 @@ import torch.nn as nn
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from kiln.data.readers import read_json
 from kiln.errors import DataError
-from kiln.hf import _read_json
 from kiln.model.transformer import fuse_gate_up, fuse_qkv, split_gate_up, split_qkv
 from kiln.peft.adapter import (
     AdapterConfig,
@@ -55,12 +55,14 @@ QKV, GATE_UP = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")
 _KILN_LAYER = re.compile(r"layers\.(\d+)\.(attn\.wqkv|attn\.wo|ffn\.w13|ffn\.w2)$")
 _HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(?:self_attn|mlp)\.(q|k|v|o|gate|up|down)_proj$")
 _SIMPLE = {"attn.wo": "self_attn.o_proj", "ffn.w2": "mlp.down_proj"}
+# The layers whose base weights peft's save_pretrained copies into the adapter (save_embedding_layers).
+_EMBEDDING_LAYERS = {"lm_head": "output", "model.embed_tokens": "tok_embeddings"}
 
 
 # ---- plain state dicts --------------------------------------------------------------------------
 
 
-def _plain_state(model: nn.Module, merge: bool) -> dict[str, torch.Tensor]:
+def _plain_state(model: nn.Module, merge: bool, keep_adapters: bool = False) -> dict[str, torch.Tensor]:
     state = {k: v.detach() for k, v in model.state_dict().items()}
     loras = lora_modules(model)
     layers = {name: (m.base, m) for name, m in loras.items()}
@@ -83,7 +85,7 @@ def _plain_state(model: nn.Module, merge: bool) -> dict[str, torch.Tensor]:
         state[f"{name}.weight"] = weight.to(dtype)
         if base.bias is not None:
             state[f"{name}.bias"] = base.bias.detach()
-    for name in adapter_modules(model):
+    for name in () if keep_adapters else adapter_modules(model):
         for key in [k for k in state if k.startswith(name + ".")]:
             del state[key]
     return state
@@ -99,6 +101,12 @@ def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
             "save_trainable and export the base with base_state_dict"
         )
     return _plain_state(model, merge=True)
+
+
+def folded_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """merged_state_dict with the bottleneck adapters' weights kept under their own names: LoRA
+    folded into plain weights, NF4 dequantised, what a Transformer with the same adapters loads."""
+    return _plain_state(model, merge=True, keep_adapters=True)
 
 
 def base_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -153,7 +161,7 @@ def load_trainable(model: nn.Module, in_dir) -> PeftConfig:
     """Rebuild the PEFT structure saved by save_trainable on a plain (base-weights) Kiln model and load
     the weights; returns the saved PeftConfig."""
     folder = Path(in_dir)
-    meta = _read_json(folder / KILN_CONFIG)
+    meta = read_json(folder / KILN_CONFIG)
     if meta.get("format") != "kiln-peft":
         raise DataError(f"{folder / KILN_CONFIG}: not a Kiln PEFT file (format {meta.get('format')!r})")
     cfg = PeftConfig(**meta["peft"])
@@ -310,13 +318,42 @@ def _stack(parts: list, names: tuple, sizes: list[int], fuse):
     return A, fuse(Bs), first_s
 
 
+def _embedding_weight(model: nn.Module, hf_module: str) -> tuple[str, torch.Tensor] | None:
+    """(Kiln name, weight) of the base layer behind HF's lm_head or embed_tokens; None for other names."""
+    kiln = _EMBEDDING_LAYERS.get(hf_module)
+    if kiln == "output" and getattr(model, "output", None) is None:
+        kiln = "tok_embeddings"  # tied: the head computes with the embedding matrix
+    if kiln is None:
+        return None
+    module = model.get_submodule(kiln)
+    return f"{kiln}.weight", (module.base if isinstance(module, LoRALinear) else module).weight
+
+
+def _is_saved_base_weight(model: nn.Module, key: str, tensor: torch.Tensor, where: Path) -> bool:
+    """Whether `key` is a copy of a base embedding/lm_head weight, which peft's save_pretrained adds
+    (save_embedding_layers) when lm_head or embed_tokens is targeted. Kiln loads LoRA matrices onto
+    the model's own weights, so the copy is checked to be those weights and otherwise refused."""
+    match = re.fullmatch(r"(.+?)(?:\.base_layer)?\.weight", key.removeprefix(PREFIX))
+    found = _embedding_weight(model, match.group(1)) if match else None
+    if found is None:
+        return False
+    name, own = found
+    if tensor.shape != own.shape or not torch.equal(tensor, own.detach().to(tensor.dtype)):
+        raise DataError(
+            f"{where}: {key} differs from the model's {name}: the adapter was saved with other base "
+            f"weights, and Kiln puts LoRA matrices on the model's own; load it onto the model it was trained on"
+        )
+    return True
+
+
 def load_peft_adapter(model: nn.Module, in_dir, model_cfg=None) -> nn.Module:
     """Put a Hugging Face PEFT LoRA adapter (for a Llama-layout model) onto a Kiln model: every layer
     it changes gets exactly that LoRA (wrapping it, or replacing an existing LoRA), all other weights are
-    frozen. Works on a plain or an NF4-quantised (QLoRA) base. Returns the model."""
+    frozen. Works on a plain or an NF4-quantised (QLoRA) base. Copies of the base lm_head/embedding
+    weights (peft's save_embedding_layers) are accepted when they equal the model's. Returns the model."""
     folder = Path(in_dir)
     cfg = model_cfg if model_cfg is not None else model.cfg
-    config = _read_json(folder / PEFT_CONFIG)
+    config = read_json(folder / PEFT_CONFIG)
     _check_supported(config, folder / PEFT_CONFIG)
     weights_path = folder / PEFT_WEIGHTS
     tensors = _read_tensors(weights_path)
@@ -324,6 +361,8 @@ def load_peft_adapter(model: nn.Module, in_dir, model_cfg=None) -> nn.Module:
     dropout = float(config.get("lora_dropout", 0.0))
     modules: dict[str, dict] = {}
     for key, t in tensors.items():
+        if _is_saved_base_weight(model, key, t, weights_path):
+            continue
         match = re.fullmatch(r"(.+)\.lora_([AB])\.weight", key.removeprefix(PREFIX))
         if match is None:
             raise DataError(f"{weights_path}: tensor {key!r} is not a LoRA matrix Kiln can load")

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from kiln.checkpoint import read_manifest, resolve_checkpoint
 from kiln.data.chat import render_prompt
 from kiln.errors import ConfigError
-from kiln.model.weights import load_model
+from kiln.peft.load import load_model
 from kiln.post.config import DistillConfig
 from kiln.post.data import read_prompts, read_sft
 from kiln.post.evaluate import accuracy_line, complete, strip_stop, task_accuracy

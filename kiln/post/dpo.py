@@ -19,7 +19,7 @@ import random
 import torch
 
 from kiln.data.chat import render_conversation, render_prompt
-from kiln.model.weights import load_model
+from kiln.peft.load import load_model
 from kiln.post.config import DPOConfig
 from kiln.post.data import read_preferences
 from kiln.post.evaluate import complete, strip_stop

@@ -36,8 +36,8 @@ from kiln.checkpoint import save_weights
 from kiln.data.chat import render_prompt
 from kiln.errors import ConfigError
 from kiln.infer.engine import Engine
-from kiln.model.weights import load_model
 from kiln.peft.apply import apply_peft
+from kiln.peft.load import load_model
 from kiln.peft.peft_io import merged_state_dict
 from kiln.post.config import PPOConfig
 from kiln.post.data import read_prompts

@@ -26,8 +26,8 @@ from __future__ import annotations
 from functools import cached_property
 from pathlib import Path
 
-from kiln.model.weights import load_model
 from kiln.peft.apply import apply_peft
+from kiln.peft.load import load_model
 from kiln.post.evaluate import accuracy_line, task_accuracy
 from kiln.post.outputs import save_peft_outputs
 from kiln.post.tasks import heldout_tasks, train_tasks

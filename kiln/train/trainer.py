@@ -24,16 +24,18 @@ from kiln.checkpoint import (
     capture_rng_state,
     complete_checkpoints,
     load_sharded,
+    read_manifest,
     resolve_checkpoint,
     restore_rng_state,
 )
 from kiln.data.loader import TokenLoader
 from kiln.errors import ConfigError
 from kiln.model import ModelConfig, build_model, count_params, flops_per_token
-from kiln.model.weights import load_weights, upgrade_layout
+from kiln.model.weights import model_config_from_dict, upgrade_layout
 from kiln.parallel.config import ParallelConfig
 from kiln.parallel.layout import Layout
 from kiln.parallel.parallelize import apply_activation_checkpointing
+from kiln.peft.load import load_into
 from kiln.progress import progress_enabled
 from kiln.train.config import TrainConfig
 from kiln.train.guard import GRAD_GROUPS, LossGuard, grad_group, group_grad_norms, respond
@@ -300,10 +302,10 @@ class Trainer:
         return str(folder)
 
     def _init_from(self, path) -> None:
-        init_cfg, state, _ = load_weights(path)
         try:
-            self.model.load_state_dict(state)
+            load_into(self.model, path)  # LoRA folded in, adapters attached: any folder a stage leaves
         except RuntimeError as e:
+            init_cfg = model_config_from_dict(read_manifest(resolve_checkpoint(path))["model_config"], str(path))
             first = str(e).strip().splitlines()
             raise ConfigError(
                 "init_from",

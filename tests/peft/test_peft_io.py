@@ -114,12 +114,17 @@ def test_a_peft_trained_adapter_loads_into_kiln_and_saves_back(tmp_path, tiny_mo
     with torch.no_grad():
         expected = pm(tokens).logits
 
-    load_peft_adapter(model, tmp_path / "theirs")
+    loads_with_peft_logits_and_saves_back(model, tmp_path, tokens, expected)
     ranks = {n: m.r for n, m in lora_modules(model).items()}
     assert ranks["layers.0.attn.wqkv"] == 8 and ranks["layers.0.ffn.w13"] == 6 and ranks["layers.0.ffn.w2"] == 4
+
+
+def loads_with_peft_logits_and_saves_back(model, tmp_path, tokens, expected) -> None:
+    """`peft`'s adapter in tmp_path/theirs loads into `model` with peft's logits, and the adapter Kiln
+    saves from it gives peft the same logits on the exported base in tmp_path/hf."""
+    load_peft_adapter(model, tmp_path / "theirs")
     with torch.no_grad():
         torch.testing.assert_close(model(tokens), expected, rtol=1e-4, atol=1e-4)
-
     save_peft_adapter(model, model.cfg, tmp_path / "ours")
     torch.testing.assert_close(hf_logits(tmp_path / "hf", tmp_path / "ours", tokens), expected, rtol=1e-4, atol=1e-4)
 
@@ -144,3 +149,39 @@ def test_unsupported_adapters_are_refused_clearly(tmp_path, tiny_model, fill_pef
     )
     with pytest.raises(ValueError, match="no counterpart"):
         save_peft_adapter(moe, moe.cfg, tmp_path / "moe")
+
+
+def _peft_lm_head_adapter(tmp_path, model, tokens):
+    """A LoRA that `peft` trains on q_proj and lm_head and saves with its defaults, which store a
+    copy of the base lm_head weight too (save_embedding_layers="auto"); and peft's logits."""
+    export_hf(model.cfg, model.state_dict(), None, tmp_path / "hf")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    pm = peft.get_peft_model(hf, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "lm_head"]))
+    with torch.no_grad():
+        for name, p in pm.named_parameters():
+            if "lora_" in name:
+                p.normal_(0, 0.1)
+    with pytest.warns(UserWarning, match="save_embedding_layers"):
+        pm.save_pretrained(tmp_path / "theirs")
+    with torch.no_grad():
+        return pm.eval()(tokens).logits
+
+
+def test_a_peft_lm_head_adapter_with_its_saved_base_weight_loads_and_saves_back(tmp_path, tiny_model, tokens):
+    model = tiny_model()
+    expected = _peft_lm_head_adapter(tmp_path, model, tokens)
+    with safe_open(str(tmp_path / "theirs" / "adapter_model.safetensors"), "pt") as f:
+        assert "base_model.model.lm_head.base_layer.weight" in set(f.keys())  # the copy peft adds
+
+    loads_with_peft_logits_and_saves_back(model, tmp_path, tokens, expected)
+    assert set(lora_modules(model)) == {"output", "layers.0.attn.wqkv", "layers.1.attn.wqkv"}
+
+
+def test_a_saved_base_weight_that_differs_from_the_model_is_refused(tmp_path, tiny_model, tokens):
+    model = tiny_model()
+    _peft_lm_head_adapter(tmp_path, model, tokens)
+    other = tiny_model()
+    with torch.no_grad():
+        other.output.weight.add_(1e-3)  # the adapter was saved on other lm_head weights
+    with pytest.raises(DataError, match=r"adapter_model\.safetensors: base_model\.model\.lm_head\.base_layer\.weight"):
+        load_peft_adapter(other, tmp_path / "theirs")

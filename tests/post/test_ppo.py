@@ -14,7 +14,8 @@ from kiln.data.chat import render_prompt
 from kiln.errors import ConfigError
 from kiln.infer.engine import Engine
 from kiln.model import build_model
-from kiln.model.weights import load_model, load_weights
+from kiln.model.weights import load_weights
+from kiln.peft.load import load_model
 from kiln.post.config import PPOConfig, StageTrainConfig, TaskConfig
 from kiln.post.driver import run_stage
 from kiln.post.losses import token_logprobs
