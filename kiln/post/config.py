@@ -142,8 +142,9 @@ class GRPOConfig:
     clip_eps: float = 0.2
     beta: float = 0.0  # KL to the reference (k3 estimator); 0 = no reference model
     loss_type: str = "grpo"  # grpo | dr_grpo | dapo
-    # RLAIF: "" scores completions with the task verifiers; a path (an rm stage folder or its
-    # reward_model export) lets a learned reward model judge them instead.
+    # "" scores completions with the task verifiers; a path (an rm stage folder or its reward_model
+    # export) scores them with a learned reward model instead: `kiln rm` trained it, on verifier-derived
+    # task pairs by default, or on AI-judged pairs from `kiln judge` (that route is RLAIF, docs/rlaif.md).
     reward_model: str = ""
     # RL prompts: train-split problems of [tasks] generated with this seed instead of tasks.seed, so
     # the policy practises problems SFT did not train on (None: the SFT problems).
