@@ -25,6 +25,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Sequence
 
+from kiln.checkpoint import resolve_checkpoint
 from kiln.config import build, parse_override, read_toml, set_dotted, show_key
 from kiln.data.chat import render_prompt
 from kiln.data.tokenizer import find_tokenizer
@@ -124,11 +125,24 @@ def preference_record(prompt, a: str, b: str, winner: str, forward: Verdict, swa
 def load_checkpoint(path: str, tokenizer_path: str, device: str, key: str):
     """(model, tokenizer) of a Kiln checkpoint for inference; errors name the judge.* key."""
     try:
-        tokenizer = tokenizer_path or find_tokenizer(path)
-        return load_for_inference(path, tokenizer, InferenceOptions(device=device))
+        resolve_checkpoint(path)
+    except DataError as err:  # no such checkpoint, not a checkpoint folder, a pickle, ...
+        raise ConfigError(f"judge.{key}", str(err)) from None
+    if not tokenizer_path:
+        try:
+            tokenizer_path = find_tokenizer(path)
+        except DataError:
+            hint = "; set judge.tokenizer" if key == "checkpoint" else ""
+            raise ConfigError(
+                f"judge.{key}", f"{path}: no tokenizer.json beside it or in its run folder{hint}"
+            ) from None
+    try:
+        return load_for_inference(path, tokenizer_path, InferenceOptions(device=device))
     except ConfigError as err:  # load_for_inference names its command-line flag
-        raise ConfigError(f"judge.{err.key.removeprefix('--')}", err.message) from None
-    except DataError as err:  # no such checkpoint, no tokenizer beside it, ...
+        flag = err.key.removeprefix("--")
+        named = flag if flag == "device" or (flag == "tokenizer" and key == "checkpoint") else key
+        raise ConfigError(f"judge.{named}", err.message) from None
+    except DataError as err:  # an unreadable tokenizer or weights file
         raise ConfigError(f"judge.{key}", str(err)) from None
 
 
