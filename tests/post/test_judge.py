@@ -406,8 +406,8 @@ def test_judged_pairs_train_a_reward_model_that_ranks_held_out_pairs(tok, model_
     from kiln.post.driver import run_stage
     from kiln.recipe import Recipe
 
-    records, report = judge_both_orders(KilnJudge(PrefersMarked(judge_model, tok), tok), RUBRIC, candidates(96))
-    assert report["kept"] == 96
+    records, report = judge_both_orders(KilnJudge(PrefersMarked(judge_model, tok), tok), RUBRIC, candidates(64))
+    assert report["kept"] == 64
     (tmp_path / "judged.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     torch.manual_seed(0)
     cfg = model_cfg(max_seq_len=128)
@@ -419,9 +419,9 @@ def test_judged_pairs_train_a_reward_model_that_ranks_held_out_pairs(tok, model_
         files=[str(tmp_path / "judged.jsonl")],
         heldout_fraction=0.25,
         train=StageTrainConfig(
-            lr=1e-3, max_steps=40, warmup_steps=0, seq_len=128, micro_batch_size=8, eval_every=40, ckpt_every=40
+            lr=1e-3, max_steps=20, warmup_steps=0, seq_len=128, micro_batch_size=8, eval_every=20, ckpt_every=20
         ),
     )
     stats = run_stage("rm", recipe, tmp_path / "rm", tmp_path / "init", tok, resume="none")
-    assert stats["data"]["pairs"] == 72 and stats["data"]["heldout_pairs"] == 24
+    assert stats["data"]["pairs"] == 48 and stats["data"]["heldout_pairs"] == 16
     assert stats["after"]["heldout"]["accuracy"] == 1.0 > stats["before"]["heldout"]["accuracy"]
