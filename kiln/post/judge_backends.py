@@ -6,8 +6,9 @@ and returns one Verdict per conversation.
 - `OpenAIJudge`: any model behind an OpenAI-compatible chat completions API (`kiln serve`, vLLM, a
   hosted model), through the official `openai` client, an optional dependency imported when used.
   It asks for one token at temperature 0 with log-probabilities: when the reply's top alternatives
-  hold both letters, their log-probabilities decide as for KilnJudge; otherwise the reply's text must
-  be the letter A or B (either case, surrounding spaces ignored). Anything else is an invalid verdict,
+  hold both letters, their log-probabilities decide as for KilnJudge; when they hold one, it wins
+  (the other is less likely than every listed token); otherwise the reply's text must be the letter
+  A or B (either case, surrounding spaces ignored). Anything else is an invalid verdict,
   counted by reason, never an exception; so is a request the server refuses (HTTP 4xx other than
   auth and unknown model, or a 5xx after the client's retries). A server that cannot be reached, a
   refused key and an unknown model stop the run with a ConfigError naming the key to fix.
@@ -26,7 +27,7 @@ from kiln.data.chat import render_prompt
 from kiln.errors import ConfigError
 
 LETTERS = ("A", "B")
-TOP_LOGPROBS = 5  # alternatives asked for the one reply token; both letters are usually among them
+TOP_LOGPROBS = 20  # alternatives asked for the one reply token: the most the OpenAI API allows
 
 
 @dataclass(frozen=True)
@@ -160,6 +161,8 @@ def parse_reply(reply, tie_margin: float) -> Verdict:
     scores = letter_logprobs(choice.logprobs)
     if len(scores) == len(LETTERS):
         return verdict_from_margin(scores["A"] - scores["B"], tie_margin)
+    if scores:  # one letter is among the most likely tokens and the other is not: it is the likelier
+        return Verdict(next(iter(scores)))
     text = (choice.message.content or "").strip().upper()
     if text in LETTERS:
         return Verdict(text)

@@ -278,6 +278,11 @@ def test_letters_in_the_top_logprobs_decide_over_the_text():
     verdict = parse_reply(reply, tie_margin=0.0)
     assert verdict.choice == "B" and verdict.margin == pytest.approx(-1.5)
     assert parse_reply(reply, tie_margin=2.0).choice == "tie"
+    # Only "A" among the top alternatives: it is likelier than "B", which did not make the list.
+    reply.choices[0].logprobs.content[0].top_logprobs.pop(1)
+    assert parse_reply(reply, tie_margin=0.0) == Verdict("A")
+    reply.choices[0].logprobs.content[0].top_logprobs.pop(1)
+    assert parse_reply(reply, tie_margin=0.0) == Verdict("invalid", reason="unparseable")  # the text is "The"
 
 
 # ---- the verb, the config, candidates -----------------------------------------------------------
