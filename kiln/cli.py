@@ -33,6 +33,10 @@ VERBS: dict[str, Verb] = {
     "pack": Verb("kiln.pipeline", "tokenize the corpus into memory-mapped token shards"),
     "pretrain": Verb("kiln.pipeline", "pretrain the model on the packed shards"),
     "sft": Verb("kiln.pipeline", "supervised fine-tuning on conversations and the verifiable tasks"),
+    "judge": Verb(
+        "kiln.post.judge",
+        "RLAIF: an AI judge ranks two completions per prompt against a rubric; writes preference pairs",
+    ),
     "rm": Verb("kiln.pipeline", "reward model: the transformer with a scalar head, Bradley-Terry on pairs"),
     "dpo": Verb("kiln.pipeline", "direct preference optimisation (sigmoid, IPO or conservative DPO)"),
     "ppo": Verb("kiln.pipeline", "PPO: actor, critic, frozen reference, verifier or reward-model reward"),

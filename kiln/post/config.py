@@ -1,4 +1,5 @@
-"""Config tables of the post-training stages: `[tasks]`, `[sft]`, `[dpo]`, `[grpo]`, `[rm]`, `[ppo]`, `[distill]`.
+"""Config tables of the post-training stages: `[tasks]`, `[sft]`, `[dpo]`, `[grpo]`, `[rm]`, `[ppo]`, `[distill]`,
+and `[judge]` of `kiln judge`.
 
 Each stage trains with the spine's loop, so its table only holds what differs from `[train]`:
 fine-tuning learning rates, step counts and batch shapes (`train_config` merges them), plus the
@@ -142,8 +143,9 @@ class GRPOConfig:
     clip_eps: float = 0.2
     beta: float = 0.0  # KL to the reference (k3 estimator); 0 = no reference model
     loss_type: str = "grpo"  # grpo | dr_grpo | dapo
-    # RLAIF: "" scores completions with the task verifiers; a path (an rm stage folder or its
-    # reward_model export) lets a learned reward model judge them instead.
+    # "" scores completions with the task verifiers; a path (an rm stage folder or its reward_model
+    # export) scores them with a learned reward model instead: `kiln rm` trained it, on verifier-derived
+    # task pairs by default, or on AI-judged pairs from `kiln judge` (that route is RLAIF, docs/rlaif.md).
     reward_model: str = ""
     # RL prompts: train-split problems of [tasks] generated with this seed instead of tasks.seed, so
     # the policy practises problems SFT did not train on (None: the SFT problems).
@@ -305,3 +307,76 @@ class DistillConfig:
             self.train.validate()
         except ConfigError as err:
             raise err.within("train") from None
+
+
+JUDGE_BACKENDS = ("kiln", "openai")
+
+
+@dataclass
+class JudgeConfig:
+    """`kiln judge`: an AI judge ranks two completions per prompt against a written rubric, in both
+    orders, and writes the pairs it is consistent about as preference pairs (docs/rlaif.md)."""
+
+    rubric: str = ""  # the constitution: principles the judge applies, inline
+    rubric_file: str = ""  # ... or a UTF-8 text file holding them (exactly one of the two)
+    backend: str = "kiln"  # kiln: a Kiln checkpoint, by log p("A") vs log p("B") | openai: an OpenAI-compatible API
+    checkpoint: str = ""  # kiln: the judge checkpoint (folder, checkpoints root or stage folder)
+    tokenizer: str = ""  # kiln: the judge's tokenizer.json ("": found beside the checkpoint)
+    device: str = "auto"  # the kiln judge's and the policy's: cpu, cuda, cuda:1, ... (auto: cuda when available)
+    batch_size: int = 8  # kiln: judging prompts per forward pass
+    base_url: str = ""  # openai: the API root, e.g. http://localhost:8000/v1 ("": $OPENAI_BASE_URL)
+    model: str = ""  # openai: the served model's name
+    api_key_env: str = "OPENAI_API_KEY"  # openai: the environment variable that holds the API key
+    tie_margin: float = 0.0  # a verdict with |log p(A) - log p(B)| <= tie_margin is a tie
+    candidates: list[str] = field(default_factory=list)  # JSONL {"prompt", "completion_a", "completion_b"}
+    policy: str = ""  # ... or sample two completions per prompt from this checkpoint
+    prompts: list[str] = field(default_factory=list)  # policy: JSONL {"prompt"} files
+    max_new_tokens: int = 64  # policy: the samples' length limit
+    temperature: float = 1.0  # policy: sampling temperature (> 0, or both samples are the same)
+    seed: int = 0  # policy: sample i of the run draws with seed + i
+    out: str = "judged.jsonl"  # the kept pairs, {"prompt", "chosen", "rejected"} as `kiln rm`/`kiln dpo` read
+
+    def validate(self) -> None:
+        if bool(self.rubric.strip()) == bool(self.rubric_file):
+            raise ConfigError("rubric", "give the principles inline (rubric) or in a file (rubric_file), not both")
+        if self.backend not in JUDGE_BACKENDS:
+            raise ConfigError("backend", f"must be one of {', '.join(JUDGE_BACKENDS)}, got {self.backend!r}")
+        backend_keys = {
+            "kiln": ("checkpoint", "tokenizer", "batch_size"),
+            "openai": ("base_url", "model", "api_key_env"),
+        }
+        for backend, keys in backend_keys.items():
+            if backend != self.backend:
+                self._refuse_set(keys, f"only applies with backend = {backend!r}")
+        if self.backend == "openai" and not self.policy:
+            self._refuse_set(("device",), "places a Kiln checkpoint: the kiln backend's judge or the policy")
+        if self.backend == "kiln" and not self.checkpoint:
+            raise ConfigError("checkpoint", "the kiln backend needs the judge checkpoint")
+        if self.backend == "openai" and not self.model:
+            raise ConfigError("model", "the openai backend needs the served model's name")
+        if self.batch_size <= 0:
+            raise ConfigError("batch_size", f"must be positive, got {self.batch_size}")
+        if self.tie_margin < 0:
+            raise ConfigError("tie_margin", f"must be >= 0, got {self.tie_margin}")
+        if bool(self.candidates) == bool(self.policy):
+            raise ConfigError("candidates", "give candidate files or a policy checkpoint to sample them, not both")
+        if self.policy:
+            if not self.prompts:
+                raise ConfigError("prompts", "a policy needs JSONL prompt files to answer")
+            if self.max_new_tokens <= 0:
+                raise ConfigError("max_new_tokens", f"must be positive, got {self.max_new_tokens}")
+            if self.temperature <= 0:
+                raise ConfigError(
+                    "temperature", f"must be positive (greedy samples are identical), got {self.temperature}"
+                )
+        else:
+            self._refuse_set(("prompts", "max_new_tokens", "temperature", "seed"), "only applies with a policy")
+        if not self.out:
+            raise ConfigError("out", "must name the output JSONL file")
+
+    def _refuse_set(self, keys: tuple[str, ...], why: str) -> None:
+        """A key that does nothing in this configuration is refused rather than ignored."""
+        default = JudgeConfig()
+        for key in keys:
+            if getattr(self, key) != getattr(default, key):
+                raise ConfigError(key, why)

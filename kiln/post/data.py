@@ -12,7 +12,8 @@ Record formats (an optional `"system": str` is prepended as the system message i
 - preferences: `{"prompt": str | messages, "chosen": str | messages, "rejected": str | messages}`, where
   chosen/rejected given as messages end with the assistant's reply; without "prompt", the messages
   before that reply are the prompt and must be the same in chosen and rejected;
-- prompts: `{"prompt": str | messages}` with optional `"answer"` and `"task"` (the keys `grade` uses).
+- prompts: `{"prompt": str | messages}` with optional `"answer"` and `"task"` (the keys `grade` uses);
+- judge candidates (`kiln judge`): `{"prompt": str | messages, "completion_a": str, "completion_b": str}`.
 
 `pack_sft` packs tokenised conversations into fixed-length rows by best-fit-decreasing, with
 position ids restarting at each conversation and a document id per conversation so attention can
@@ -191,6 +192,26 @@ def parse_prompt(record: dict) -> Parsed:
     return {**extra, "messages": messages, "prompt": messages[-1]["content"], "answer": answer, "task": task}, None
 
 
+def parse_candidates(record: dict) -> Parsed:
+    """(prompt messages, completion_a, completion_b) for the judge to rank."""
+    prompt, problem = _prompt_messages(record)
+    if problem:
+        return None, problem
+    completions = []
+    for name in ("completion_a", "completion_b"):
+        value = record.get(name)
+        if value is None:
+            return None, (f"missing_{name}", f"no {name} field")
+        if not isinstance(value, str):
+            return None, (f"bad_{name}", f"{name} must be a string, got {type(value).__name__}")
+        if has_lone_surrogate(value):
+            return None, ("bad_utf8", f"{name} is not valid Unicode (lone surrogate)")
+        completions.append(value)
+    if completions[0] == completions[1]:
+        return None, ("identical_pair", "completion_a and completion_b are the same text: nothing to judge")
+    return (prompt, *completions), None
+
+
 # ---- reading ---------------------------------------------------------------------------------------
 
 
@@ -315,6 +336,11 @@ def read_sft(paths, rejected_path=None) -> tuple[list[list[dict]], dict]:
 def read_preferences(paths, rejected_path=None) -> tuple[list[tuple[list[dict], str, str]], dict]:
     """(prompt messages, chosen reply, rejected reply) triples."""
     return _read(paths, parse_preference, "preference", rejected_path)
+
+
+def read_candidates(paths, rejected_path=None) -> tuple[list[tuple[list[dict], str, str]], dict]:
+    """(prompt messages, completion_a, completion_b) triples for `kiln judge`."""
+    return _read(paths, parse_candidates, "judge candidate", rejected_path)
 
 
 def read_prompts(paths, rejected_path=None) -> tuple[list[dict], dict]:

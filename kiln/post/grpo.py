@@ -3,7 +3,7 @@
 Each step samples `prompts_per_step` [tasks] prompts, `group_size` completions each, from the live
 policy (the stage's OnlineSource is bound to the Trainer) with the KV-cache engine, seeded by the
 step so a resumed run samples the same rollouts. Rewards come from the task graders, or, with
-`reward_model` set (RLAIF), from a reward model trained by `kiln rm`; advantages are rewards
+`reward_model` set, from a learned reward model trained by `kiln rm`; advantages are rewards
 normalised within each group. One optimisation pass per rollout batch, so the old policy is the
 current one (ratio 1); token log-probs use the sampling temperature, as the rollouts did.
 Validation: the SFT loss of held-out reference answers. Measured: held-out task accuracy before

@@ -108,7 +108,7 @@ def test_miniature_run_of_every_post_stage_with_lora(tmp_path, capsys):
         "rm.train.ckpt_every=3",
         'run.stages=["corpus","tokenizer","pack","pretrain","sft","rm","dpo","grpo"]',
         'peft.method="lora"',
-        # RLAIF: GRPO's rewards come from the reward model the rm stage trained.
+        # GRPO's rewards come from the learned reward model the rm stage trained (on verifier-derived task pairs).
         f'grpo.reward_model="{tmp_path}/mini/rm"',
     ]
     assert main(["run", "recipes/tiny.toml", *run]) == 0
