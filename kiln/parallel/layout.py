@@ -105,7 +105,9 @@ class Layout:
         return self.dims.pp > 1
 
     def pipeline_step(self, batch: tuple, train: bool) -> torch.Tensor:
-        """One batch through the pipeline; its mean loss on the last stage's rank, 0 elsewhere."""
+        """One batch through the pipeline: this rank's share of its mean loss (the cross-entropy on
+        the last stage's rank, plus in training the MoE aux losses of the rank's stages), 0 where
+        there is none; `reduce_loss_stats` sums the shares over the pp group."""
         inputs, targets = batch[:2]
         run = pipeline_train_step if train else pipeline_eval_step
         loss = run(

@@ -12,7 +12,10 @@ Loss and gradients equal the single-process ones of the mean loss over the whole
 stage takes the mean cross-entropy of each microbatch, the schedule sums the microbatch gradients
 and divides them by the microbatch count (`scale_grads=True`), and the microbatches have equal
 size, so the mean of microbatch means is the batch mean. MoE auxiliary losses, which arise in
-every stage but reach no loss function, enter backward through `_AuxLossGradient`.
+every stage but reach no loss function, enter backward through `_AuxLossGradient`, and each stage
+keeps their values so that the logged training loss holds the same terms as without a pipeline:
+a rank's training step returns its share (cross-entropy on the last stage, plus the mean auxiliary
+loss of its own stages), and the sum of the shares over the pp ranks is the batch's loss.
 """
 
 from __future__ import annotations
@@ -102,6 +105,8 @@ class PipelineStageModule(nn.Module):
         if self.is_last:
             self.norm = model.norm
             self.output = model.output
+        # The MoE auxiliary loss of each forward run with grad (detached), read by the training step.
+        self.aux_losses: list[torch.Tensor] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         seq = x.shape[1]
@@ -127,6 +132,7 @@ class PipelineStageModule(nn.Module):
         aux = moe_aux_loss(self.layers)
         if aux is not None and torch.is_grad_enabled():
             h = _AuxLossGradient.apply(h, aux)
+            self.aux_losses.append(aux.detach())
         if not self.is_last:
             return h
         h = self.norm(h)
@@ -309,6 +315,28 @@ def _check_batch(schedule, tensor: torch.Tensor) -> None:
         )
 
 
+def _stage_modules(schedule) -> list[PipelineStageModule]:
+    """This rank's stage modules, from a single-stage or a multi-stage (interleaved) schedule."""
+    stages = schedule._stages if hasattr(schedule, "_stages") else [schedule._stage]
+    return [stage.submod for stage in stages]
+
+
+def _mean_aux_loss(stages: list[PipelineStageModule], microbatches: int) -> torch.Tensor | None:
+    """Sum over this rank's stages of the mean MoE auxiliary loss of the step's microbatches.
+
+    The step's own forwards are each stage's last `microbatches` records: on the first step the
+    schedule first runs one more forward, on placeholder tensors, to infer the shapes it sends.
+    """
+    total = None
+    for stage in stages:
+        records = stage.aux_losses[-microbatches:]
+        stage.aux_losses = []
+        if records:
+            mean = torch.stack(records).sum() / microbatches
+            total = mean if total is None else total + mean
+    return total
+
+
 def _run(schedule, inputs, targets, is_first: bool, is_last: bool, train: bool):
     args = ()
     if is_first:
@@ -320,23 +348,32 @@ def _run(schedule, inputs, targets, is_first: bool, is_last: bool, train: bool):
         _check_batch(schedule, targets)
         losses = []
         kwargs = {"target": targets, "losses": losses}
+    stages = _stage_modules(schedule)
+    for stage in stages:
+        stage.aux_losses = []
     if train:
         # return_outputs=False: the last stage would otherwise keep and concatenate every
         # microbatch's logits, the largest activation in the model, only to return them.
         schedule.step(*args, return_outputs=False, **kwargs)
     else:
         schedule.eval(*args, **kwargs)
-    if not is_last:
-        return None
-    return torch.stack([loss.detach() for loss in losses]).mean()
+    # Validation reports the cross-entropy alone, as next_token_loss does without a pipeline.
+    aux = _mean_aux_loss(stages, schedule._n_microbatches) if train else None
+    loss = torch.stack([loss.detach() for loss in losses]).mean() if is_last else None
+    if aux is None or loss is None:
+        return loss if aux is None else aux
+    return loss + aux
 
 
 def pipeline_train_step(
     schedule, inputs: torch.Tensor | None, targets: torch.Tensor | None, is_first: bool, is_last: bool
 ) -> torch.Tensor | None:
     """One forward and backward of a whole batch through the pipeline; gradients accumulate into
-    this rank's stage parameters. Returns the batch's mean loss on the rank holding the last stage,
-    None elsewhere. The first stage's rank passes `inputs`, the last stage's rank `targets`."""
+    this rank's stage parameters. Returns this rank's share of the batch's mean training loss: the
+    cross-entropy on the rank holding the last stage, plus the MoE auxiliary losses of the rank's
+    own stages (mean over microbatches); None on a rank with neither. Summed over the pp ranks the
+    shares are the loss one process logs for the same microbatches (cross-entropy + aux losses).
+    The first stage's rank passes `inputs`, the last stage's rank `targets`."""
     return _run(schedule, inputs, targets, is_first, is_last, train=True)
 
 

@@ -59,3 +59,29 @@ def tiny_train_config(**overrides):
         peak_flops=1e12,
     )
     return TrainConfig(**{**base, **overrides})
+
+
+def token_batch(n: int = 4, seq: int = 16, vocab: int = 64, seed: int = 1):
+    """(inputs, targets) of n random sequences of seq tokens, the same for the same arguments."""
+    import torch
+
+    tokens = torch.randint(0, vocab, (n, seq + 1), generator=torch.Generator().manual_seed(seed))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def train_step_capturing_grads(trainer, micro_batches: list) -> tuple[dict, dict]:
+    """(stats, gradients) of one trainer.train_step: the gradients as the optimizer sees them, after
+    accumulation, loss scaling and clipping."""
+    grads = {}
+    optimizer_step = trainer.optimizer.step
+
+    def capture_then_step(*args, **kwargs):
+        grads.update({n: p.grad.clone() for n, p in trainer.model.named_parameters()})
+        return optimizer_step(*args, **kwargs)
+
+    trainer.optimizer.step = capture_then_step
+    try:
+        stats = trainer.train_step(micro_batches)
+    finally:
+        trainer.optimizer.step = optimizer_step
+    return stats, grads

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from kiln_testing.train import tiny_train_config
+from kiln_testing.train import tiny_train_config, train_step_capturing_grads
 
 from kiln.checkpoint import complete_checkpoints
 from kiln.errors import ConfigError
@@ -94,16 +94,10 @@ def test_loggers_reach_the_metrics_logger(pack, tmp_path):
 def _one_step(pack, out, cfg, batch, micro, loss_fn=None):
     """Gradients (as the optimizer sees them) and weights after one train_step on `batch`."""
     trainer = Trainer(MODEL, cfg, pack, out, resume="none", loss_fn=loss_fn)
-    grads = {}
-    optimizer_step = trainer.optimizer.step
-
-    def capture_then_step(*args, **kwargs):
-        grads.update({n: p.grad.clone() for n, p in trainer.model.named_parameters()})
-        return optimizer_step(*args, **kwargs)
-
-    trainer.optimizer.step = capture_then_step
     x, y = batch
-    trainer.train_step([(x[i : i + micro], y[i : i + micro]) for i in range(0, len(x), micro)])
+    _, grads = train_step_capturing_grads(
+        trainer, [(x[i : i + micro], y[i : i + micro]) for i in range(0, len(x), micro)]
+    )
     return grads, trainer.model.state_dict()
 
 
