@@ -13,9 +13,9 @@ is 1), and from the second step on the ratio and `clip_eps` act; with `epochs = 
 is the current one and no extra forward is run. Checkpoints fall between rollout batches
 (checked), so a resumed run re-samples from the policy that sampled. Token log-probs use the
 sampling temperature, as the rollouts did. Each rollout batch's mean reward, clip fraction and KL
-are logged (`kind = "grpo"`) and averaged over the run in stats.json. Validation: the SFT loss of held-out
-reference answers. Measured: held-out task accuracy before and after. [peft] and its outputs as in
-SFT; the driver (kiln.post.driver) runs these parts on the shared Trainer.
+are logged (`kind = "grpo"`) and averaged over the run in stats.json. Validation: the SFT loss of
+held-out reference answers. Measured: held-out task accuracy before and after. [peft] and its
+outputs as in SFT; the driver (kiln.post.driver) runs these parts on the shared Trainer.
 """
 
 from __future__ import annotations
