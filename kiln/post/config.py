@@ -140,8 +140,11 @@ class GRPOConfig:
     prompts_per_step: int = 8
     max_new_tokens: int = 16
     temperature: float = 1.0
-    clip_eps: float = 0.2
-    beta: float = 0.0  # KL to the reference (k3 estimator); 0 = no reference model
+    # Optimizer steps on each rollout batch; the ratio to the sampling policy, and so clip_eps, only
+    # acts from the second one on.
+    epochs: int = 1
+    clip_eps: float = 0.2  # PPO-style ratio clip; needs epochs > 1 to act
+    beta: float = 0.0  # KL to the frozen starting policy (k3, in the loss); 0: no reference model loaded
     loss_type: str = "grpo"  # grpo | dr_grpo | dapo
     # "" scores completions with the task verifiers; a path (an rm stage folder or its reward_model
     # export) scores them with a learned reward model instead: `kiln rm` trained it, on verifier-derived
@@ -162,14 +165,32 @@ class GRPOConfig:
             raise ConfigError("group_size", "needs at least 2 completions per prompt to normalise rewards")
         if self.temperature <= 0:
             raise ConfigError("temperature", f"must be positive, got {self.temperature}")
-        if self.beta < 0 or self.clip_eps <= 0:
-            raise ConfigError("beta" if self.beta < 0 else "clip_eps", "out of range")
+        if self.beta < 0:
+            raise ConfigError("beta", f"must be >= 0 (0: no KL term and no reference model), got {self.beta}")
+        if not 0 < self.clip_eps < 1:
+            raise ConfigError("clip_eps", f"must be in (0, 1), got {self.clip_eps}")
+        if self.epochs < 1:
+            raise ConfigError("epochs", f"must be >= 1 (optimizer steps per rollout batch), got {self.epochs}")
+        if self.epochs == 1 and self.clip_eps != GRPOConfig.clip_eps:
+            raise ConfigError(
+                "clip_eps",
+                "has no effect with epochs = 1: the one step on a rollout batch is taken by the policy "
+                "that sampled it (ratio 1); set grpo.epochs > 1 to reuse each batch",
+            )
         if self.loss_type not in ("grpo", "dr_grpo", "dapo"):
             raise ConfigError("loss_type", f"must be grpo, dr_grpo or dapo, got {self.loss_type!r}")
         try:
             self.train.validate()
         except ConfigError as err:
             raise err.within("train") from None
+        # A resumed run re-samples the current rollout batch from the checkpointed policy, which is
+        # the policy that sampled it only at the batch's first step: checkpoints (periodic, and at
+        # evaluations that improve) must fall between rollout batches.
+        for key in ("ckpt_every", "eval_every"):
+            if getattr(self.train, key) % self.epochs:
+                raise ConfigError(
+                    f"train.{key}", f"must be a multiple of epochs = {self.epochs}, got {getattr(self.train, key)}"
+                )
 
 
 @dataclass

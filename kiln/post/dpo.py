@@ -19,7 +19,6 @@ import random
 import torch
 
 from kiln.data.chat import render_conversation, render_prompt
-from kiln.peft.load import load_model
 from kiln.post.config import DPOConfig
 from kiln.post.data import read_preferences
 from kiln.post.evaluate import complete, strip_stop
@@ -178,7 +177,7 @@ class DPO(Stage):
 
     def sources(self) -> tuple[ExampleSource, ExampleSource]:
         cfg, precision, seed = self.cfg, self.recipe.train.precision, self.recipe.tasks.seed
-        reference, _ = load_model(self.init)  # the starting policy, frozen for its log-probs
+        reference = self.reference_model()  # the starting policy, frozen for its log-probs
         self.pair_stats = {}
         if cfg.files:
             pairs, _ = read_preferences(cfg.files)

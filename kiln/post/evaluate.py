@@ -1,7 +1,8 @@
 """Greedy completions and held-out task accuracy, the headline number of every post-training stage.
 
-`complete` runs the KV-cache engine (also for RL rollouts and teacher answers); `task_accuracy`
-grades greedy completions of held-out task problems exactly, overall and per task family.
+`complete` runs the KV-cache engine (also for RL rollouts and teacher answers); `rollout_logprobs`
+scores the sampled tokens as the RL losses will; `task_accuracy` grades greedy completions of
+held-out task problems exactly, overall and per task family.
 """
 
 from __future__ import annotations
@@ -10,7 +11,9 @@ import torch
 
 from kiln.data.chat import render_prompt
 from kiln.infer.engine import Engine
+from kiln.post.losses import token_logprobs
 from kiln.post.tasks import grade
+from kiln.train.precision import autocast
 
 
 @torch.no_grad()
@@ -24,6 +27,23 @@ def complete(
         prompts, max_new_tokens=max_new_tokens, temperature=temperature, stop_token_ids=stop, seed=seed
     )
     return [list(o.ids) for o in outs]
+
+
+@torch.no_grad()
+def rollout_logprobs(
+    model, inputs: torch.Tensor, targets: torch.Tensor, temperature: float, precision: str
+) -> torch.Tensor:
+    """Token log-probs [B, T] (CPU, float32) of `targets` under `model` in eval mode, in one forward
+    under the training precision and at the sampling temperature: what the loss computes for the
+    same weights, so a policy's old log-probs give ratio 1 and a reference's give KL 0 at the start."""
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    try:
+        with autocast(precision, device):
+            return token_logprobs(model(inputs.to(device)), targets.to(device), temperature).float().cpu()
+    finally:
+        model.train(was_training)
 
 
 def strip_stop(tokenizer, ids: list[int]) -> list[int]:

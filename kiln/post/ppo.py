@@ -41,7 +41,7 @@ from kiln.peft.load import load_model
 from kiln.peft.peft_io import merged_state_dict
 from kiln.post.config import PPOConfig
 from kiln.post.data import read_prompts
-from kiln.post.evaluate import strip_stop
+from kiln.post.evaluate import rollout_logprobs, strip_stop
 from kiln.post.losses import (
     gae,
     kl_estimate,
@@ -125,20 +125,16 @@ def _layout(prompts, completions, outs, pad: int, seq_len: int):
 def _recompute(actor, reference, critic, inputs, targets, temperature: float, precision: str):
     """Actor and reference log-probs and critic values, each in one forward under the training
     precision, as the loss will compute them."""
-    device = next(actor.parameters()).device
-    x, y = inputs.to(device), targets.to(device)
-    models = (actor, reference, critic)
-    modes = [m.training for m in models]
-    for m in models:
-        m.eval()
+    logp = rollout_logprobs(actor, inputs, targets, temperature, precision)
+    ref_logp = rollout_logprobs(reference, inputs, targets, temperature, precision)
+    device = next(critic.parameters()).device
+    was_training = critic.training
+    critic.eval()
     try:
         with autocast(precision, device):
-            logp = token_logprobs(actor(x), y, temperature).cpu()
-            ref_logp = token_logprobs(reference(x), y, temperature).cpu()
-            values = critic(x)[..., 0].float().cpu()
+            values = critic(inputs.to(device))[..., 0].float().cpu()
     finally:
-        for m, was in zip(models, modes):
-            m.train(was)
+        critic.train(was_training)
     return logp, ref_logp, values
 
 
@@ -358,8 +354,7 @@ class PPO(Stage):
                 f"the longest prompt ({longest} tokens) + max_new_tokens ({cfg.max_new_tokens}) must fit in seq_len + 1",
             )
         reward_fn = self.reward_fn or self._configured_reward()
-        self.reference, _ = load_model(self.init)
-        self.reference.requires_grad_(False)
+        self.reference = self.reference_model()
         self.cycles = Cycles(self.recipe, cfg, tokenizer, examples, prompts, reward_fn, self.reference)
         # 64 held-out problems spread over the families, which come in blocks.
         sampled = self.heldout[:: max(1, len(self.heldout) // 64)][:64]

@@ -6,7 +6,7 @@ constructed with (recipe, out, init, tokenizer). The driver then:
 
 1. validates `recipe.<name>` (its `validate()`, errors named `<name>.<key>`) and calls `check()`;
 2. `sources()` -> the (train, val) batch sources (`kiln.post.sources`); any frozen model the data
-   needs (DPO's reference, distill's teacher) is loaded here;
+   needs (the reference of DPO, PPO and GRPO: `reference_model()`; distill's teacher) is loaded here;
 3. `before()` -> the held-out metric of the starting weights, measured before the Trainer exists;
 4. builds the shared Trainer from the init checkpoint with `loss_fn()`, `eval_loss_fn()` (None: the
    loss), `prepare_model` (runs after the init weights load, before a resumed checkpoint's) and
@@ -77,6 +77,12 @@ class Stage:
     def evaluate(self, model) -> dict:
         """The stage's held-out metric of `model`."""
         return task_accuracy(model, self.tokenizer, self.heldout)
+
+    def reference_model(self):
+        """The stage's starting weights as a frozen model (eval mode, no gradients): the reference
+        of DPO, PPO and GRPO's KL term."""
+        model, _ = load_model(self.init)
+        return model.eval().requires_grad_(False)
 
     def before(self) -> dict | None:
         model, _ = load_model(self.init)

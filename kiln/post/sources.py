@@ -3,7 +3,8 @@ endless iteration, `state_dict`/`load_state_dict` (exact resume), `iter_batches(
 
 `ExampleSource` serves fixed, pre-tokenised examples (SFT rows, preference pairs) shuffled per epoch;
 `OnlineSource` asks a function for each batch (RL rollouts sampled from the current policy), seeded
-by the batch index so a resumed run samples the same rollouts. The Trainer binds it to itself
+by the batch index so a resumed run samples the same rollouts; with `steps_per_batch` > 1 it serves
+each optimizer step's batches to that many consecutive steps. The Trainer binds it to itself
 (`bind(trainer)`) once built, so the function samples from the live model.
 """
 
@@ -75,7 +76,14 @@ class ExampleSource:
 
 class OnlineSource:
     """Each batch comes from make_batch(trainer, index, seed): the trainer the source is bound to,
-    the batch's index (the batch counter is the whole state) and a seed derived from it."""
+    the batch's index and a seed derived from it. The batch counter is the whole state.
+
+    With `steps_per_batch` = k > 1, the micro-batches of k consecutive optimizer steps are the same:
+    the first step of each group of k asks make_batch for them (all before that step's update, so
+    from one policy) and the next k - 1 steps get them again. make_batch's index counts the batches
+    it was asked for, so k = 1 reads exactly as without grouping; a run resumed at a group boundary
+    asks for the same indices, and one resumed inside a group is refused (the policy that sampled
+    the group is gone)."""
 
     def __init__(
         self,
@@ -83,12 +91,17 @@ class OnlineSource:
         seed: int = 0,
         val_batches: list | None = None,
         vocab_size: int = 0,
+        steps_per_batch: int = 1,
     ):
+        if steps_per_batch < 1:
+            raise ValueError(f"steps_per_batch must be >= 1, got {steps_per_batch}")
         self.make_batch, self.seed, self.vocab_size = make_batch, seed, vocab_size
+        self.steps_per_batch = steps_per_batch
         self.val = val_batches or []
         self.bytes_per_token = None
         self.batches = 0
         self.trainer = None
+        self.reused: dict[int, tuple[torch.Tensor, ...]] = {}  # the current group's batches by micro-batch
 
     def bind(self, trainer) -> None:
         self.trainer = trainer
@@ -97,9 +110,27 @@ class OnlineSource:
         if self.trainer is None:
             raise RuntimeError("an OnlineSource samples from its trainer's model: bind(trainer) first")
         while True:
-            batch = self.make_batch(self.trainer, self.batches, self.seed * 1_000_003 + self.batches)
+            batch = self._batch(self.batches)
             self.batches += 1
             yield batch
+
+    def _batch(self, position: int) -> tuple[torch.Tensor, ...]:
+        if self.steps_per_batch == 1:
+            return self.make_batch(self.trainer, position, self.seed * 1_000_003 + position)
+        per_step = self.trainer.accum_steps  # micro-batches of one optimizer step
+        step, micro = divmod(position, per_step)
+        group, repeat = divmod(step, self.steps_per_batch)
+        if repeat == 0:
+            if micro == 0:
+                self.reused = {}
+            index = group * per_step + micro
+            self.reused[micro] = self.make_batch(self.trainer, index, self.seed * 1_000_003 + index)
+        elif micro not in self.reused:
+            raise RuntimeError(
+                f"step {step} reuses the batches sampled at step {group * self.steps_per_batch}, which this "
+                f"run did not sample: resume at a multiple of {self.steps_per_batch} steps"
+            )
+        return self.reused[micro]
 
     def iter_batches(self, n: int):
         yield from self.val[:n]
@@ -109,3 +140,4 @@ class OnlineSource:
 
     def load_state_dict(self, state: dict) -> None:
         self.batches = int(state["batches"])
+        self.reused = {}

@@ -53,3 +53,35 @@ def test_online_source_makes_each_batch_from_its_trainer_index_and_seed():
     again.load_state_dict(source.state_dict())
     again.bind("another trainer")
     assert next(iter(again))[0].item() == 3  # the batch counter is the whole state
+
+
+class _Trainer:
+    accum_steps = 2  # micro-batches per optimizer step
+
+
+def test_online_source_serves_each_steps_batches_to_steps_per_batch_steps():
+    calls = []
+
+    def make(trainer, index, seed):
+        calls.append((index, seed))
+        return (torch.tensor([index]),)
+
+    source = OnlineSource(make, seed=2, steps_per_batch=3)
+    source.bind(_Trainer())
+    it = iter(source)
+    served = [next(it)[0].item() for _ in range(2 * 2 * 3)]  # two groups of three steps of two micro-batches
+    assert served == [0, 1] * 3 + [2, 3] * 3
+    # make_batch is asked once per distinct batch, with the index and seed of steps_per_batch = 1.
+    assert calls == [(i, 2 * 1_000_003 + i) for i in range(4)]
+    # Resumed at a group boundary (step 6), it asks for the batches an uninterrupted run would.
+    again = OnlineSource(make, seed=2, steps_per_batch=3)
+    again.load_state_dict({"batches": 12, "seed": 2})
+    again.bind(_Trainer())
+    resumed = iter(again)
+    assert [next(resumed)[0].item() for _ in range(6)] == [4, 5] * 3
+    # Inside a group, the policy that sampled the group's batches is gone: refused.
+    inside = OnlineSource(make, seed=2, steps_per_batch=3)
+    inside.load_state_dict({"batches": 2, "seed": 2})
+    inside.bind(_Trainer())
+    with pytest.raises(RuntimeError, match="multiple of 3 steps"):
+        next(iter(inside))
