@@ -351,7 +351,16 @@ def _run_all(recipe: Recipe, args: argparse.Namespace) -> None:
     print(f"run folder: {recipe.run_dir}")
     if "pretrain" in results:
         summary = results["pretrain"]
-        keys = ("steps", "tokens_seen", "final_val_loss", "best_val_loss", "final_val_bpb", "tokens_per_s", "mfu")
+        keys = (
+            "steps",
+            "tokens_seen",
+            "final_val_loss",
+            "best_val_loss",
+            "final_val_bpb",
+            "val_tokens",
+            "tokens_per_s",
+            "mfu",
+        )
         print("pretrain summary: " + json.dumps({k: summary.get(k) for k in keys}))
 
 

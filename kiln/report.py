@@ -41,7 +41,7 @@ from kiln.report_plots import (
 TRAIN_FIELDS = ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "hfu", "peak_mem_mb", "tokens_seen", "batch_tokens")
 # Families of training keys ("grad_norm/attn", "sys/ram_mb"): each value must be a number, or null.
 TRAIN_PREFIXES = ("grad_norm/", "sys/")
-VAL_FIELDS = ("val_loss", "val_bpb", "tokens_seen")
+VAL_FIELDS = ("val_loss", "val_bpb", "val_tokens", "val_sequences", "tokens_seen")
 SHOWN_SKIPS = 5  # malformed lines listed by number in a warning; the rest are counted
 HEADLINE = (
     "steps",

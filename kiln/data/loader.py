@@ -16,10 +16,15 @@ Train split (infinite):
   same global batch.
 
 Val split (finite, no shuffling): all windows of all sources, interleaved in proportion to each
-source's window count (so the first n batches sample every source), cut into global batches, the
-incomplete last one dropped. ``next()`` walks them once then raises StopIteration; ``reset()``
+source's window count (so any stretch of the order samples every source), cut into global batches,
+the incomplete last one dropped. ``next()`` walks them once then raises StopIteration; ``reset()``
 rewinds; ``iter_batches(n)`` yields the first n batches (fewer if there are fewer) from the start
-every time, without touching the cursor -- use it for evaluation on a fixed set.
+every time, without touching the cursor.
+
+``validation_batches(limit)`` is what the training loop evaluates: every window of the split once
+(limit 0), or a fixed sample of limit global batches' worth spread over the whole order
+(``spread_sample``): the same windows at every evaluation, after a resume and in every run on the
+same pack with the same global batch.
 """
 
 from __future__ import annotations
@@ -37,6 +42,9 @@ from kiln.errors import ConfigError, DataError
 DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 HEADER_KEYS = ("dtype", "vocab_size", "tokenizer_sha256", "documents", "tokens", "bytes", "source")
 STATE_VERSION = 1
+# The validation sample depends on the split and the budget only, not on train.seed: runs that differ
+# in their seed (or in any other setting) are measured on the same windows.
+VALIDATION_SAMPLE_SEED = 0x5EED
 
 
 def splitmix64(x: np.ndarray) -> np.ndarray:
@@ -55,6 +63,36 @@ def uniform_for_counters(seed: int, counters: np.ndarray) -> np.ndarray:
     with np.errstate(over="ignore"):
         mixed = splitmix64(counters.astype(np.uint64) ^ key)
     return (mixed >> np.uint64(11)).astype(np.float64) / float(2**53)
+
+
+def spread_sample(count: int, k: int, seed: int = VALIDATION_SAMPLE_SEED) -> np.ndarray:
+    """k sorted indices of range(count), one drawn from each of k equal consecutive strata (all of
+    them if k is 0 or >= count): every part of the range is represented, and the draw depends only on
+    (count, k, seed), so it is the same every time it is asked for."""
+    if k <= 0 or k >= count:
+        return np.arange(count)
+    edges = np.arange(k + 1, dtype=np.int64) * count // k  # count > k: no stratum is empty
+    offsets = uniform_for_counters(seed, np.arange(k)) * (edges[1:] - edges[:-1])
+    return edges[:-1] + offsets.astype(np.int64)
+
+
+def rank_batches(
+    positions: np.ndarray, batch_size: int, rank: int, world_size: int, row_multiple: int = 1
+) -> Iterator[np.ndarray]:
+    """This rank's share of `positions` as batches: its slice of each global batch of
+    batch_size * world_size, then its equal slice of the rest. Every rank gets the same number of
+    batches of the same sizes (sharded models run collectives in every forward); the tail slice is a
+    multiple of row_multiple (a pipeline's microbatch count), so under world_size > 1 or
+    row_multiple > 1 fewer than world_size * row_multiple positions can be left out."""
+    global_batch = batch_size * world_size
+    full = len(positions) // global_batch
+    for b in range(full):
+        start = b * global_batch + rank * batch_size
+        yield positions[start : start + batch_size]
+    rest = positions[full * global_batch :]
+    share = len(rest) // world_size // row_multiple * row_multiple
+    if share:
+        yield rest[rank * share : (rank + 1) * share]
 
 
 class SourceWindows:
@@ -247,12 +285,13 @@ class TokenLoader:
             )
         self.next_batch = 0
 
+    def _val_windows(self, positions) -> list[np.ndarray]:
+        """The windows at these positions of the interleaved val order."""
+        return [self._source_list[int(self._val_source[i])].window(int(self._val_index[i])) for i in positions]
+
     def _val_batch(self, b: int) -> list[np.ndarray]:
         start = b * self.global_batch + self.rank * self.batch_size
-        return [
-            self._source_list[int(self._val_source[i])].window(int(self._val_index[i]))
-            for i in range(start, start + self.batch_size)
-        ]
+        return self._val_windows(range(start, start + self.batch_size))
 
     def reset(self) -> None:
         if self.split != "val":
@@ -286,6 +325,15 @@ class TokenLoader:
             return
         for b in range(min(n, self.num_batches)):
             yield self._to_tensors(self._val_batch(b))
+
+    def validation_batches(self, limit: int = 0, row_multiple: int = 1) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """val: this rank's batches of the evaluation set: every window of the split once (limit
+        0), else spread_sample's limit * global_batch windows; see rank_batches for the tail."""
+        if self.split != "val":
+            raise ValueError("validation_batches() reads the val split")
+        positions = spread_sample(len(self._val_source), limit * self.global_batch)
+        for chunk in rank_batches(positions, self.batch_size, self.rank, self.world_size, row_multiple):
+            yield self._to_tensors(self._val_windows(chunk))
 
     # ---- resume ----------------------------------------------------------------------------
 

@@ -55,7 +55,7 @@ class StageTrainConfig:
     global_batch_tokens: int = 0  # 0: one micro-batch per step on every data-parallel rank
     weight_decay: float = 0.0
     eval_every: int = 50
-    eval_batches: int = 4
+    eval_batches: int = 0  # 0: every held-out example; n: a fixed sample of n batches spread over them
     ckpt_every: int = 50
     # None keeps [train].compile. Post-training batches are cut to their longest row, so their length
     # changes from step to step and a compiled model recompiles; a recipe that compiles pretraining
@@ -65,9 +65,11 @@ class StageTrainConfig:
     def validate(self) -> None:
         if self.lr <= 0:
             raise ConfigError("lr", f"must be positive, got {self.lr}")
-        for key in ("max_steps", "seq_len", "micro_batch_size", "eval_every", "eval_batches", "ckpt_every"):
+        for key in ("max_steps", "seq_len", "micro_batch_size", "eval_every", "ckpt_every"):
             if getattr(self, key) <= 0:
                 raise ConfigError(key, f"must be positive, got {getattr(self, key)}")
+        if self.eval_batches < 0:
+            raise ConfigError("eval_batches", f"must be >= 0 (0: all held-out examples), got {self.eval_batches}")
         if not 0 <= self.warmup_steps < self.max_steps:
             raise ConfigError("warmup_steps", f"must be in [0, max_steps={self.max_steps}), got {self.warmup_steps}")
 

@@ -1,5 +1,6 @@
 """Batch sources for post-training stages, with the TokenLoader interface the training loop uses:
-endless iteration, `state_dict`/`load_state_dict` (exact resume), `iter_batches(n)` for validation.
+endless iteration, `state_dict`/`load_state_dict` (exact resume), `validation_batches(limit)` for
+validation: every held-out example (limit 0), else a fixed sample of limit batches spread over them.
 
 `ExampleSource` serves fixed, pre-tokenised examples (SFT rows, preference pairs) shuffled per epoch;
 `OnlineSource` asks a function for each batch (RL rollouts sampled from the current policy), seeded
@@ -13,6 +14,8 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
+
+from kiln.data.loader import rank_batches, spread_sample
 
 
 class ExampleSource:
@@ -57,10 +60,12 @@ class ExampleSource:
                 yield batch
             self.epoch, self.position = self.epoch + 1, 0
 
-    def iter_batches(self, n: int):
-        order = self._order(0) if not self.shuffle else torch.arange(len(self.rows))
-        for index in range(min(n, self.batches_per_epoch)):
-            yield self._batch(order, index)
+    def validation_batches(self, limit: int = 0, row_multiple: int = 1):
+        """This rank's batches of the examples in their given order: all of them (limit 0), else a
+        sample of limit * global_batch spread over them (kiln.data.loader.spread_sample)."""
+        positions = spread_sample(len(self.rows), limit * self.global_batch)
+        for chunk in rank_batches(positions, self.batch_size, self.rank, self.world_size, row_multiple):
+            yield tuple(torch.stack(parts) for parts in zip(*(self.rows[int(i)] for i in chunk)))
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "position": self.position, "examples": len(self.rows), "seed": self.seed}
@@ -98,6 +103,7 @@ class OnlineSource:
         self.make_batch, self.seed, self.vocab_size = make_batch, seed, vocab_size
         self.steps_per_batch = steps_per_batch
         self.val = val_batches or []
+        self.world_size = 1  # every data-parallel rank evaluates all of self.val
         self.bytes_per_token = None
         self.batches = 0
         self.trainer = None
@@ -132,8 +138,12 @@ class OnlineSource:
             )
         return self.reused[micro]
 
-    def iter_batches(self, n: int):
-        yield from self.val[:n]
+    def validation_batches(self, limit: int = 0, row_multiple: int = 1):
+        """The validation batches: all of them (limit 0), else limit of them spread over the list."""
+        if row_multiple != 1:
+            raise ValueError("an OnlineSource's validation batches are built whole; they cannot be regrouped")
+        for index in spread_sample(len(self.val), limit):
+            yield self.val[int(index)]
 
     def state_dict(self) -> dict:
         return {"batches": self.batches, "seed": self.seed}

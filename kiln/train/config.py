@@ -61,7 +61,9 @@ class TrainConfig:
     seed: int = 1337
     log_every: int = 10
     eval_every: int = 50
-    eval_batches: int = 8
+    # 0: the whole validation split at every evaluation; n: a fixed sample of n global batches
+    # (n * micro_batch_size * data-parallel ranks windows) spread over the whole split.
+    eval_batches: int = 0
     ckpt_every: int = 100
     keep_last: int = 2
     keep_best: bool = True
@@ -82,7 +84,6 @@ class TrainConfig:
             "max_steps",
             "log_every",
             "eval_every",
-            "eval_batches",
             "ckpt_every",
             "keep_last",
         ):
@@ -114,6 +115,7 @@ class TrainConfig:
             if not 0 <= getattr(self, key) < 1:
                 raise ConfigError(key, f"must be in [0, 1), got {getattr(self, key)}")
         for key in (
+            "eval_batches",
             "weight_decay",
             "grad_clip",
             "peak_flops",

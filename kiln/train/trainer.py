@@ -223,6 +223,8 @@ class Trainer:
         self.evals_since_best = 0
         self.last_val_loss = None
         self.last_val_bpb = None
+        self.last_val_tokens = None  # what the last evaluation covered
+        self.last_val_sequences = None
         self.stopped_early = False
         self.lr_scale = 1.0  # lowered by the guard's rollbacks (lr_factor); saved with the loop state
 
@@ -233,9 +235,9 @@ class Trainer:
 
     def _pack_loaders(self) -> tuple[TokenLoader, TokenLoader]:
         """The pack's (train, val) loaders. A post-training stage brings its own sources instead,
-        with the same interface: iteration, state_dict/load_state_dict, iter_batches(n), vocab_size,
-        bytes_per_token. The validation set is fixed: iter_batches(n) yields the same first n
-        batches every time."""
+        with the same interface: iteration, state_dict/load_state_dict, validation_batches, vocab_size,
+        bytes_per_token. The validation set is fixed: validation_batches(limit, row_multiple)
+        yields the same batches every time (see TokenLoader.validation_batches)."""
         cfg = self.cfg
 
         def make_loader(split: str):
@@ -398,11 +400,17 @@ class Trainer:
     # ---- validation ------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def evaluate(self) -> tuple[float, float]:
-        """(mean loss per token, bits per byte) over the first eval_batches validation batches."""
+    def evaluate(self) -> dict:
+        """val_loss (mean loss per token), val_bpb (bits per byte), and what they cover: val_tokens
+        (tokens the loss counted) and val_sequences (windows, or a stage's examples). The set is
+        the whole validation split, or with eval_batches > 0 a fixed sample of that many global
+        batches spread over it (the sources' validation_batches)."""
         self.model.eval()
-        total, tokens = 0.0, 0
-        for batch in self.val_loader.iter_batches(self.cfg.eval_batches):
+        total, tokens, sequences = 0.0, 0, 0
+        # A pipeline splits each batch into its microbatches: the smaller last batch must too.
+        row_multiple = self.layout.cfg.microbatches if self.layout.pipelined else 1
+        for batch in self.val_loader.validation_batches(self.cfg.eval_batches, row_multiple):
+            sequences += batch[0].shape[0]
             batch = self._batch_to_device(batch)
             with autocast(self.cfg.precision, self.device), self.layout.loss_context():
                 if self.layout.pipelined:
@@ -413,13 +421,24 @@ class Trainer:
             tokens += int(n_tokens)
         self.model.train()
         total, tokens = self.layout.reduce_loss_stats(torch.tensor(total, dtype=torch.float64), tokens)
+        # The tokens slot is summed over the data- and context-parallel ranks only; the context-
+        # parallel ranks of a replica read the same sequences, each a slice of them.
+        _, sequences = self.layout.reduce_loss_stats(torch.zeros((), dtype=torch.float64), sequences)
+        # A source that is not split over the data-parallel ranks (world_size 1: a post stage's
+        # held-out examples) is evaluated whole on each of them: count it once.
+        replicas = self.layout.dp_size // getattr(self.val_loader, "world_size", 1)
         if tokens == 0:
             raise ConfigError("eval_batches", f"the validation split of {self.pack_dir} yielded no batches")
         val_loss = total.item() / tokens
         # Bits per byte divides out the tokenizer: loss in nats per token -> bits per token -> per byte.
         bytes_per_token = getattr(self.val_loader, "bytes_per_token", None)
         val_bpb = val_loss / math.log(2) / bytes_per_token if bytes_per_token else float("nan")
-        return val_loss, val_bpb
+        return {
+            "val_loss": val_loss,
+            "val_bpb": val_bpb,
+            "val_tokens": tokens // replicas,
+            "val_sequences": sequences // (replicas * self.layout.dims.cp),
+        }
 
     # ---- checkpoints -----------------------------------------------------------------------------
 
@@ -435,6 +454,8 @@ class Trainer:
             "evals_since_best": self.evals_since_best,
             "last_val_loss": self.last_val_loss,
             "last_val_bpb": self.last_val_bpb,
+            "last_val_tokens": self.last_val_tokens,
+            "last_val_sequences": self.last_val_sequences,
             "stopped_early": self.stopped_early,
             "lr_scale": self.lr_scale,
             "guard": self.guard.state_dict(),
@@ -583,6 +604,8 @@ class Trainer:
             "stopped_early": self.stopped_early,
             "final_val_loss": self.last_val_loss,
             "final_val_bpb": self.last_val_bpb,
+            "val_tokens": self.last_val_tokens,
+            "val_sequences": self.last_val_sequences,
             "best_val_loss": self.best_val_loss if self.best_step >= 0 else None,
             "best_val_bpb": self.best_val_bpb if self.best_step >= 0 else None,
             "best_step": self.best_step,
@@ -622,8 +645,10 @@ class Trainer:
 
     def _validate(self) -> bool:
         """Evaluate, log, print, update best/early-stopping state; True if the loss improved."""
-        val_loss, val_bpb = self.evaluate()
+        result = self.evaluate()
+        val_loss, val_bpb = result["val_loss"], result["val_bpb"]
         self.last_val_loss, self.last_val_bpb = val_loss, val_bpb
+        self.last_val_tokens, self.last_val_sequences = result["val_tokens"], result["val_sequences"]
         improved = val_loss < self.best_val_loss
         if improved:
             self.best_val_loss, self.best_val_bpb, self.best_step = val_loss, val_bpb, self.step
@@ -633,18 +658,11 @@ class Trainer:
             if self.cfg.early_stop_patience and self.evals_since_best >= self.cfg.early_stop_patience:
                 self.stopped_early = True
         if self.metrics:
-            self.metrics.log(
-                {
-                    "kind": "val",
-                    "step": self.step,
-                    "val_loss": val_loss,
-                    "val_bpb": val_bpb,
-                    "tokens_seen": self.tokens_seen,
-                }
-            )
+            self.metrics.log({"kind": "val", "step": self.step, **result, "tokens_seen": self.tokens_seen})
         if self.is_main:
             tqdm.write(
-                f"step {self.step} | val loss {val_loss:.4f} | val bpb {val_bpb:.4f}"
+                f"step {self.step} | val loss {val_loss:.4f} | val bpb {val_bpb:.4f} | "
+                f"on {result['val_tokens']} tokens, {result['val_sequences']} sequences"
                 + (" | early stop" if self.stopped_early else ""),
                 file=sys.stdout,
             )

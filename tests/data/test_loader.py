@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from kiln.data.loader import TokenLoader
+from kiln.data.loader import TokenLoader, spread_sample
 from kiln.data.pack import write_shard
 from kiln.errors import ConfigError, DataError
 
@@ -145,6 +145,58 @@ def test_val_is_sequential_interleaved_and_repeatable(tmp_path):
     val.reset()
     assert torch.equal(next(val)[0], first[0][0])
     assert len(list(val.iter_batches(10_000))) == val.num_batches
+
+
+def _window_starts(batches) -> list[int]:
+    """The first token of every window of these batches (make_pack's tokens say where they are)."""
+    return [int(x[i, 0]) for x, _ in batches for i in range(x.shape[0])]
+
+
+def test_validation_batches_cover_every_window_once_with_the_tail(tmp_path):
+    pack = make_pack(tmp_path)  # 12 windows of a, 6 of b: 4 batches of 4 and a tail of 2
+    every = sorted(list(range(0, 12 * T, T)) + list(range(1000, 1000 + 6 * T, T)))
+    val = TokenLoader(pack, split="val", seq_len=T, batch_size=4)
+    batches = list(val.validation_batches())
+    assert [x.shape[0] for x, _ in batches] == [4, 4, 4, 4, 2]
+    assert sorted(_window_starts(batches)) == every
+    assert all(torch.equal(x[:, 1:], y[:, :-1]) for x, y in batches)
+    # Two ranks: the same number of batches each (sharded models run collectives in every forward),
+    # together every window once, the tail split evenly.
+    ranks = [
+        list(TokenLoader(pack, split="val", seq_len=T, batch_size=2, rank=r, world_size=2).validation_batches())
+        for r in (0, 1)
+    ]
+    assert [[x.shape[0] for x, _ in r] for r in ranks] == [[2, 2, 2, 2, 1]] * 2
+    assert sorted(_window_starts(ranks[0]) + _window_starts(ranks[1])) == every
+    # Four ranks cannot share a tail of 2 evenly: it is left out, and the rest is covered once.
+    four = [TokenLoader(pack, split="val", seq_len=T, batch_size=1, rank=r, world_size=4) for r in range(4)]
+    starts = [s for loader in four for s in _window_starts(loader.validation_batches())]
+    assert len(starts) == 16 and len(set(starts)) == 16
+    # A pipeline's tail must split into its microbatches: with 4 of them a tail of 2 is left out.
+    assert len(_window_starts(val.validation_batches(row_multiple=4))) == 16
+
+
+def test_validation_sample_is_spread_over_the_split_and_fixed(tmp_path):
+    pack = make_pack(tmp_path, val={"a": [np.arange(0, 100 * T + 1)]})  # 100 windows, window i starts at i*T
+    val = TokenLoader(pack, split="val", seq_len=T, batch_size=4, seed=1)
+    chosen = [s // T for s in _window_starts(val.validation_batches(3))]
+    assert len(chosen) == 12 and len(set(chosen)) == 12  # 3 global batches of 4, no window twice
+    assert {c * 4 // 100 for c in chosen} == {0, 1, 2, 3}  # every quarter of the split, the last included
+    assert chosen != list(range(12))  # not the first windows
+    # The same windows at every evaluation, in a fresh loader (a resumed run) and whatever the seed.
+    assert [s // T for s in _window_starts(val.validation_batches(3))] == chosen
+    fresh = TokenLoader(pack, split="val", seq_len=T, batch_size=4, seed=7)
+    assert [s // T for s in _window_starts(fresh.validation_batches(3))] == chosen
+    # A budget of at least the split is the whole split.
+    assert len(_window_starts(val.validation_batches(25))) == 100
+
+
+def test_spread_sample_draws_one_index_per_stratum():
+    picks = spread_sample(1000, 10)
+    assert len(picks) == 10 and list(picks // 100) == list(range(10))
+    assert list(spread_sample(1000, 10)) == list(picks)
+    assert len(set(spread_sample(1000, 10, seed=1)) ^ set(picks)) > 0  # the draw is random within strata
+    assert list(spread_sample(5, 0)) == list(range(5)) and list(spread_sample(5, 9)) == list(range(5))
 
 
 def test_val_rank_slices_partition_the_global_batch(tmp_path):

@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -80,9 +81,9 @@ def launch(
     return json.loads((Path(out) / f"summary-{nproc}.json").read_text())
 
 
-def losses(out, key: str = "loss") -> list[float]:
+def losses(out, key: str = "loss", kind: str = "train") -> list[float]:
     records = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
-    return [r[key] for r in records if r["kind"] == "train"]
+    return [r[key] for r in records if r["kind"] == kind]
 
 
 def single_process(pack, out, dp: int = 1, model=None, train=None):
@@ -90,7 +91,8 @@ def single_process(pack, out, dp: int = 1, model=None, train=None):
     train = {**TRAIN, **(train or {})}
     train["micro_batch_size"] *= dp
     Trainer(ModelConfig(**{**MODEL, **(model or {})}), TrainConfig(**train), pack, out, resume="none").fit()
-    return losses(out), losses(out, "grad_norm"), load_weights(out / "checkpoints")[1]
+    val = [losses(out, key, "val") for key in ("val_loss", "val_sequences")]
+    return losses(out), losses(out, "grad_norm"), load_weights(out / "checkpoints")[1], val
 
 
 @pytest.fixture(scope="module")
@@ -106,8 +108,11 @@ def reference(pack, tmp_path_factory):
 
 
 def assert_same_training(out, expected):
-    ref_losses, ref_grad_norms, ref_weights = expected
+    ref_losses, ref_grad_norms, ref_weights, (ref_val_losses, ref_val_sequences) = expected
     assert losses(out) == pytest.approx(ref_losses, rel=LOSS_RTOL)
+    # eval_batches whole global batches: the layout and the single process evaluate the same sample.
+    assert losses(out, "val_sequences", "val") == ref_val_sequences
+    assert losses(out, "val_loss", "val") == pytest.approx(ref_val_losses, rel=LOSS_RTOL)
     # Adam hides a wrongly scaled gradient; the clipped norm does not.
     assert losses(out, "grad_norm") == pytest.approx(ref_grad_norms, rel=GRAD_NORM_RTOL)
     weights = load_weights(Path(out) / "checkpoints")[1]
@@ -150,6 +155,23 @@ def test_layout_matches_single_process(case, pack, reference, tmp_path):
     nproc, parallel, dp = CASES[case]
     launch(pack, tmp_path, nproc, parallel)
     assert_same_training(tmp_path, reference(dp))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["fsdp", "pp_1f1b"])
+def test_whole_split_validation_under_a_layout(case, pack, tmp_path):
+    """The default validation, every window once, on ranks that must all run the same forwards: the
+    last partial global batch is shared evenly (under a pipeline, in whole microbatches)."""
+    nproc, parallel, dp = CASES[case]
+    launch(pack, tmp_path, nproc, parallel, train={"eval_batches": 0})
+    windows = (len(np.fromfile(Path(pack) / "val" / "synthetic-00000.bin", dtype="<u2")) - 1) // TRAIN["seq_len"]
+    global_batch = TRAIN["micro_batch_size"] * dp
+    per_rank_multiple = parallel.get("pp_microbatches", 1)
+    tail = windows % global_batch // dp // per_rank_multiple * per_rank_multiple * dp
+    expected = windows - windows % global_batch + tail
+    assert expected < windows  # this pack leaves a tail that the ranks cannot all share
+    assert losses(tmp_path, "val_sequences", "val") == [expected, expected]
+    assert losses(tmp_path, "val_tokens", "val") == [expected * TRAIN["seq_len"]] * 2
 
 
 MOE = {"moe_every": 2, "n_experts": 4, "moe_top_k": 2}

@@ -85,3 +85,18 @@ def test_online_source_serves_each_steps_batches_to_steps_per_batch_steps():
     inside.bind(_Trainer())
     with pytest.raises(RuntimeError, match="multiple of 3 steps"):
         next(iter(inside))
+
+
+def test_validation_covers_every_example_by_default_and_spreads_a_budget():
+    source = ExampleSource(_rows(10), 3, shuffle=False)
+    whole = [row.item() for _, y in source.validation_batches() for row in y]
+    assert whole == list(range(10))  # three batches of 3 and the last example
+    sample = [row.item() for _, y in source.validation_batches(1) for row in y]
+    assert sample[0] < 3 <= sample[1] < 6 <= sample[2]  # one of each third of the examples
+    assert sample == [row.item() for _, y in source.validation_batches(1) for row in y]
+    online = OnlineSource(lambda trainer, index, seed: None, val_batches=[(torch.tensor([i]),) for i in range(8)])
+    assert [b[0].item() for b in online.validation_batches()] == list(range(8))
+    picked = [b[0].item() for b in online.validation_batches(2)]
+    assert len(picked) == 2 and picked[0] < 4 <= picked[1]  # one from each half
+    with pytest.raises(ValueError, match="regrouped"):
+        next(online.validation_batches(0, row_multiple=2))

@@ -223,7 +223,12 @@ def test_early_stopping_and_best_checkpoint(pack, tmp_path):
         out,
     )
     scripted = iter([3.0, 2.5, 2.6, 2.7, 1.0])
-    trainer.evaluate = lambda: (v := next(scripted), v / math.log(2) / 3.0)
+    trainer.evaluate = lambda: {
+        "val_loss": (v := next(scripted)),
+        "val_bpb": v / math.log(2) / 3.0,
+        "val_tokens": 64,
+        "val_sequences": 4,
+    }
     summary = trainer.fit()
     assert summary["stopped_early"] and summary["steps"] == 4
     assert summary["best_step"] == 2 and summary["best_val_loss"] == 2.5 and summary["final_val_loss"] == 2.7
