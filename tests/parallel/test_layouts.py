@@ -203,7 +203,8 @@ def test_pipeline_moe_logs_and_trains_the_aux_losses(pack, tmp_path):
     is computed over the same tokens."""
     parallel = {"pp": 2, "dp_shard": 1, "pp_schedule": "1f1b", "pp_microbatches": 2}
     launch(pack, tmp_path / "pp", 2, parallel, model=MOE)
-    half = {"micro_batch_size": TRAIN["micro_batch_size"] // 2}
+    # Twice the eval budget in batches of half the size: the same validation windows as the pipeline's.
+    half = {"micro_batch_size": TRAIN["micro_batch_size"] // 2, "eval_batches": 2 * TRAIN["eval_batches"]}
     assert_same_training(tmp_path / "pp", single_process(pack, tmp_path / "single", model=MOE, train=half))
 
 
