@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 
 try:
     import tomllib
@@ -136,6 +137,9 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
             raise ConfigError(key, f"expected true or false, got {_kind(value)} {_show(value)}")
         return value
     if hint is int:
+        # A float that is a whole number is that integer: ``max_seq_len=1e9`` reads as written.
+        if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+            value = int(value)
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(key, f"expected an integer, got {_kind(value)} {_show(value)}")
         _check_int64(value, key)
@@ -145,6 +149,10 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
             raise ConfigError(key, f"expected a number, got {_kind(value)} {_show(value)}")
         if isinstance(value, int):
             _check_int64(value, key)
+        # TOML writes nan and inf; no config key means either, and every range check written as
+        # `x <= 0` lets NaN through, so they stop here for every float field of every config.
+        if not math.isfinite(value):
+            raise ConfigError(key, f"must be a finite number, got {value}")
         return float(value)
     if hint is str:
         if not isinstance(value, str):

@@ -7,6 +7,7 @@ kiln.infer.load.InferenceOptions.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 
 from kiln.errors import ConfigError
@@ -30,16 +31,20 @@ class SamplingParams:
             object.__setattr__(self, "temperature", 0.0)
 
     def validate(self) -> None:
-        if self.temperature < 0:
-            raise ConfigError("temperature", f"must be >= 0 (0 is greedy), got {self.temperature}")
+        # Each check is `not (in range)`, so NaN, for which every comparison is false, fails it: the
+        # engine and `kiln generate` build these from Python numbers, not through the recipe's check.
+        if not 0 <= self.temperature < math.inf:
+            raise ConfigError("temperature", f"must be a finite number >= 0 (0 is greedy), got {self.temperature}")
         if self.top_k < 0:
             raise ConfigError("top_k", f"must be >= 0 (0 is off), got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise ConfigError("top_p", f"must be in (0, 1], got {self.top_p}")
         if not 0 <= self.min_p <= 1:
             raise ConfigError("min_p", f"must be in [0, 1], got {self.min_p}")
-        if self.repetition_penalty <= 0:
-            raise ConfigError("repetition_penalty", f"must be > 0 (1 is off), got {self.repetition_penalty}")
+        if not 0 < self.repetition_penalty < math.inf:
+            raise ConfigError(
+                "repetition_penalty", f"must be a positive finite number (1 is off), got {self.repetition_penalty}"
+            )
 
 
 @dataclass(frozen=True)

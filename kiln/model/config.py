@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 from kiln.errors import ConfigError
@@ -97,17 +98,29 @@ class ModelConfig:
                 raise ConfigError(key, f"must be one of {', '.join(allowed)}, got {getattr(self, key)!r}")
         if self.preset and self.preset not in PRESETS:
             raise ConfigError("preset", f"unknown preset {self.preset!r}; known: {', '.join(PRESETS)}")
-        if self.norm_eps <= 0 or self.rope_theta <= 0 or self.init_std <= 0:
-            raise ConfigError(
-                "norm_eps" if self.norm_eps <= 0 else "rope_theta" if self.rope_theta <= 0 else "init_std",
-                "must be positive",
-            )
+        self._validate_floats()
         self._validate_moe()
+
+    def _validate_floats(self) -> None:
+        # Written as `not x > 0` so that NaN, which every comparison is false for, is refused too:
+        # a config built in Python skips the recipe's refusal of non-finite numbers.
+        for key in ("norm_eps", "init_std", "ffn_multiplier"):
+            if not 0 < getattr(self, key) < math.inf:
+                raise ConfigError(key, f"must be a positive finite number, got {getattr(self, key)}")
+        # theta^(-2i/d) are the rotation frequencies: theta <= 1 turns every pair at >= 1 radian per
+        # token (theta = 1: all at the same rate), and inf stops every pair but the first, leaving
+        # almost no position signal.
+        if not 1 < self.rope_theta < math.inf:
+            raise ConfigError("rope_theta", f"must be a finite number > 1, got {self.rope_theta}")
+        if self.ffn_hidden_size <= 0:
+            raise ConfigError(
+                "ffn_multiplier", f"gives an FFN of width {self.ffn_hidden_size}; it must be at least 1 unit wide"
+            )
 
     def _validate_moe(self) -> None:
         for key in ("moe_every", "moe_hidden", "moe_capacity_factor", "moe_aux_loss_weight", "moe_z_loss_weight"):
-            if getattr(self, key) < 0:
-                raise ConfigError(key, f"must be >= 0, got {getattr(self, key)}")
+            if not 0 <= getattr(self, key) < math.inf:
+                raise ConfigError(key, f"must be a finite number >= 0, got {getattr(self, key)}")
         for layer in self.moe_layers:
             if not 0 <= layer < self.n_layers:
                 raise ConfigError(

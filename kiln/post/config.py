@@ -9,6 +9,7 @@ stage's own objective settings.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 from kiln.errors import ConfigError
@@ -63,8 +64,16 @@ class StageTrainConfig:
     compile: bool | None = None
 
     def validate(self) -> None:
-        if self.lr <= 0:
-            raise ConfigError("lr", f"must be positive, got {self.lr}")
+        if not 0 < self.lr < math.inf:  # also refuses NaN, which a config built in Python can hold
+            raise ConfigError("lr", f"must be a positive finite number, got {self.lr}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError("min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
+        if not 0 <= self.weight_decay < math.inf:
+            raise ConfigError("weight_decay", f"must be a finite number >= 0, got {self.weight_decay}")
+        if self.global_batch_tokens < 0:
+            raise ConfigError(
+                "global_batch_tokens", f"must be >= 0 (0: one micro-batch per step), got {self.global_batch_tokens}"
+            )
         for key in ("max_steps", "seq_len", "micro_batch_size", "eval_every", "ckpt_every"):
             if getattr(self, key) <= 0:
                 raise ConfigError(key, f"must be positive, got {getattr(self, key)}")

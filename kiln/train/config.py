@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from kiln.errors import ConfigError
@@ -26,8 +27,8 @@ class GuardConfig:
         if self.action not in ACTIONS:
             raise ConfigError("action", f"must be one of {', '.join(ACTIONS)}, got {self.action!r}")
         for key in ("spike_sigma", "spike_min_rise", "max_events"):
-            if not getattr(self, key) >= 0:  # also refuses NaN
-                raise ConfigError(key, f"must be >= 0, got {getattr(self, key)}")
+            if not 0 <= getattr(self, key) < math.inf:  # also refuses NaN
+                raise ConfigError(key, f"must be a finite number >= 0, got {getattr(self, key)}")
         if self.window < 2:
             raise ConfigError(
                 "window", f"must be at least 2 (a standard deviation needs two losses), got {self.window}"
@@ -103,8 +104,11 @@ class TrainConfig:
         for key, allowed in choices.items():
             if getattr(self, key) not in allowed:
                 raise ConfigError(key, f"must be one of {', '.join(allowed)}, got {getattr(self, key)!r}")
-        if self.lr <= 0:
-            raise ConfigError("lr", f"must be positive, got {self.lr}")
+        # Written as `not low < x < high` so that NaN (every comparison false) is refused as well: a
+        # TrainConfig built in Python skips the recipe's refusal of non-finite numbers.
+        for key in ("lr", "eps"):
+            if not 0 < getattr(self, key) < math.inf:
+                raise ConfigError(key, f"must be a positive finite number, got {getattr(self, key)}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError("min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
         if not 0 <= self.warmup_steps < self.max_steps:
@@ -125,10 +129,8 @@ class TrainConfig:
             "batch_ramp_steps",
             "batch_ramp_start_tokens",
         ):
-            if not getattr(self, key) >= 0:  # also refuses NaN
-                raise ConfigError(key, f"must be >= 0, got {getattr(self, key)}")
-        if self.watchdog_s == float("inf"):
-            raise ConfigError("watchdog_s", "must be finite (0 turns the watchdog off)")
+            if not 0 <= getattr(self, key) < math.inf:  # also refuses NaN
+                raise ConfigError(key, f"must be a finite number >= 0, got {getattr(self, key)}")
         for name in self.loggers:
             if name not in LOGGERS:
                 raise ConfigError(
