@@ -8,6 +8,7 @@ as ``train.lr=3e-4`` parse here too. This module is the bottom layer: it imports
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import math
@@ -57,6 +58,18 @@ def parse_value(text: str) -> Any:
         return tomllib.loads(f"v = {text}")["v"]
     except (ValueError, RecursionError):  # not TOML, over 4300 digits, or "[[[[..." nested too deeply
         return text  # unquoted strings such as model.preset=tiny
+
+
+def finite_float(text: str) -> float:
+    """argparse type of every float flag: a number, and finite (float() reads nan and inf), so that
+    `--temperature nan` is one usage line naming the flag, as the recipe refuses train.lr=nan."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return value
 
 
 def set_dotted(tree: dict, key: str, value: Any) -> None:

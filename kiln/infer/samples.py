@@ -6,7 +6,8 @@ from dataclasses import asdict
 
 from kiln.errors import ConfigError
 from kiln.infer.config import SampleConfig
-from kiln.infer.engine import Engine
+from kiln.infer.engine import Engine, KVCache
+from kiln.model.memory import require_memory
 
 
 def sample_texts(model, tokenizer, cfg: SampleConfig, engine=None) -> list[str]:
@@ -27,6 +28,17 @@ def sample_texts(model, tokenizer, cfg: SampleConfig, engine=None) -> list[str]:
         raise ConfigError(
             "sample.prompt", f"{len(prompt_ids)} tokens leave no room in the model's context of {model.cfg.max_seq_len}"
         )
+    # The engine allocates the whole cache up front, then the prefill's logits for every prompt
+    # position: a batch that cannot hold both is refused before either.
+    param = next(model.parameters())
+    cache_len = min(model.cfg.max_seq_len, len(prompt_ids) + cfg.max_new_tokens - 1)
+    prefill_logits = cfg.num_samples * len(prompt_ids) * model.cfg.vocab_size * param.element_size()
+    require_memory(
+        "num_samples",
+        f"the KV cache ({cfg.num_samples} samples x {cache_len} tokens) and prefill logits",
+        KVCache.nbytes(model, cfg.num_samples, cache_len) + prefill_logits,
+        param.device,
+    )
     completions = (engine or Engine(model)).generate(
         [prompt_ids] * cfg.num_samples,
         cfg.max_new_tokens,

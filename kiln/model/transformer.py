@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from kiln.errors import ConfigError
 from kiln.model.config import ModelConfig
+from kiln.model.memory import require_memory
 from kiln.model.moe import MoEFeedForward
 
 
@@ -54,6 +55,24 @@ def sinusoidal_table(dim: int, max_seq_len: int, device=None) -> torch.Tensor:
     angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float64), inv_freq)
     table = torch.stack([angles.sin(), angles.cos()], dim=-1).flatten(-2)  # sin, cos interleaved
     return table[:, :dim].float()
+
+
+def position_table_bytes(cfg: ModelConfig) -> int:
+    """Bytes the position tables of `cfg` take while init_weights builds them: the float32 buffers
+    (or learned embedding) and the float64 tables they are computed from."""
+    if cfg.pos == "rope":
+        return cfg.max_seq_len * cfg.head_dim * 2 * (4 + 8)  # cos and sin, float32 kept, float64 built
+    if cfg.pos == "sinusoidal":
+        return cfg.max_seq_len * cfg.dim * (4 + 2 * 8)  # float32 kept; sin and cos stacked in float64
+    return cfg.max_seq_len * cfg.dim * 4  # the learned embedding
+
+
+def require_position_memory(cfg: ModelConfig, device: torch.device) -> None:
+    """ConfigError("max_seq_len") when the position tables alone cannot fit on `device`, before any
+    allocation: a context such as max_seq_len=1e9 is a valid integer the allocator cannot serve."""
+    require_memory(
+        "max_seq_len", f"the position tables for max_seq_len={cfg.max_seq_len}", position_table_bytes(cfg), device
+    )
 
 
 def make_norm(cfg: ModelConfig) -> nn.Module:
@@ -181,6 +200,7 @@ class Transformer(nn.Module):
         cfg.validate()
         if cfg.vocab_size <= 0:
             raise ConfigError("vocab_size", f"must be set (> 0) before building a model, got {cfg.vocab_size}")
+        require_position_memory(cfg, torch.get_default_device())  # the meta device has no limit
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         if cfg.pos == "learned":
@@ -305,6 +325,7 @@ def build_model(cfg: ModelConfig, device="cpu") -> Transformer:
     before any weight exists."""
     with torch.device("meta"):
         model = Transformer(cfg)
+    require_position_memory(cfg, torch.device(device))
     model.to_empty(device=device)
     model.init_weights()
     return model

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
+from kiln.config import finite_float
 from kiln.errors import ConfigError
 from kiln.parallel.config import ParallelConfig
 
@@ -559,7 +560,7 @@ def add_launch_parser(verbs: argparse._SubParsersAction) -> argparse.ArgumentPar
         a.add_argument("--device", choices=DEVICES, default="auto")
         a.add_argument("--min-nodes", type=int, default=0, help="elastic: keep training down to this many nodes")
         a.add_argument("--max-restarts", type=int, default=3, help="torchrun worker-group restarts")
-        a.add_argument("--monitor-interval", type=float, default=5.0)
+        a.add_argument("--monitor-interval", type=finite_float, default=5.0)
         a.add_argument("--rdzv-port", type=int, default=29500)
         a.add_argument(
             "--torchrun-arg",

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+from kiln.config import finite_float
 from kiln.errors import ConfigError
 from kiln.model.config import PRESETS, ModelConfig, preset
 from kiln.parallel.hardware import GB, GPUS, ClusterConfig
@@ -57,14 +58,14 @@ def add_plan_parser(verbs) -> None:
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--seq-len", type=int, default=0, help="default: the recipe's train.seq_len, else max_seq_len")
     p.add_argument("--global-batch-tokens", type=int, default=0, help="default: the recipe's, else 4Mi tokens")
-    p.add_argument("--tokens", type=float, default=0.0, help="token budget to price, e.g. 15e12")
+    p.add_argument("--tokens", type=finite_float, default=0.0, help="token budget to price, e.g. 15e12")
     p.add_argument("--top", type=int, default=10, help="rows of the ranking to print")
     p.add_argument("--layout", help="fix some choices and search the rest, e.g. tp=8,pp=16,cp=1,ac=full")
-    p.add_argument("--price", type=float, default=0.0, help="USD per GPU-hour (default: the GPU table's)")
-    p.add_argument("--intra-bw", type=float, default=0.0, help="GB/s per GPU within a node (default: the GPU's)")
-    p.add_argument("--inter-bw", type=float, default=0.0, help="GB/s per GPU across nodes (default: the GPU's)")
-    p.add_argument("--matmul-efficiency", type=float, default=0.75, help="share of the bf16 peak matmuls reach")
-    p.add_argument("--attention-efficiency", type=float, default=0.5, help="share of the peak attention reaches")
+    p.add_argument("--price", type=finite_float, default=0.0, help="USD per GPU-hour (default: the GPU table's)")
+    p.add_argument("--intra-bw", type=finite_float, default=0.0, help="GB/s per GPU within a node (default: the GPU's)")
+    p.add_argument("--inter-bw", type=finite_float, default=0.0, help="GB/s per GPU across nodes (default: the GPU's)")
+    p.add_argument("--matmul-efficiency", type=finite_float, default=0.75, help="share of the bf16 peak matmuls reach")
+    p.add_argument("--attention-efficiency", type=finite_float, default=0.5, help="share of the peak attention reaches")
     p.add_argument(
         "--activations",
         choices=("kiln", "megatron"),

@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 
+from kiln.config import finite_float
 from kiln.data.chat import chat_stop_ids, render_prompt
 from kiln.errors import ConfigError
 from kiln.infer.cli import add_inference_args, load_for_inference
@@ -41,8 +42,8 @@ def add_parser(subparsers) -> None:
     _model_args(p)
     p.add_argument("--system", help="system message that starts the conversation")
     p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.7, help="0 is greedy")
-    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--temperature", type=finite_float, default=0.7, help="0 is greedy")
+    p.add_argument("--top-p", type=finite_float, default=0.95)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, help="turn t samples with seed + t (default: random)")
 
