@@ -152,12 +152,15 @@ def test_train_config_built_in_python_refuses_nan():
         assert err.value.key == key
 
 
-def test_integral_floats_are_integers_and_others_are_refused():
-    assert load_recipe(None, ["train.global_batch_tokens=1.6384e4"]).train.global_batch_tokens == 16384
-    assert load_recipe(None, ["model.max_seq_len=1e9"]).model.max_seq_len == 10**9
+def test_integer_keys_refuse_floats_and_name_the_integer_to_write():
+    err = refused("model.max_seq_len=1e9")
+    assert (err.key, err.message) == (
+        "model.max_seq_len",
+        "expected an integer, got the number 1000000000.0; write it as 1000000000",
+    )
     for text in ("1.5", "nan", "inf"):
         err = refused(f"train.max_steps={text}")
-        assert err.key == "train.max_steps" and err.message.startswith("expected an integer, got a number")
+        assert err.key == "train.max_steps" and err.message == f"expected an integer, got a number {float(text)!r}"
 
 
 def test_pretrain_cli_refuses_nan_lr(capsys):
@@ -205,8 +208,8 @@ def test_no_float_flag_is_parsed_by_plain_float():
     assert offenders == []
 
 
-def test_max_seq_len_1e9_is_refused_with_its_estimate_before_allocating():
-    cfg = load_recipe(None, ["model.max_seq_len=1e9", "model.vocab_size=512"]).model
+def test_max_seq_len_of_a_billion_is_refused_with_its_estimate_before_allocating():
+    cfg = load_recipe(None, ["model.max_seq_len=1_000_000_000", "model.vocab_size=512"]).model
     with pytest.raises(ConfigError) as err:
         build_model(cfg)
     assert err.value.key == "max_seq_len"
