@@ -1,6 +1,6 @@
 """Whether a tensor sized by a config fits in the memory of the device it would live on.
 
-A size such as ``model.max_seq_len=1e9`` or ``kiln generate --num-samples 200000`` is a valid
+A size such as ``model.max_seq_len=1_000_000_000`` or ``kiln generate --num-samples 200000`` is a valid
 integer whose allocation cannot succeed; the allocator's own failure is a traceback (or, on Linux,
 the kernel's OOM killer). Estimating the bytes first turns it into one line naming the key.
 """

@@ -69,7 +69,7 @@ def position_table_bytes(cfg: ModelConfig) -> int:
 
 def require_position_memory(cfg: ModelConfig, device: torch.device) -> None:
     """ConfigError("max_seq_len") when the position tables alone cannot fit on `device`, before any
-    allocation: a context such as max_seq_len=1e9 is a valid integer the allocator cannot serve."""
+    allocation: a context of a billion tokens is a valid integer the allocator cannot serve."""
     require_memory(
         "max_seq_len", f"the position tables for max_seq_len={cfg.max_seq_len}", position_table_bytes(cfg), device
     )
