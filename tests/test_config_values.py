@@ -249,7 +249,7 @@ def long_context_checkpoint(tmp_path_factory, kiln_tokenizer):
 
 
 def test_generate_200000_samples_is_refused_with_the_kv_cache_estimate(long_context_checkpoint, capsys):
-    # 200000 rows x 4000 slots x 2 layers x 2 kv heads x 16 x fp32, keys and values: ~390 GiB.
+    # 200000 rows x 4002 slots x 2 layers x 2 kv heads x 16 x fp32, keys and values: ~382 GiB.
     argv = [
         "generate",
         long_context_checkpoint,
