@@ -188,7 +188,7 @@ def test_generate_cli_refuses_non_finite_flags(capsys, flag, text):
         ["eval", "ckpt", "--code-timeout", "inf"],
         ["chat", "ckpt", "--top-p", "nan"],
         ["plan", "--tokens", "inf"],
-        ["report", "cost", "runs/x", "--price", "nan"],
+        ["report", "runs/x", "--price", "nan"],
     ],
 )
 def test_other_verbs_float_flags_refuse_non_finite(capsys, argv):
@@ -284,3 +284,19 @@ def test_kv_cache_estimate_is_what_the_engine_allocates_and_the_limit_is_exact(
     with pytest.raises(ConfigError) as err:
         sample_texts(model, kiln_tokenizer, cfg)
     assert err.value.key == "num_samples"
+
+
+@pytest.mark.parametrize(
+    "argv, line",
+    [
+        (
+            ["eval", "nowhere", "--temperature=-1"],
+            "--temperature: must be a finite number >= 0 (0 is greedy), got -1.0",
+        ),
+        (["eval", "nowhere", "--top-p", "2"], "--top-p: must be in (0, 1], got 2.0"),
+        (["plan", "--preset", "tiny", "--tokens=-5e9"], "--tokens: must be >= 0 (0: no budget to price), got -5e+09"),
+    ],
+)
+def test_other_verbs_check_the_range_of_float_flags(capsys, argv, line):
+    assert main(argv) == 2
+    assert capsys.readouterr().err.strip() == f"kiln: error: {line}"

@@ -16,6 +16,7 @@ from kiln.data.tokenizer import Tokenizer, find_tokenizer
 from kiln.errors import ConfigError
 from kiln.eval import tasks as T
 from kiln.eval.harness import KilnLM, evaluate, format_table, results_document, write_results
+from kiln.infer.config import SamplingParams
 from kiln.peft.load import load_model
 from kiln.post.config import TaskConfig
 
@@ -147,6 +148,10 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(_flag(key), f"must be >= 1, got {getattr(args, key)}")
     if args.code_timeout <= 0:
         raise ConfigError("--code-timeout", f"must be > 0, got {args.code_timeout}")
+    try:  # HumanEval's sampling flags, checked before the checkpoint loads
+        SamplingParams(temperature=args.temperature, top_p=args.top_p).validate()
+    except ConfigError as err:
+        raise ConfigError(_flag(err.key), err.message) from None
     ckpt = resolve_checkpoint(args.checkpoint)
     run_dir, default_name = _layout(ckpt.resolve())
     out = Path(args.out) if args.out else run_dir

@@ -190,6 +190,8 @@ def report(result: Plan, top: int, cost: dict | None) -> list[str]:
 def run_plan(args, recipe: tuple[ModelConfig, Workload] | None = None) -> int:
     """Prints the ranking (or JSON with --json); exit status 1 when no layout fits. `recipe`: the model
     (vocab_size resolved) and workload of args.recipe, see model_and_workload."""
+    if args.tokens < 0:
+        raise ConfigError("--tokens", f"must be >= 0 (0: no budget to price), got {args.tokens:g}")
     cfg, work = model_and_workload(args, recipe)
     cluster = ClusterConfig(
         gpu=args.gpu,
