@@ -82,6 +82,29 @@ def test_every_float_key_refuses_non_finite(cls, section, name, text):
     assert err.value.message == f"must be a finite number, got {value}"
 
 
+def valid_instance(cls, tmp_path):
+    """An instance of `cls` that validates: its defaults, or for the two configs whose defaults
+    cannot (they need a file or a rubric) a minimal valid one."""
+    if cls is JudgeConfig:
+        return JudgeConfig(rubric="be helpful", checkpoint="judge", policy="policy", prompts=["p.jsonl"])
+    if cls is STEPS["quality_classifier"]:
+        for name in ("clf.safetensors", "clf.json"):
+            (tmp_path / name).write_bytes(b"")
+        return cls(model_path=str(tmp_path / "clf.safetensors"))
+    return cls()
+
+
+@pytest.mark.parametrize("text", ["nan", "inf"])
+@pytest.mark.parametrize("cls, section, name", float_keys(), ids=lambda v: v if isinstance(v, str) else "")
+def test_every_validate_refuses_non_finite_in_python(cls, section, name, text, tmp_path):
+    """A config built in Python skips `build`; its validate() is written so NaN and inf fail too."""
+    base = valid_instance(cls, tmp_path)
+    base.validate()
+    with pytest.raises(ConfigError) as err:
+        dataclasses.replace(base, **{name: float(text)}).validate()
+    assert err.value.key == name
+
+
 def test_a_float_list_and_table_refuse_non_finite_too():
     with pytest.raises(ConfigError, match=r"pack.mixture.python_stdlib: must be a finite number, got nan"):
         load_recipe(None, ["pack.mixture={python_stdlib=nan}"])

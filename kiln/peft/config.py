@@ -39,8 +39,8 @@ class PeftConfig:
             raise ConfigError("method", f"must be one of {', '.join(METHODS)}, got {self.method!r}")
         if isinstance(self.r, bool) or not isinstance(self.r, int) or self.r < 1:
             raise ConfigError("r", f"must be an integer >= 1, got {self.r!r}")
-        if not self.alpha > 0:
-            raise ConfigError("alpha", f"must be positive, got {self.alpha!r}")
+        if not 0 < self.alpha < math.inf:  # also refuses NaN
+            raise ConfigError("alpha", f"must be a positive finite number, got {self.alpha!r}")
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError("dropout", f"must be in [0, 1), got {self.dropout!r}")
         if (

@@ -127,8 +127,8 @@ class DPOConfig:
     )
 
     def validate(self) -> None:
-        if self.beta <= 0:
-            raise ConfigError("beta", f"must be positive, got {self.beta}")
+        if not 0 < self.beta < math.inf:
+            raise ConfigError("beta", f"must be a positive finite number, got {self.beta}")
         if self.loss_type not in ("sigmoid", "ipo", "cdpo"):
             raise ConfigError("loss_type", f"must be sigmoid, ipo or cdpo, got {self.loss_type!r}")
         if not 0 <= self.label_smoothing < 0.5:
@@ -137,8 +137,8 @@ class DPOConfig:
             raise ConfigError("rejected", f"must be distractor or policy, got {self.rejected!r}")
         if self.rejected == "policy" and self.files:
             raise ConfigError("rejected", "'policy' builds pairs from the [tasks] answers; it cannot apply to files")
-        if self.nll_weight < 0:
-            raise ConfigError("nll_weight", f"must be >= 0, got {self.nll_weight}")
+        if not 0 <= self.nll_weight < math.inf:
+            raise ConfigError("nll_weight", f"must be a finite number >= 0, got {self.nll_weight}")
         try:
             self.train.validate()
         except ConfigError as err:
@@ -174,10 +174,12 @@ class GRPOConfig:
                 raise ConfigError(key, f"must be positive, got {getattr(self, key)}")
         if self.group_size < 2:
             raise ConfigError("group_size", "needs at least 2 completions per prompt to normalise rewards")
-        if self.temperature <= 0:
-            raise ConfigError("temperature", f"must be positive, got {self.temperature}")
-        if self.beta < 0:
-            raise ConfigError("beta", f"must be >= 0 (0: no KL term and no reference model), got {self.beta}")
+        if not 0 < self.temperature < math.inf:
+            raise ConfigError("temperature", f"must be a positive finite number, got {self.temperature}")
+        if not 0 <= self.beta < math.inf:
+            raise ConfigError(
+                "beta", f"must be a finite number >= 0 (0: no KL term and no reference model), got {self.beta}"
+            )
         if not 0 < self.clip_eps < 1:
             raise ConfigError("clip_eps", f"must be in (0, 1), got {self.clip_eps}")
         if self.epochs < 1:
@@ -217,10 +219,9 @@ class RMConfig:
     def validate(self) -> None:
         if not 0 < self.heldout_fraction < 0.5:
             raise ConfigError("heldout_fraction", f"must be in (0, 0.5), got {self.heldout_fraction}")
-        if self.margin < 0:
-            raise ConfigError("margin", f"must be >= 0, got {self.margin}")
-        if self.center_coef < 0:
-            raise ConfigError("center_coef", f"must be >= 0, got {self.center_coef}")
+        for key in ("margin", "center_coef"):
+            if not 0 <= getattr(self, key) < math.inf:
+                raise ConfigError(key, f"must be a finite number >= 0, got {getattr(self, key)}")
         try:
             self.train.validate()
         except ConfigError as err:
@@ -264,10 +265,11 @@ class PPOConfig:
             raise ConfigError("reward", "must be verifier, rm or a reward-model checkpoint path")
         if not self.critic_init:
             raise ConfigError("critic_init", "must be policy, rm or a reward-model checkpoint path")
-        if self.temperature <= 0:
+        if not 0 < self.temperature < math.inf:
             raise ConfigError(
                 "temperature",
-                f"must be positive (PPO needs the sampling distribution's log-probs), got {self.temperature}",
+                f"must be a positive finite number (PPO needs the sampling distribution's log-probs), "
+                f"got {self.temperature}",
             )
         if self.kl_estimator not in KL_ESTIMATORS:
             raise ConfigError("kl_estimator", f"must be one of {', '.join(KL_ESTIMATORS)}, got {self.kl_estimator!r}")
@@ -275,11 +277,11 @@ class PPOConfig:
             if not 0 <= getattr(self, key) <= 1:
                 raise ConfigError(key, f"must be in [0, 1], got {getattr(self, key)}")
         for key in ("clip", "value_clip", "vf_coef"):
-            if not getattr(self, key) > 0:
-                raise ConfigError(key, f"must be positive, got {getattr(self, key)}")
+            if not 0 < getattr(self, key) < math.inf:
+                raise ConfigError(key, f"must be a positive finite number, got {getattr(self, key)}")
         for key in ("kl_coef", "entropy_coef", "missing_stop_penalty"):
-            if getattr(self, key) < 0:
-                raise ConfigError(key, f"must be >= 0, got {getattr(self, key)}")
+            if not 0 <= getattr(self, key) < math.inf:
+                raise ConfigError(key, f"must be a finite number >= 0, got {getattr(self, key)}")
         try:
             self.train.validate()
         except ConfigError as err:
@@ -329,10 +331,12 @@ class DistillConfig:
                 "samples_per_prompt",
                 "several samples per prompt need gen_temperature > 0 (greedy answers are all the same)",
             )
-        if self.gen_temperature < 0:
-            raise ConfigError("gen_temperature", f"must be >= 0 (0 is greedy), got {self.gen_temperature}")
-        if self.temperature <= 0:
-            raise ConfigError("temperature", f"must be positive, got {self.temperature}")
+        if not 0 <= self.gen_temperature < math.inf:
+            raise ConfigError(
+                "gen_temperature", f"must be a finite number >= 0 (0 is greedy), got {self.gen_temperature}"
+            )
+        if not 0 < self.temperature < math.inf:
+            raise ConfigError("temperature", f"must be a positive finite number, got {self.temperature}")
         if not 0 <= self.alpha <= 1:
             raise ConfigError("alpha", f"must be in [0, 1], got {self.alpha}")
         try:
@@ -388,8 +392,8 @@ class JudgeConfig:
             raise ConfigError("model", "the openai backend needs the served model's name")
         if self.batch_size <= 0:
             raise ConfigError("batch_size", f"must be positive, got {self.batch_size}")
-        if self.tie_margin < 0:
-            raise ConfigError("tie_margin", f"must be >= 0, got {self.tie_margin}")
+        if not 0 <= self.tie_margin < math.inf:  # also refuses NaN
+            raise ConfigError("tie_margin", f"must be >= 0 and finite, got {self.tie_margin}")
         if bool(self.candidates) == bool(self.policy):
             raise ConfigError("candidates", "give candidate files or a policy checkpoint to sample them, not both")
         if self.policy:
@@ -397,9 +401,10 @@ class JudgeConfig:
                 raise ConfigError("prompts", "a policy needs JSONL prompt files to answer")
             if self.max_new_tokens <= 0:
                 raise ConfigError("max_new_tokens", f"must be positive, got {self.max_new_tokens}")
-            if self.temperature <= 0:
+            if not 0 < self.temperature < math.inf:  # also refuses NaN
                 raise ConfigError(
-                    "temperature", f"must be positive (greedy samples are identical), got {self.temperature}"
+                    "temperature",
+                    f"must be a positive finite number (greedy samples are identical), got {self.temperature}",
                 )
         else:
             self._refuse_set(("prompts", "max_new_tokens", "temperature", "seed"), "only applies with a policy")

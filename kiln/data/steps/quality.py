@@ -12,6 +12,7 @@ how each rule reads for Chinese, is written in docs/curate.md ("Heuristic filter
 
 from __future__ import annotations
 
+import math
 import re
 from collections import Counter
 from dataclasses import dataclass, field
@@ -97,12 +98,16 @@ class GopherQuality(Filter):
     def validate(self) -> None:
         if not 0 <= self.min_doc_words <= self.max_doc_words:
             raise ConfigError("min_doc_words", f"must be in [0, max_doc_words={self.max_doc_words}]")
+        if not self.max_avg_word_length < math.inf:  # also refuses NaN
+            raise ConfigError("max_avg_word_length", f"must be finite, got {self.max_avg_word_length}")
         if not 0 <= self.min_avg_word_length <= self.max_avg_word_length:
             raise ConfigError("min_avg_word_length", f"must be in [0, max_avg_word_length={self.max_avg_word_length}]")
         for key in ("max_bullet_lines_ratio", "max_ellipsis_lines_ratio", "min_alpha_words_ratio"):
             _check_fraction(key, getattr(self, key))
-        if self.max_symbol_word_ratio < 0:
-            raise ConfigError("max_symbol_word_ratio", f"must be >= 0, got {self.max_symbol_word_ratio}")
+        if not 0 <= self.max_symbol_word_ratio < math.inf:  # also refuses NaN
+            raise ConfigError(
+                "max_symbol_word_ratio", f"must be a finite number >= 0, got {self.max_symbol_word_ratio}"
+            )
         if self.min_stop_words < 0:
             raise ConfigError("min_stop_words", f"must be >= 0, got {self.min_stop_words}")
 
@@ -244,8 +249,8 @@ class GopherRepetition(Filter):
             _check_fraction(key, getattr(self, key))
         _check_ngram_table("top_ngram_max_fractions", self.top_ngram_max_fractions)
         _check_ngram_table("dup_ngram_max_fractions", self.dup_ngram_max_fractions)
-        if self.cjk_ngram_scale < 1:
-            raise ConfigError("cjk_ngram_scale", f"must be >= 1, got {self.cjk_ngram_scale}")
+        if not 1 <= self.cjk_ngram_scale < math.inf:  # also refuses NaN
+            raise ConfigError("cjk_ngram_scale", f"must be a finite number >= 1, got {self.cjk_ngram_scale}")
 
     def reason(self, doc: dict) -> str | None:
         text = doc["text"]
@@ -428,12 +433,14 @@ class FineWebQuality(Filter):
             _check_fraction(key, getattr(self, key))
         if self.short_line_length < 0:
             raise ConfigError("short_line_length", f"must be >= 0, got {self.short_line_length}")
-        if self.cjk_char_width < 1:
-            raise ConfigError("cjk_char_width", f"must be >= 1, got {self.cjk_char_width}")
+        if not 1 <= self.cjk_char_width < math.inf:  # also refuses NaN
+            raise ConfigError("cjk_char_width", f"must be a finite number >= 1, got {self.cjk_char_width}")
         if not self.end_marks:
             raise ConfigError("end_marks", "must name at least one character")
-        if self.max_newline_word_ratio is not None and self.max_newline_word_ratio < 0:
-            raise ConfigError("max_newline_word_ratio", f"must be >= 0, got {self.max_newline_word_ratio}")
+        if self.max_newline_word_ratio is not None and not 0 <= self.max_newline_word_ratio < math.inf:
+            raise ConfigError(
+                "max_newline_word_ratio", f"must be a finite number >= 0, got {self.max_newline_word_ratio}"
+            )
 
     def reason(self, doc: dict) -> str | None:
         s = fineweb_stats(
