@@ -10,6 +10,9 @@ with the same seed they are the tokens Engine.stream gives for it alone (samplin
 own `kiln.infer.sampling.sample_next_tokens`, one call per group of rows with equal sampling
 parameters, each row drawing from its own generator).
 
+A request that fails on its own (its prefill, sampling or text) gets the error and leaves the batch;
+the others go on unchanged. Only a failure of the batched decode forward fails every row.
+
 Requests are submitted from any thread; their events come back through a Handle that is iterated
 either synchronously (`for event in handle`) or from an asyncio loop (`async for`).
 """
@@ -164,15 +167,8 @@ class Scheduler:
         # Counters for tests and /health: joined_running counts requests admitted while other rows
         # were mid-generation, which is what continuous batching is for.
         # failures: forwards (prefill or decode) that failed; row_failures: requests that failed alone.
-        self.stats = {
-            "steps": 0,
-            "prefills": 0,
-            "tokens": 0,
-            "joined_running": 0,
-            "max_rows": 0,
-            "failures": 0,
-            "row_failures": 0,
-        }
+        names = ("steps", "prefills", "tokens", "joined_running", "max_rows", "failures", "row_failures")
+        self.stats = dict.fromkeys(names, 0)
         self._thread = threading.Thread(target=self._run, name="kiln-scheduler", daemon=True)
         self._thread.start()
 
