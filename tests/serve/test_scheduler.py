@@ -1,8 +1,6 @@
-import threading
-
 import pytest
 import torch
-from kiln_testing.models import ForcesToken
+from kiln_testing.models import ForcesToken, Gate
 
 from kiln.errors import ConfigError
 from kiln.infer.config import SamplingParams
@@ -23,23 +21,6 @@ def model():
     return build_model(
         ModelConfig(vocab_size=300, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=48, init_std=0.2)
     ).eval()
-
-
-class Gate(torch.nn.Module):
-    """The model, but forward call number `hold` waits until the test opens the gate: the test can
-    act while a request is known to be mid-generation, without timing."""
-
-    def __init__(self, inner, hold: int):
-        super().__init__()
-        self.inner, self.cfg, self.hold, self.calls = inner, inner.cfg, hold, 0
-        self.reached, self.open = threading.Event(), threading.Event()
-
-    def forward(self, tokens, **kwargs):
-        self.calls += 1
-        if self.calls == self.hold:
-            self.reached.set()
-            assert self.open.wait(30), "the test never opened the gate"
-        return self.inner(tokens, **kwargs)
 
 
 class Fails(torch.nn.Module):

@@ -9,6 +9,7 @@ import httpx
 import openai
 import pytest
 import torch
+from kiln_testing.models import Gate
 from kiln_testing.serving import serving
 
 from kiln.model import ModelConfig, build_model
@@ -17,23 +18,6 @@ from kiln.serve.app import create_app
 
 NAME = "tiny"
 DOOMED_SEED = 666
-
-
-class Gate(torch.nn.Module):
-    """The model, but forward call number `hold` waits until the test opens the gate, so a request
-    the test sends meanwhile surely joins the batch that is running."""
-
-    def __init__(self, inner, hold: int):
-        super().__init__()
-        self.inner, self.cfg, self.hold, self.calls = inner, inner.cfg, hold, 0
-        self.reached, self.open = threading.Event(), threading.Event()
-
-    def forward(self, tokens, **kwargs):
-        self.calls += 1
-        if self.calls == self.hold:
-            self.reached.set()
-            assert self.open.wait(60), "the test never opened the gate"
-        return self.inner(tokens, **kwargs)
 
 
 @pytest.fixture(scope="module")
