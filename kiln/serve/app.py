@@ -11,6 +11,7 @@ docs/serve.md.
 
 from __future__ import annotations
 
+import logging
 from contextlib import asynccontextmanager
 from typing import Sequence
 
@@ -20,9 +21,11 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from kiln.errors import ConfigError
-from kiln.serve.protocol import ERROR_STATUSES, APIError, ErrorResponse
+from kiln.serve.protocol import ERROR_STATUSES, APIError, ErrorResponse, internal_error
 from kiln.serve.routes import ServeState, router
 from kiln.serve.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
 
 
 class BodyLimit:
@@ -56,6 +59,33 @@ class BodyLimit:
         return await self.app(scope, limited, send)
 
 
+class InternalErrors:
+    """Answer an unexpected exception with a 500 in the OpenAI error shape and keep the connection.
+    Starlette's handler for Exception re-raises after answering, and uvicorn then closes the
+    keep-alive connection, so the client's next request on it would be reset."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def tracked(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception as err:
+            if started:
+                raise  # half a response is out: only closing the connection can end it
+            log.exception("request failed")
+            await JSONResponse(internal_error(err).body(), 500)(scope, receive, send)
+
+
 async def api_error_response(request: Request, err: APIError) -> JSONResponse:
     return JSONResponse(err.body(), err.status)
 
@@ -75,11 +105,6 @@ async def validation_error_response(request: Request, err: RequestValidationErro
 async def http_error_response(request: Request, err: HTTPException) -> JSONResponse:
     body = APIError(err.status_code, str(err.detail), code="request_too_large" if err.status_code == 413 else None)
     return JSONResponse(body.body(), err.status_code, headers=getattr(err, "headers", None))
-
-
-async def internal_error_response(request: Request, err: Exception) -> JSONResponse:
-    message = f"internal error: {type(err).__name__}: {err}"
-    return JSONResponse(APIError(500, message, type="server_error").body(), 500)
 
 
 @asynccontextmanager
@@ -134,7 +159,7 @@ def create_app(
     app.add_exception_handler(APIError, api_error_response)
     app.add_exception_handler(RequestValidationError, validation_error_response)
     app.add_exception_handler(HTTPException, http_error_response)
-    app.add_exception_handler(Exception, internal_error_response)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    app.add_middleware(InternalErrors)
     app.include_router(router)
     return app

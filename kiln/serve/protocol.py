@@ -9,6 +9,8 @@ rather than silently ignored; fields nobody declared are ignored, as vLLM does.
 
 from __future__ import annotations
 
+import json
+import math
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -30,6 +32,51 @@ class APIError(Exception):
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def _first_unusable(value, path: tuple) -> tuple[tuple, str] | None:
+    """(path, problem) of the first number that is not finite or string with a lone surrogate in a
+    parsed JSON value; None when every leaf can be used."""
+    if isinstance(value, float):
+        return None if math.isfinite(value) else (path, f"{value} is not a finite number")
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as err:
+            return path, f"has a lone surrogate (U+{ord(value[err.start]):04X}) at character {err.start}"
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            found = _first_unusable(key, path + (key,)) or _first_unusable(item, path + (key,))
+            if found:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            found = _first_unusable(item, path + (i,))
+            if found:
+                return found
+    return None
+
+
+def check_json_body(body: bytes) -> None:
+    """Refuse, naming the field, a JSON body that holds NaN, Infinity or -Infinity (Python's parser
+    accepts the literals, and a number too large for a float parses as inf) or a string with a lone
+    surrogate (JSON's \\ud800 escape; no tokenizer can encode it). Either would reach sampling or the
+    tokenizer and fail there. A body that is not JSON is left to the request's own parsing."""
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        return
+    found = _first_unusable(parsed, ())
+    if found is not None:
+        path, problem = found
+        param = ".".join(str(p) for p in path) or None
+        raise APIError(400, f"{param or 'body'}: {problem}", param=param)
+
+
+def internal_error(err: Exception) -> APIError:
+    """The 500 of a failure the server did not expect, naming it."""
+    return APIError(500, f"internal error: {type(err).__name__}: {err}", type="server_error")
 
 
 class ErrorDetail(BaseModel):

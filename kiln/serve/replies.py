@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -19,9 +20,12 @@ from kiln.serve.protocol import (
     TokenText,
     chat_logprob_entry,
     completion_logprobs,
+    internal_error,
     usage,
 )
 from kiln.serve.scheduler import PromptScores, SchedulerError, TokenEvent
+
+log = logging.getLogger(__name__)
 
 
 def sse(obj) -> str:
@@ -29,8 +33,8 @@ def sse(obj) -> str:
 
 
 def sse_response(chunks: AsyncIterator[str]) -> StreamingResponse:
-    """The chunks as an event stream ending in [DONE]; a generation failure mid-stream, after the
-    200 is sent, becomes an error event."""
+    """The chunks as an event stream ending in [DONE]; a failure mid-stream, after the 200 is sent,
+    becomes an error event, so the response still ends properly and its connection stays usable."""
 
     async def body():
         try:
@@ -38,6 +42,9 @@ def sse_response(chunks: AsyncIterator[str]) -> StreamingResponse:
                 yield chunk
         except SchedulerError as err:
             yield sse(APIError(500, str(err), type="server_error").body())
+        except Exception as err:
+            log.exception("stream failed")
+            yield sse(internal_error(err).body())
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(

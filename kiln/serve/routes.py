@@ -12,6 +12,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import HTMLResponse, JSONResponse
+from fastapi.routing import APIRoute
 
 from kiln.data.chat import chat_format, chat_stop_ids, chat_template_text, no_chat_format, render_prompt
 from kiln.errors import ConfigError, DataError
@@ -24,6 +25,7 @@ from kiln.serve.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
     TokenText,
+    check_json_body,
     messages_to_dicts,
     stop_strings,
 )
@@ -177,7 +179,24 @@ def submit(state: ServeState, requests: list[GenerationRequest], rename: dict[st
         raise APIError(429, f"server busy: {err}", type="rate_limit_error", code="rate_limit_exceeded") from None
 
 
-router = APIRouter()
+class CheckedBodyRoute(APIRoute):
+    """A route whose JSON body is checked for non-finite numbers and lone surrogates (check_json_body)
+    before FastAPI parses it into the request model: one check for every field of every endpoint,
+    including the fields pydantic would take as float('nan') or a str it cannot encode."""
+
+    def get_route_handler(self):
+        handler = super().get_route_handler()
+
+        async def checked(request: Request):
+            body = await request.body()  # cached on the request: FastAPI reads it again, for free
+            if body:
+                check_json_body(body)
+            return await handler(request)
+
+        return checked
+
+
+router = APIRouter(route_class=CheckedBodyRoute)
 
 
 @router.get("/", response_class=HTMLResponse, include_in_schema=False)

@@ -10,6 +10,9 @@ with the same seed they are the tokens Engine.stream gives for it alone (samplin
 own `kiln.infer.sampling.sample_next_tokens`, one call per group of rows with equal sampling
 parameters, each row drawing from its own generator).
 
+A request that fails on its own (its prefill, sampling or text) gets the error and leaves the batch;
+the others go on unchanged. Only a failure of the batched decode forward fails every row.
+
 Requests are submitted from any thread; their events come back through a Handle that is iterated
 either synchronously (`for event in handle`) or from an asyncio loop (`async for`).
 """
@@ -18,10 +21,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import queue
 import threading
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field, fields
 from typing import Sequence
 
 import torch
@@ -72,7 +76,8 @@ class Busy(RuntimeError):
 
 
 class SchedulerError(RuntimeError):
-    """The batch a request was in failed (or the scheduler stopped); other requests carry on."""
+    """The request failed (its own row, or the decode forward of its whole batch), or the scheduler
+    stopped; the other requests carry on."""
 
 
 _DONE = object()
@@ -161,7 +166,9 @@ class Scheduler:
         self._active = 0
         # Counters for tests and /health: joined_running counts requests admitted while other rows
         # were mid-generation, which is what continuous batching is for.
-        self.stats = {"steps": 0, "prefills": 0, "tokens": 0, "joined_running": 0, "max_rows": 0, "failures": 0}
+        # failures: forwards (prefill or decode) that failed; row_failures: requests that failed alone.
+        names = ("steps", "prefills", "tokens", "joined_running", "max_rows", "failures", "row_failures")
+        self.stats = dict.fromkeys(names, 0)
         self._thread = threading.Thread(target=self._run, name="kiln-scheduler", daemon=True)
         self._thread.start()
 
@@ -178,6 +185,10 @@ class Scheduler:
         """Raise ConfigError naming the field if the request cannot run."""
         cfg = self.model.cfg
         request.params.validate()
+        for f, value in zip(fields(request.params), astuple(request.params)):
+            # A NaN passes every range check above and fails the draw (or, on a GPU, the process).
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f.name, f"must be a finite number, got {value}")
         if request.max_tokens < 0:
             raise ConfigError("max_tokens", f"must be >= 0, got {request.max_tokens}")
         if not request.prompt:
@@ -238,7 +249,7 @@ class Scheduler:
             try:
                 with torch.inference_mode():
                     rows, cache, logits = self._step(rows, cache, logits, new)
-            except Exception as err:  # one bad batch must not take the server down
+            except Exception as err:  # the batched decode forward failed: no row can go on without it
                 log.exception("scheduler step failed")
                 self.stats["failures"] += 1
                 failed = SchedulerError(f"generation failed: {type(err).__name__}: {err}")
@@ -278,13 +289,7 @@ class Scheduler:
         if new:
             if rows:
                 self.stats["joined_running"] += len(new)
-            new_rows, new_cache, new_logits = self._prefill(new)
-            if new_rows:
-                if cache is None:
-                    rows, cache, logits = new_rows, new_cache, new_logits
-                else:
-                    cache.extend(new_cache)
-                    rows, logits = rows + new_rows, torch.cat([logits, new_logits])
+            rows, cache, logits = _joined((rows, cache, logits), self._prefill_isolated(new))
         self._active = len(rows)
         self.stats["max_rows"] = max(self.stats["max_rows"], len(rows))
         if not rows:
@@ -300,9 +305,33 @@ class Scheduler:
         tokens = torch.tensor(next_ids, device=self.device)[:, None]
         return rows, cache, self.model(tokens, kv_cache=cache)[:, -1].float()
 
+    def _fail(self, handle: Handle, err: Exception) -> None:
+        """One request failed on its own: it gets the error, its batch carries on without it."""
+        log.exception("request failed in the scheduler", exc_info=err)
+        self.stats["row_failures"] += 1
+        handle._put(SchedulerError(f"generation failed: {type(err).__name__}: {err}"))
+
+    def _prefill_isolated(self, handles: list[Handle]):
+        """_prefill; when the forward of a group of prompts fails, each prompt again alone, so the
+        one that cannot run fails by itself (the running rows are not touched: the new prompts
+        prefill in a cache of their own)."""
+        try:
+            return self._prefill(handles)
+        except Exception as err:
+            self.stats["failures"] += 1
+            if len(handles) == 1:
+                self._fail(handles[0], err)
+                return [], None, None
+        batch = ([], None, None)
+        for handle in handles:
+            batch = _joined(batch, self._prefill_isolated([handle]))
+        return batch
+
     def _prefill(self, handles: list[Handle]):
         """Run the new prompts through the model in a cache of their own. Returns the rows that go
-        on generating, their cache and their next-token logits; prompt-only requests end here."""
+        on generating, their cache and their next-token logits; prompt-only requests end here. The
+        forward is batched; what follows is per request, and a request that fails there fails alone.
+        Nothing is sent to any request before the forward has succeeded."""
         requests = [h.request for h in handles]
         lengths = [len(r.prompt) for r in requests]
         longest, max_seq_len = max(lengths), self.model.cfg.max_seq_len
@@ -315,13 +344,22 @@ class Scheduler:
         all_logits = self.model(tokens, kv_cache=cache)
         cache.set_lengths(lengths)
         self.stats["prefills"] += 1
-        for i, handle in enumerate(handles):
-            if handle.request.prompt_logprobs:
-                handle._put(self._prompt_scores(all_logits[i, : lengths[i]], handle.request))
-        going = [i for i, r in enumerate(requests) if r.max_tokens > 0]
-        for i, handle in enumerate(handles):
-            if requests[i].max_tokens == 0:
+        vocab = self.model.cfg.vocab_size
+        going, rows = [], []
+        for i, (handle, request) in enumerate(zip(handles, requests)):
+            try:
+                scores = self._prompt_scores(all_logits[i, : lengths[i]], request) if request.prompt_logprobs else None
+                row = _Row(handle, self.tokenizer, vocab, self.device) if request.max_tokens > 0 else None
+            except Exception as err:
+                self._fail(handle, err)
+                continue
+            if scores is not None:
+                handle._put(scores)
+            if row is None:
                 handle._put(_DONE)
+            else:
+                going.append(i)
+                rows.append(row)
         if not going:
             return [], None, None
         last = all_logits[
@@ -329,8 +367,7 @@ class Scheduler:
         ].float()
         if len(going) < len(requests):
             cache.keep(going)
-        vocab = self.model.cfg.vocab_size
-        return [_Row(handles[i], self.tokenizer, vocab, self.device) for i in going], cache, last
+        return rows, cache, last
 
     @staticmethod
     def _prompt_scores(logits: torch.Tensor, request: GenerationRequest) -> PromptScores:
@@ -347,54 +384,94 @@ class Scheduler:
             tops += [[] for _ in chosen]
         return PromptScores([None] + chosen, tops)
 
-    def _sample(self, rows: list[_Row], logits: torch.Tensor) -> tuple[list[int], list[int]]:
-        """Sample each row's next token, send it, and return (tokens, indices of unfinished rows)."""
+    def _draw(self, rows: list[_Row], logits: torch.Tensor, idx: list[int], new: list, logprob: list) -> None:
+        """The next token and its logprob of rows idx (all with the same sampling parameters), in
+        one call, into new and logprob."""
+        params = rows[idx[0]].request.params
+        index = torch.tensor(idx, device=self.device)
+        seen = None
+        if params.repetition_penalty != 1.0:
+            seen = torch.stack([rows[i].seen for i in idx])
+        tokens, lps, _, _ = sample_next_tokens(logits[index], params, seen, [rows[i].generator for i in idx])
+        for i, token, lp in zip(idx, tokens, lps):
+            new[i], logprob[i] = token, lp
+
+    def _draw_isolated(self, rows: list[_Row], logits: torch.Tensor) -> tuple[list, list, dict[int, Exception]]:
+        """Every row's next token and logprob, one call per group of rows with equal sampling
+        parameters, and {row index: error} of the rows that could not be sampled. A group whose call
+        raises is drawn again row by row, each generator back at its state before the group's call,
+        so a row that fails alone takes no other row with it and the others draw what they would
+        have."""
         groups: dict[SamplingParams, list[int]] = {}
         for i, row in enumerate(rows):
             groups.setdefault(row.request.params, []).append(i)
-        new = [0] * len(rows)
-        logprob = [0.0] * len(rows)
+        new: list = [0] * len(rows)
+        logprob: list = [0.0] * len(rows)
+        failed: dict[int, Exception] = {}
         for params, idx in groups.items():
-            index = torch.tensor(idx, device=self.device)
-            seen = None
-            if params.repetition_penalty != 1.0:
-                seen = torch.stack([rows[i].seen for i in idx])
-            tokens, lps, _, _ = sample_next_tokens(logits[index], params, seen, [rows[i].generator for i in idx])
-            for i, token, lp in zip(idx, tokens, lps):
-                new[i], logprob[i] = token, lp
-        tops = self._top_logprobs(rows, logits, new, logprob)
-        max_seq_len = self.model.cfg.max_seq_len
+            states = [rows[i].generator.get_state() for i in idx] if params.temperature != 0 else None
+            try:
+                self._draw(rows, logits, idx, new, logprob)
+                continue
+            except Exception:
+                pass
+            for j, i in enumerate(idx):
+                if states is not None:
+                    rows[i].generator.set_state(states[j])
+                try:
+                    self._draw(rows, logits, [i], new, logprob)
+                except Exception as err:
+                    failed[i] = err
+        return new, logprob, failed
+
+    def _sample(self, rows: list[_Row], logits: torch.Tensor) -> tuple[list[int], list[int]]:
+        """Sample each row's next token, send it, and return (tokens, indices of unfinished rows).
+        A row whose sampling or text fails gets its error and leaves the batch; the others go on."""
+        new, logprob, failed = self._draw_isolated(rows, logits)
+        tops = self._top_logprobs(rows, logits, new, logprob, failed)
         keep = []
         for i, row in enumerate(rows):
-            token, request = new[i], row.request
-            if row.seen is not None:
-                row.seen[token] = True
-            row.generated += 1
-            piece, finish = "", None
-            if token in row.stop_ids:
-                finish = "stop"
-            elif row.text is not None:
-                piece, stop = row.text.push(token)
-                finish = "stop" if stop is not None else None
-            if finish is None and (
-                row.generated == request.max_tokens or len(request.prompt) + row.generated >= max_seq_len
-            ):
-                finish = "length"
-            if finish is not None and row.text is not None:
-                piece += row.text.finish()
-            row.handle._put(TokenEvent(token, piece, logprob[i], tops[i], finish))
-            if finish is None:
-                keep.append(i)
-            else:
-                row.handle._put(_DONE)
+            if i not in failed:
+                try:
+                    finish = self._send(row, new[i], logprob[i], tops[i])
+                except Exception as err:
+                    failed[i] = err
+                else:
+                    if finish is None:
+                        keep.append(i)
+                    continue
+            self._fail(row.handle, failed[i])
         return new, keep
 
-    def _top_logprobs(self, rows, logits, new, logprob) -> list:
+    def _send(self, row: _Row, token: int, logprob: float, top) -> str | None:
+        """Send the row its new token (with the text it completes) and return its finish reason."""
+        request = row.request
+        if row.seen is not None:
+            row.seen[token] = True
+        row.generated += 1
+        piece, finish = "", None
+        if token in row.stop_ids:
+            finish = "stop"
+        elif row.text is not None:
+            piece, stop = row.text.push(token)
+            finish = "stop" if stop is not None else None
+        if finish is None and (
+            row.generated == request.max_tokens or len(request.prompt) + row.generated >= self.model.cfg.max_seq_len
+        ):
+            finish = "length"
+        if finish is not None and row.text is not None:
+            piece += row.text.finish()
+        row.handle._put(TokenEvent(token, piece, logprob, top, finish))
+        if finish is not None:
+            row.handle._put(_DONE)
+        return finish
+
+    def _top_logprobs(self, rows, logits, new, logprob, failed) -> list:
         """Top-k (id, logprob) per row that asked for logprobs. The chosen token's logprob is taken
         from the same tensor, so a greedy token equals the best top entry exactly (lm-eval's
         is_greedy test compares them with ==)."""
         tops: list = [None] * len(rows)
-        want = [i for i, r in enumerate(rows) if r.request.logprobs is not None]
+        want = [i for i, r in enumerate(rows) if r.request.logprobs is not None and i not in failed]
         if not want:
             return tops
         index = torch.tensor(want, device=self.device)
@@ -407,3 +484,15 @@ class Scheduler:
             n = rows[i].request.logprobs
             tops[i] = list(zip(ids[j, :n].tolist(), values[j, :n].tolist())) if n > 0 else []
         return tops
+
+
+def _joined(running: tuple, new: tuple) -> tuple:
+    """(rows, cache, logits) of a running batch with newly prefilled rows appended after its own."""
+    rows, cache, logits = running
+    new_rows, new_cache, new_logits = new
+    if not new_rows:
+        return running
+    if not rows:
+        return new
+    cache.extend(new_cache)
+    return rows + new_rows, cache, torch.cat([logits, new_logits])

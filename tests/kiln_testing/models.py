@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 
@@ -19,6 +21,24 @@ class Scripted(torch.nn.Module):
         logits[..., self.script[min(self.calls, len(self.script) - 1)]] += 1000.0
         self.calls += 1
         return logits
+
+
+class Gate(torch.nn.Module):
+    """The model, but forward call number `hold` waits until the test opens the gate: the test can
+    act while a request is known to be mid-generation (and a request it sends meanwhile surely
+    joins the running batch), without timing."""
+
+    def __init__(self, inner, hold: int):
+        super().__init__()
+        self.inner, self.cfg, self.hold, self.calls = inner, inner.cfg, hold, 0
+        self.reached, self.open = threading.Event(), threading.Event()
+
+    def forward(self, tokens, **kwargs):
+        self.calls += 1
+        if self.calls == self.hold:
+            self.reached.set()
+            assert self.open.wait(60), "the test never opened the gate"
+        return self.inner(tokens, **kwargs)
 
 
 class ForcesToken(torch.nn.Module):

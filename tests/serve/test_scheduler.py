@@ -1,13 +1,12 @@
-import threading
-
 import pytest
 import torch
-from kiln_testing.models import ForcesToken
+from kiln_testing.models import ForcesToken, Gate
 
 from kiln.errors import ConfigError
 from kiln.infer.config import SamplingParams
-from kiln.infer.engine import Engine, KVCache
+from kiln.infer.engine import Engine, KVCache, TextStream
 from kiln.model import ModelConfig, build_model
+from kiln.serve import scheduler as scheduler_module
 from kiln.serve.scheduler import Busy, GenerationRequest, PromptScores, Scheduler, SchedulerError, TokenEvent
 
 PROMPTS = [[5, 17, 42], [1, 2, 3, 4, 5, 6, 7, 8, 9], [9], [33, 2, 250, 7, 7]]
@@ -22,23 +21,6 @@ def model():
     return build_model(
         ModelConfig(vocab_size=300, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=48, init_std=0.2)
     ).eval()
-
-
-class Gate(torch.nn.Module):
-    """The model, but forward call number `hold` waits until the test opens the gate: the test can
-    act while a request is known to be mid-generation, without timing."""
-
-    def __init__(self, inner, hold: int):
-        super().__init__()
-        self.inner, self.cfg, self.hold, self.calls = inner, inner.cfg, hold, 0
-        self.reached, self.open = threading.Event(), threading.Event()
-
-    def forward(self, tokens, **kwargs):
-        self.calls += 1
-        if self.calls == self.hold:
-            self.reached.set()
-            assert self.open.wait(30), "the test never opened the gate"
-        return self.inner(tokens, **kwargs)
 
 
 class Fails(torch.nn.Module):
@@ -284,3 +266,99 @@ def test_events_reach_an_asyncio_consumer(model, scheduler_for):
     events = asyncio.run(main())
     assert all(isinstance(e, TokenEvent) for e in events)
     assert [e.id for e in events] == Engine(model).generate([PROMPTS[0]], 6, temperature=0)[0].ids
+
+
+DOOMED_SEED = 666  # the request the tests break on purpose draws from a generator with this seed
+
+
+def ids_alone(model, tokenizer, request):
+    """The tokens the scheduler gives request when it runs on its own."""
+    scheduler = Scheduler(model, tokenizer)
+    try:
+        return [e.id for e in collect(scheduler.submit([request])[0])[1]]
+    finally:
+        scheduler.close()
+
+
+def healthy_requests():
+    """A greedy row and a seeded sampled one, with the doomed request's sampling parameters."""
+    return [
+        GenerationRequest(PROMPTS[0], 12, SamplingParams(temperature=0), stop_token_ids=(0,)),
+        GenerationRequest(PROMPTS[1], 12, SamplingParams(temperature=0.8, top_p=0.9), seed=3),
+    ]
+
+
+def assert_only_the_doomed_one_failed(model, tokenizer, scheduler, healthy, doomed, match):
+    handles = scheduler.submit([healthy[0], doomed, healthy[1]])
+    with pytest.raises(SchedulerError, match=match):
+        collect(handles[1])
+    for request, handle in zip(healthy, (handles[0], handles[2])):
+        assert [e.id for e in collect(handle)[1]] == ids_alone(model, tokenizer, request)
+    assert scheduler.stats["row_failures"] == 1 and scheduler.alive
+
+
+def test_a_row_whose_sampling_fails_fails_alone(model, scheduler_for, monkeypatch):
+    """The doomed row shares its sampling call with a seeded row, and the failure comes after every
+    generator of the call has drawn: the seeded row still draws exactly what it draws alone."""
+    real = scheduler_module.sample_next_tokens
+
+    def breaks_on_the_doomed_row(logits, params, seen, generators):
+        out = real(logits, params, seen, generators)
+        if any(g.initial_seed() == DOOMED_SEED for g in generators):
+            raise RuntimeError("injected sampling failure")
+        return out
+
+    healthy = healthy_requests()
+    for params in (healthy[0].params, healthy[1].params):
+        doomed = GenerationRequest(PROMPTS[2], 12, params, seed=DOOMED_SEED)
+        scheduler = scheduler_for(model, max_batch=8)
+        monkeypatch.setattr(scheduler_module, "sample_next_tokens", breaks_on_the_doomed_row)
+        assert_only_the_doomed_one_failed(model, None, scheduler, healthy, doomed, "injected sampling failure")
+        monkeypatch.setattr(scheduler_module, "sample_next_tokens", real)  # ids_alone runs unbroken
+
+
+def test_a_nan_temperature_is_refused_and_fails_alone_if_it_slips_through(model, scheduler_for, monkeypatch):
+    scheduler = scheduler_for(model, max_batch=8)
+    for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+        with pytest.raises(ConfigError) as err:
+            scheduler.submit([GenerationRequest(PROMPTS[0], 3, SamplingParams(**{name: float("nan")}))])
+        assert err.value.key == name and "nan" in err.value.message
+    monkeypatch.setattr(scheduler, "check", lambda request: None)
+    doomed = GenerationRequest(PROMPTS[2], 12, SamplingParams(temperature=float("nan")), seed=DOOMED_SEED)
+    assert_only_the_doomed_one_failed(model, None, scheduler, healthy_requests(), doomed, "generation failed")
+
+
+def test_a_row_whose_text_fails_fails_alone(model, byte_tokenizer, scheduler_for, monkeypatch):
+    real = TextStream.push
+
+    def breaks_on_boom(self, token):
+        if "boom" in self.stop_strings:
+            raise ValueError("injected detokenizer failure")
+        return real(self, token)
+
+    monkeypatch.setattr(TextStream, "push", breaks_on_boom)
+    scheduler = scheduler_for(model, byte_tokenizer, max_batch=8)
+    doomed = GenerationRequest(PROMPTS[2], 12, SamplingParams(temperature=0), [0], ["boom"])
+    healthy = healthy_requests()
+    assert_only_the_doomed_one_failed(model, byte_tokenizer, scheduler, healthy, doomed, "injected detokenizer")
+
+
+class FailsOnToken(torch.nn.Module):
+    """The model, but a forward whose tokens include `token` raises: a prompt that cannot run."""
+
+    def __init__(self, inner, token: int):
+        super().__init__()
+        self.inner, self.cfg, self.token = inner, inner.cfg, token
+
+    def forward(self, tokens, **kwargs):
+        if (tokens == self.token).any():
+            raise RuntimeError("injected prefill failure")
+        return self.inner(tokens, **kwargs)
+
+
+def test_a_prompt_whose_prefill_fails_fails_alone(model, scheduler_for):
+    """The three prompts prefill in one forward, which fails; each again alone, only one fails."""
+    scheduler = scheduler_for(FailsOnToken(model, 299), max_batch=8)
+    doomed = GenerationRequest([7, 299, 3], 12, SamplingParams(temperature=0))
+    assert_only_the_doomed_one_failed(model, None, scheduler, healthy_requests(), doomed, "injected prefill failure")
+    assert scheduler.stats["prefills"] == 2 and scheduler.stats["failures"] == 2
