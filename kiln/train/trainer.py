@@ -19,6 +19,7 @@ import torch
 from tqdm import tqdm
 
 from kiln.checkpoint import (
+    MANIFEST_FILE,
     CheckpointManager,
     ShardedSaver,
     capture_rng_state,
@@ -265,13 +266,13 @@ class Trainer:
                 )
             found = None
         elif resume == "auto":
-            found = self.ckpt.load_newest_valid()
+            found = self.ckpt.load_newest_valid(quarantine=self.is_main)
         else:
             folder = resolve_checkpoint(resume)
             found = (folder, *self.ckpt.load(folder))
         if found is None:
             if self.is_main:
-                (self.out_dir / "metrics.jsonl").unlink(missing_ok=True)
+                self._set_metrics_aside()
             return None
         folder, manifest = found[:2]
         saved_cfg = manifest["model_config"]
@@ -280,6 +281,19 @@ class Trainer:
         if changed:
             raise ConfigError("model", f"differs from the checkpoint {folder} being resumed ({'; '.join(changed)})")
         return found
+
+    def _set_metrics_aside(self) -> None:
+        """A run starting from step 0 logs afresh; the log an earlier attempt left (one whose
+        checkpoints were all damaged, or that died before its first save) is kept beside it."""
+        path = self.out_dir / "metrics.jsonl"
+        if not path.is_file() or path.stat().st_size == 0:
+            path.unlink(missing_ok=True)
+            return
+        n = 1
+        while (kept := path.with_name(f"metrics.previous-{n}.jsonl")).exists():
+            n += 1
+        path.rename(kept)
+        print(f"starting from step 0; the earlier {path.name} is kept as {kept.name}")
 
     def _resume(self, found, init_from) -> str:
         folder, manifest, model_state, train_state = found
@@ -630,8 +644,16 @@ class Trainer:
             "threads": torch.get_num_threads() if self.device.type == "cpu" else None,
             "device_name": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None,
             "wall_s": time.perf_counter() - start_wall,
-            "checkpoint": str(self.ckpt.root / self.ckpt.latest_name) if self.ckpt.latest_name else None,
+            "checkpoint": self._latest_checkpoint(),
         }
+
+    def _latest_checkpoint(self) -> str | None:
+        """The folder `latest` names, if it is a complete checkpoint (summary.json never names a
+        folder that is gone)."""
+        name = self.ckpt.latest_name
+        if name is None or not (self.ckpt.root / name / MANIFEST_FILE).is_file():
+            return None
+        return str(self.ckpt.root / name)
 
     # ---- guard responses and events ---------------------------------------------------------------
 

@@ -268,8 +268,9 @@ def test_checkpoint_saved_in_the_old_fused_layout_is_converted_on_load(tmp_path)
         old[name] = t
     folder = save_weights(tmp_path / "old", cfg, old)
     manifest = json.loads((folder / "manifest.json").read_text())
-    # Such a manifest had no weights_layout, and no self-checksum either.
+    # Such a manifest (format 1) had no weights_layout, and no self-checksum either.
     del manifest["weights_layout"], manifest["manifest_sha256"]
+    manifest["format"] = 1
     (folder / "manifest.json").write_text(json.dumps(manifest))
     _, state, _ = load_weights(folder)
     for name, t in model.state_dict().items():
