@@ -126,3 +126,14 @@ def test_a_deleted_manifest_checksum_is_refused_unless_the_format_predates_it(tm
         assert manager.load_newest_valid()[1]["loader"] == {"position": 100}
     _rewrite(newer, lambda m: m.update(format=1), checksum=False)  # written before the checksum existed
     assert read_manifest(newer)["loader"] == {"position": 999}
+
+
+def test_pruning_never_deletes_the_checkpoint_it_just_published(tmp_path):
+    """A root that still holds a newer step folder (here step 10, left by another run): keep_last=1
+    would otherwise delete step 2 the moment `latest` names it."""
+    other = CheckpointManager(tmp_path, keep_last=1)
+    _save(other, 10)
+    (tmp_path / "latest").unlink()
+    manager = CheckpointManager(tmp_path, keep_last=1, keep_best=False)
+    folder = _save(manager, 2)
+    assert (folder / "manifest.json").is_file() and manager.latest_name == folder.name
