@@ -64,16 +64,19 @@ EXTENDS = {"pretrain": "train.max_steps"}
 EXTENSIONS_LOG = "extensions.jsonl"  # the DONE markers an extended stage had, oldest first
 
 
-def stage_inputs(recipe: Recipe, stage: str) -> dict:
-    """The config sections that shape the stage's output, as plain data."""
+def _sections(recipe: Recipe, stage: str) -> dict:
     # The data section shapes downstream output only when the run curates its corpus.
-    sections = [n for n in STAGE_INPUTS[stage] if n != "data" or "data" in recipe.run.stages]
-    return json.loads(json.dumps({name: dataclasses.asdict(getattr(recipe, name)) for name in sections}, default=str))
+    names = [n for n in STAGE_INPUTS[stage] if n != "data" or "data" in recipe.run.stages]
+    return {name: dataclasses.asdict(getattr(recipe, name)) for name in names}
+
+
+def stage_inputs(recipe: Recipe, stage: str) -> dict:
+    """The config sections that shape the stage's output, as the JSON its DONE marker records."""
+    return json.loads(json.dumps(_sections(recipe, stage), default=str))
 
 
 def fingerprint(recipe: Recipe, stage: str) -> str:
-    parts = {name: dataclasses.asdict(getattr(recipe, name)) for name in stage_inputs(recipe, stage)}
-    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+    return hashlib.sha256(json.dumps(_sections(recipe, stage), sort_keys=True).encode()).hexdigest()[:16]
 
 
 def changed_keys(before: dict, after: dict, prefix: str = "") -> dict[str, tuple]:
@@ -89,12 +92,12 @@ def changed_keys(before: dict, after: dict, prefix: str = "") -> dict[str, tuple
     return out
 
 
-def _describe(changes: dict[str, tuple] | None) -> str:
+def _reason(changes: dict[str, tuple] | None, force: bool) -> str:
+    if force:
+        return "rerun by --force"
     if changes is None:
-        return "its DONE marker does not record its inputs"
-    if not changes:
-        return "--force"
-    return "; ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in changes.items())
+        return "inputs changed (its DONE marker does not record which)"
+    return "inputs changed (" + "; ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in changes.items()) + ")"
 
 
 def stage_dir(recipe: Recipe, stage: str) -> Path:
@@ -175,8 +178,8 @@ def _prepare_stage_dir(recipe: Recipe, stage: str, force: bool) -> None:
     out = stage_dir(recipe, stage)
     marker = out / MARKER
     if out.exists() and (marker.exists() or stage not in RESUMABLE or force):
-        changes = _marker_changes(recipe, stage) if marker.exists() and not force else ({} if force else None)
-        if changes is not None and _extends(stage, changes):
+        changes = _marker_changes(recipe, stage) if marker.exists() else None
+        if not force and changes is not None and _extends(stage, changes):
             key = EXTENDS[stage]
             old, new = changes[key]
             print(f"[{stage}] extending the run: {key}: {old} -> {new}; resuming from its newest checkpoint")
@@ -189,10 +192,10 @@ def _prepare_stage_dir(recipe: Recipe, stage: str, force: bool) -> None:
             # Checkpoints cost compute to remake: every earlier output of a training stage is kept.
             previous = _next_previous(out)
             out.rename(previous)
-            print(f"[{stage}] inputs changed ({_describe(changes)}); earlier output kept in {previous}")
+            print(f"[{stage}] {_reason(changes, force)}; earlier output kept in {previous}")
         else:  # stale or partial output of a stage that cannot resume: rebuild from scratch
             if marker.exists():
-                print(f"[{stage}] inputs changed ({_describe(changes)}); rebuilding")
+                print(f"[{stage}] {_reason(changes, force)}; rebuilding")
             shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
 

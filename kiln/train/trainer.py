@@ -19,7 +19,6 @@ import torch
 from tqdm import tqdm
 
 from kiln.checkpoint import (
-    MANIFEST_FILE,
     CheckpointManager,
     ShardedSaver,
     capture_rng_state,
@@ -644,16 +643,8 @@ class Trainer:
             "threads": torch.get_num_threads() if self.device.type == "cpu" else None,
             "device_name": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None,
             "wall_s": time.perf_counter() - start_wall,
-            "checkpoint": self._latest_checkpoint(),
+            "checkpoint": str(self.ckpt.root / self.ckpt.latest_name) if self.ckpt.latest_name else None,
         }
-
-    def _latest_checkpoint(self) -> str | None:
-        """The folder `latest` names, if it is a complete checkpoint (summary.json never names a
-        folder that is gone)."""
-        name = self.ckpt.latest_name
-        if name is None or not (self.ckpt.root / name / MANIFEST_FILE).is_file():
-            return None
-        return str(self.ckpt.root / name)
 
     # ---- guard responses and events ---------------------------------------------------------------
 
