@@ -1,9 +1,11 @@
 """`kiln run`: the stages a recipe names, in order, each into runs/<name>/<stage>/.
 
 A finished stage leaves a DONE marker holding a fingerprint of every config section that shaped
-its output (its own and its upstream stages'). A rerun skips a stage whose marker matches; a stage
-whose inputs changed is rebuilt from scratch, and so, through the fingerprints, is everything
-downstream of it. Pretraining without a marker resumes from its newest complete checkpoint.
+its output (its own and its upstream stages') and those sections themselves. A rerun skips a stage
+whose marker matches; a stage whose inputs changed is rebuilt, and so, through the fingerprints, is
+everything downstream of it. A training stage's earlier output is never deleted: it moves to
+<stage>.previous-N. Pretraining without a marker resumes from its newest complete checkpoint, and
+so does a finished pretraining whose only change is a larger train.max_steps (extending the run).
 """
 
 from __future__ import annotations
@@ -22,11 +24,13 @@ from kiln.data.corpus import build_corpus
 from kiln.data.curate import curate
 from kiln.data.pack import pack
 from kiln.data.tokenizer import Tokenizer, train_tokenizer_from_corpus
+from kiln.errors import ConfigError, DataError
 from kiln.parallel.dims import check_job_options, init_distributed
 from kiln.parallel.launch import add_launch_parser, run_launch
 from kiln.parallel.plan import Workload
 from kiln.parallel.plan_cli import add_plan_parser, run_plan
 from kiln.recipe import POST_STAGES, STAGES, Recipe, load_recipe, recipe_to_dict
+from kiln.train.schedule import lr_at
 
 # Which recipe sections determine each stage's output, upstream included.
 STAGE_INPUTS = {
@@ -54,13 +58,46 @@ STAGE_INPUTS = {
 }
 MARKER = "DONE"
 RESUMABLE = ("pretrain", *POST_STAGES)  # stages that continue from their own checkpoints
+# The one key whose increase continues a finished stage from its checkpoints instead of starting
+# it again: the steps already taken are the steps the longer run takes first.
+EXTENDS = {"pretrain": "train.max_steps"}
+EXTENSIONS_LOG = "extensions.jsonl"  # the DONE markers an extended stage had, oldest first
+
+
+def _sections(recipe: Recipe, stage: str) -> dict:
+    # The data section shapes downstream output only when the run curates its corpus.
+    names = [n for n in STAGE_INPUTS[stage] if n != "data" or "data" in recipe.run.stages]
+    return {name: dataclasses.asdict(getattr(recipe, name)) for name in names}
+
+
+def stage_inputs(recipe: Recipe, stage: str) -> dict:
+    """The config sections that shape the stage's output, as the JSON its DONE marker records."""
+    return json.loads(json.dumps(_sections(recipe, stage), default=str))
 
 
 def fingerprint(recipe: Recipe, stage: str) -> str:
-    # The data section shapes downstream output only when the run curates its corpus.
-    sections = [n for n in STAGE_INPUTS[stage] if n != "data" or "data" in recipe.run.stages]
-    parts = {name: dataclasses.asdict(getattr(recipe, name)) for name in sections}
-    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+    return hashlib.sha256(json.dumps(_sections(recipe, stage), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def changed_keys(before: dict, after: dict, prefix: str = "") -> dict[str, tuple]:
+    """Dotted key -> (before, after) for every leaf value that differs."""
+    out = {}
+    for key in sorted(set(before) | set(after), key=str):
+        old, new = before.get(key), after.get(key)
+        name = f"{prefix}{key}"
+        if isinstance(old, dict) and isinstance(new, dict):
+            out.update(changed_keys(old, new, name + "."))
+        elif old != new:
+            out[name] = (old, new)
+    return out
+
+
+def _reason(changes: dict[str, tuple] | None, force: bool) -> str:
+    if force:
+        return "rerun by --force"
+    if changes is None:
+        return "inputs changed (its DONE marker does not record which)"
+    return "inputs changed (" + "; ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in changes.items()) + ")"
 
 
 def stage_dir(recipe: Recipe, stage: str) -> Path:
@@ -102,17 +139,7 @@ def run_recipe(
             results[stage] = json.loads(marker.read_text()).get("stats", {})
             continue
         if rank == 0:
-            if out.exists() and (marker.exists() or stage not in RESUMABLE or force):
-                if stage in RESUMABLE:
-                    # Checkpoints cost compute to remake: a stale training stage is kept one
-                    # generation back instead of deleted.
-                    previous = out.with_name(out.name + ".previous")
-                    shutil.rmtree(previous, ignore_errors=True)
-                    out.rename(previous)
-                    print(f"[{stage}] inputs changed; earlier output kept in {previous}")
-                else:  # stale or partial output of a stage that cannot resume: rebuild from scratch
-                    shutil.rmtree(out)
-            out.mkdir(parents=True, exist_ok=True)
+            _prepare_stage_dir(recipe, stage, force)
             print(f"[{stage}] -> {out}")
         _barrier(world)
         started = time.time()
@@ -129,7 +156,12 @@ def run_recipe(
             tmp = marker.with_name(marker.name + ".tmp")
             tmp.write_text(
                 json.dumps(
-                    {"fingerprint": fingerprint(recipe, stage), "seconds": seconds, "stats": stats},
+                    {
+                        "fingerprint": fingerprint(recipe, stage),
+                        "inputs": stage_inputs(recipe, stage),
+                        "seconds": seconds,
+                        "stats": stats,
+                    },
                     indent=2,
                     default=str,
                 )
@@ -138,6 +170,68 @@ def run_recipe(
         _barrier(world)
         results[stage] = stats if stats is not None else json.loads(marker.read_text()).get("stats", {})
     return results
+
+
+def _prepare_stage_dir(recipe: Recipe, stage: str, force: bool) -> None:
+    """Make the stage's folder ready to run into: an extended stage keeps its folder (and resumes),
+    a stale training stage moves to <stage>.previous-N, other stale or partial output is removed."""
+    out = stage_dir(recipe, stage)
+    marker = out / MARKER
+    if out.exists() and (marker.exists() or stage not in RESUMABLE or force):
+        changes = _marker_changes(recipe, stage) if marker.exists() else None
+        if not force and changes is not None and _extends(stage, changes):
+            key = EXTENDS[stage]
+            old, new = changes[key]
+            print(f"[{stage}] extending the run: {key}: {old} -> {new}; resuming from its newest checkpoint")
+            _print_schedule_change(recipe, old)
+            with open(out / EXTENSIONS_LOG, "a") as f:
+                f.write(json.dumps(json.loads(marker.read_text())) + "\n")
+            marker.unlink()
+            (out / "stats.json").unlink(missing_ok=True)
+        elif stage in RESUMABLE:
+            # Checkpoints cost compute to remake: every earlier output of a training stage is kept.
+            previous = _next_previous(out)
+            out.rename(previous)
+            print(f"[{stage}] {_reason(changes, force)}; earlier output kept in {previous}")
+        else:  # stale or partial output of a stage that cannot resume: rebuild from scratch
+            if marker.exists():
+                print(f"[{stage}] {_reason(changes, force)}; rebuilding")
+            shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+
+
+def _marker_changes(recipe: Recipe, stage: str) -> dict[str, tuple] | None:
+    try:
+        recorded = json.loads((stage_dir(recipe, stage) / MARKER).read_text()).get("inputs")
+    except (ValueError, AttributeError):
+        return None
+    return changed_keys(recorded, stage_inputs(recipe, stage)) if isinstance(recorded, dict) else None
+
+
+def _extends(stage: str, changes: dict[str, tuple]) -> bool:
+    key = EXTENDS.get(stage)
+    if key is None or set(changes) != {key}:
+        return False
+    old, new = changes[key]
+    return isinstance(old, int) and isinstance(new, int) and new > old
+
+
+def _next_previous(out: Path) -> Path:
+    n = 1
+    while (previous := out.with_name(f"{out.name}.previous-{n}")).exists():
+        n += 1
+    return previous
+
+
+def _print_schedule_change(recipe: Recipe, old_steps: int) -> None:
+    """The learning rate is a function of the step and max_steps, so a longer run continues on the
+    longer schedule: say where that puts the first extended step."""
+    before = lr_at(old_steps - 1, dataclasses.replace(recipe.train, max_steps=old_steps))
+    after = lr_at(old_steps, recipe.train)
+    print(
+        f"[pretrain] the {recipe.train.schedule} schedule now spans {recipe.train.max_steps} steps: step "
+        f"{old_steps} trains at lr {after:.3g} (the {old_steps}-step run ended at {before:.3g})"
+    )
 
 
 def _rank_and_world() -> tuple[int, int]:
@@ -344,8 +438,36 @@ def _check_training_layout(recipe: Recipe, stages: list[str]) -> None:
         check_job_options(recipe.parallel)
 
 
+def parse_stages(text: str | None) -> list[str] | None:
+    """The stages of `--stages a,b`, each one a stage Kiln knows (else one ConfigError naming it)."""
+    if not text:
+        return None
+    stages = [s.strip() for s in text.split(",") if s.strip()]
+    for name in stages:
+        if name not in STAGES:
+            raise ConfigError(
+                "--stages", f"unknown stage {name!r}; the stages are {', '.join(STAGES)}", "<command line>"
+            )
+    if not stages:
+        raise ConfigError("--stages", f"names no stage; the stages are {', '.join(STAGES)}", "<command line>")
+    return stages
+
+
+def check_resume(resume: str) -> None:
+    """`--resume PATH` names a readable checkpoint: checked before any stage runs, so a typo costs
+    nothing (auto and none need no check)."""
+    if resume in ("auto", "none"):
+        return
+    from kiln.checkpoint import read_manifest, resolve_checkpoint  # lazy: torch, for model stages only
+
+    try:
+        read_manifest(resolve_checkpoint(resume))
+    except DataError as e:
+        raise ConfigError("--resume", str(e), "<command line>") from None
+
+
 def _run_all(recipe: Recipe, args: argparse.Namespace) -> None:
-    stages = args.stages.split(",") if args.stages else None
+    stages = parse_stages(args.stages)
     _check_training_layout(recipe, stages or recipe.run.stages)
     results = run_recipe(recipe, stages, force=args.force)
     print(f"run folder: {recipe.run_dir}")
@@ -368,6 +490,8 @@ def _run_stage(recipe: Recipe, args: argparse.Namespace) -> None:
     extra = {"resume": args.resume, "init_from": args.init_from} if hasattr(args, "init_from") else {}
     target = args.verb
     _check_training_layout(recipe, [target])
+    if extra:
+        check_resume(args.resume)
     # Unfinished upstream stages of the recipe run first (finished ones are skipped), so any verb
     # works on a fresh run folder. Curating explicit inputs needs no corpus.
     upstream = [s for s in recipe.run.stages if STAGES.index(s) < STAGES.index(target)]

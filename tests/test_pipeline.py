@@ -70,12 +70,66 @@ def test_force_reruns(tmp_path, fake_stages):
     assert fake_stages == ["corpus", "corpus"]
 
 
-def test_stale_training_stage_kept_one_generation_back(tmp_path, fake_stages):
+def test_stale_training_stage_keeps_every_earlier_generation(tmp_path, fake_stages, capsys):
+    """Each change of a training stage's inputs moves its output to a new .previous-N; none is
+    deleted, and the line says which keys changed."""
+    run = tmp_path / "tiny"
     pipeline.run_recipe(recipe(tmp_path))
-    (tmp_path / "tiny" / "pretrain" / "checkpoint").write_text("weights")
+    (run / "pretrain" / "checkpoint").write_text("first")
+    pipeline.run_recipe(recipe(tmp_path, "train.lr=1e-3"))
+    assert "[pretrain] inputs changed (train.lr: 0.003 -> 0.001)" in capsys.readouterr().out
+    (run / "pretrain" / "checkpoint").write_text("second")
+    pipeline.run_recipe(recipe(tmp_path, "train.lr=2e-3", "model.dim=64"))
+    out = capsys.readouterr().out
+    assert "[pretrain] inputs changed (model.dim: 256 -> 64; train.lr: 0.001 -> 0.002)" in out
+    assert (run / "pretrain.previous-1" / "checkpoint").read_text() == "first"
+    assert (run / "pretrain.previous-2" / "checkpoint").read_text() == "second"
+    assert not (run / "pretrain" / "checkpoint").exists()
+    assert json.loads((run / "pretrain" / "DONE").read_text())["fingerprint"]
+    assert not (run / "pretrain" / "DONE.tmp").exists()
+
+
+def test_a_larger_max_steps_extends_a_finished_pretrain(tmp_path, fake_stages, monkeypatch):
+    """Only train.max_steps grew: the stage keeps its folder and runs again with resume=auto (the
+    trainer continues from the newest checkpoint); the old marker is kept in extensions.jsonl."""
+    resumes = []
+    runner = pipeline.STAGE_RUNNERS["pretrain"]
+
+    def pretrain(recipe, out, **kwargs):
+        resumes.append(kwargs["resume"])
+        return runner(recipe, out, **kwargs)
+
+    monkeypatch.setitem(pipeline.STAGE_RUNNERS, "pretrain", pretrain)
+    run = tmp_path / "tiny"
+    pipeline.run_recipe(recipe(tmp_path))
+    (run / "pretrain" / "checkpoint").write_text("weights")
+    first = json.loads((run / "pretrain" / "DONE").read_text())
+    fake_stages.clear()
     pipeline.run_recipe(recipe(tmp_path, "train.max_steps=700"))
-    previous = tmp_path / "tiny" / "pretrain.previous"
-    assert (previous / "checkpoint").read_text() == "weights"
-    assert not (tmp_path / "tiny" / "pretrain" / "checkpoint").exists()
-    assert json.loads((tmp_path / "tiny" / "pretrain" / "DONE").read_text())["fingerprint"]
-    assert not (tmp_path / "tiny" / "pretrain" / "DONE.tmp").exists()
+    assert fake_stages == ["pretrain", "sample"] and resumes == ["auto", "auto"]
+    assert (run / "pretrain" / "checkpoint").read_text() == "weights"
+    assert not list(tmp_path.glob("tiny/pretrain.previous*"))
+    assert json.loads((run / "pretrain" / "extensions.jsonl").read_text()) == first
+    assert json.loads((run / "pretrain" / "DONE").read_text())["inputs"]["train"]["max_steps"] == 700
+    # Fewer steps, or max_steps changed together with another key, is a new run.
+    pipeline.run_recipe(recipe(tmp_path, "train.max_steps=500"))
+    assert (run / "pretrain.previous-1" / "checkpoint").read_text() == "weights"
+
+
+def test_unknown_stage_is_named_before_any_work(tmp_path, capsys):
+    from kiln.cli import main
+
+    assert main(["run", "recipes/tiny.toml", f'run.out_dir="{tmp_path}"', "--stages", "corpus,pretrian"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kiln: error: <command line>: --stages: unknown stage 'pretrian'; the stages are corpus,")
+    assert "Traceback" not in err and not (tmp_path / "tiny" / "corpus").exists()
+
+
+def test_a_missing_resume_path_fails_before_any_stage(tmp_path, capsys):
+    from kiln.cli import main
+
+    missing = tmp_path / "nonexistent"
+    assert main(["pretrain", "recipes/tiny.toml", f'run.out_dir="{tmp_path}"', "--resume", str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert f"--resume: {missing}: no such checkpoint" in err
+    assert not (tmp_path / "tiny" / "corpus").exists()

@@ -32,7 +32,11 @@ from kiln.errors import DataError
 MODEL_FILE = "model.safetensors"
 TRAIN_STATE_FILE = "train_state.pt"
 MANIFEST_FILE = "manifest.json"
-FORMAT_VERSION = 1
+# 1: the first manifests (before 2026-11-30 15:45 they had no manifest_sha256); 2: the same fields,
+# manifest_sha256 required. A version-1 manifest without its checksum is still read; from version 2
+# a missing checksum is damage, so deleting the field cannot switch the self-check off.
+FORMAT_VERSION = 2
+CHECKSUMMED_FROM_VERSION = 2
 # Row layout of the fused wqkv / w13 weights. 1: [q; k; v] and [gate; up] (before 2026-11-30);
 # 2: grouped by kv head and gate/up interleaved (kiln/model/transformer.py). Older checkpoints are
 # converted when they load (kiln.model.weights.upgrade_layout), so they keep computing what they
@@ -158,10 +162,72 @@ def read_manifest(folder: Path) -> dict:
         raise CheckpointError(f"{path}: corrupted manifest ({e})") from None
     if not isinstance(manifest, dict) or "model_config" not in manifest or "files" not in manifest:
         raise CheckpointError(f"{path}: not a Kiln checkpoint manifest (no model_config/files)")
-    # Manifests written before the self-checksum existed have none; they are still read.
-    if "manifest_sha256" in manifest and manifest["manifest_sha256"] != _manifest_digest(manifest):
+    check_manifest_schema(manifest, path)
+    if "manifest_sha256" not in manifest:
+        # Only manifests older than the self-checksum may lack it.
+        if manifest.get("format", 1) >= CHECKSUMMED_FROM_VERSION:
+            raise CheckpointError(
+                f"{path}: field 'manifest_sha256' is missing, which a format {manifest['format']} manifest "
+                f"always has (edited or damaged manifest)"
+            )
+    elif manifest["manifest_sha256"] != _manifest_digest(manifest):
         raise CheckpointError(f"{path}: content does not match its manifest_sha256 (corrupted manifest)")
     return manifest
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return (isinstance(value, (int, float))) and not isinstance(value, bool)
+
+
+# Field -> (what it must be, check). Fields a checkpoint may lack are checked when present; the
+# required ones (model_config, files) were checked for presence before.
+_MANIFEST_FIELDS = {
+    "format": ("an integer >= 1", lambda v: _is_int(v) and v >= 1),
+    "weights_layout": ("an integer >= 1", lambda v: _is_int(v) and v >= 1),
+    "step": ("an integer >= 0", lambda v: _is_int(v) and v >= 0),
+    "tokens_seen": ("an integer >= 0", lambda v: _is_int(v) and v >= 0),
+    "val_loss": ("a number or null", lambda v: v is None or _is_number(v)),
+    "model_config": ("an object", lambda v: isinstance(v, dict)),
+    "train_config": ("an object", lambda v: isinstance(v, dict)),
+    "recipe": ("an object or null", lambda v: v is None or isinstance(v, dict)),
+    "loader": ("an object", lambda v: isinstance(v, dict)),
+    "rng": ("an object", lambda v: isinstance(v, dict)),
+    "schedule": ("an object", lambda v: isinstance(v, dict)),
+    "layout": ("a string", lambda v: isinstance(v, str)),
+    "tied": (
+        "an object of tensor name -> tensor name",
+        lambda v: isinstance(v, dict) and all(isinstance(x, str) for x in v.values()),
+    ),
+    "files": ("an object of file name -> {sha256, bytes}", lambda v: isinstance(v, dict)),
+    "manifest_sha256": ("a string", lambda v: isinstance(v, str)),
+}
+
+
+def check_manifest_schema(manifest: dict, path: Path) -> None:
+    """The types of the manifest's fields: a manifest that parses but holds the wrong kind of value
+    is damage, named by file and field, like a failed checksum (so resume falls back past it)."""
+    for field, (expected, ok) in _MANIFEST_FIELDS.items():
+        if field in manifest and not ok(manifest[field]):
+            raise CheckpointError(f"{path}: field {field!r} must be {expected}, got {manifest[field]!r:.80}")
+    if manifest.get("format", 1) > FORMAT_VERSION:
+        raise CheckpointError(
+            f"{path}: field 'format' is {manifest['format']}, newer than this Kiln reads ({FORMAT_VERSION})"
+        )
+    for name, entry in manifest["files"].items():
+        where = f"files[{name!r}]"
+        if not isinstance(entry, dict):
+            raise CheckpointError(f"{path}: field {where} must be an object with sha256 and bytes, got {entry!r:.80}")
+        digest, size = entry.get("sha256"), entry.get("bytes")
+        if not (isinstance(digest, str) and len(digest) == 64 and all(c in "0123456789abcdef" for c in digest)):
+            raise CheckpointError(f"{path}: field {where}.sha256 must be 64 hex digits, got {digest!r:.80}")
+        if not (_is_int(size) and size >= 0):
+            raise CheckpointError(f"{path}: field {where}.bytes must be an integer >= 0, got {size!r:.80}")
+        if Path(name).is_absolute() or ".." in Path(name).parts:
+            raise CheckpointError(f"{path}: field {where} names a file outside the checkpoint folder")
 
 
 def verify(folder: Path, manifest: dict, names=None) -> None:

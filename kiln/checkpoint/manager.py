@@ -29,6 +29,8 @@ from kiln.checkpoint.format import (
 )
 from kiln.checkpoint.safety import check_sharded_pickles
 
+DAMAGED_DIR = "damaged"  # where resume moves checkpoints that fail verification
+
 # (model state dict, manifest) -> state dict in the current layout; the model layer supplies it
 # (kiln.model.weights.upgrade_layout) because only it knows how its weights were laid out.
 StateConverter = Callable[[dict, dict], dict]
@@ -132,7 +134,7 @@ class CheckpointManager:
         write_text_atomic(self.root / "latest", name + "\n")
         if is_best and self.keep_best:
             write_text_atomic(self.root / "best", name + "\n")
-        self._prune()
+        self._prune(keep=name)
         return final
 
     def load(self, folder) -> tuple[dict, dict[str, torch.Tensor], dict]:
@@ -162,15 +164,45 @@ class CheckpointManager:
         except Exception as e:  # checksum passed, so this is a format problem, not corruption
             raise CheckpointError(f"{folder / TRAIN_STATE_FILE}: cannot be loaded ({e})") from None
 
-    def load_newest_valid(self) -> tuple[Path, dict, dict, dict] | None:
-        """The newest checkpoint that verifies; corrupted ones are skipped with a warning."""
+    def load_newest_valid(self, quarantine: bool = False) -> tuple[Path, dict, dict, dict] | None:
+        """The newest checkpoint that verifies; damaged ones are skipped with a warning and, with
+        `quarantine` (the one process that owns the folder), moved to `damaged/`."""
         self.finish()
         for folder in reversed(complete_checkpoints(self.root)):
             try:
                 return (folder, *self.load(folder))
             except CheckpointError as e:
-                warnings.warn(f"skipping checkpoint {folder.name}: {e}; falling back to an older one", stacklevel=2)
+                where = f"moved to {self.quarantine(folder).relative_to(self.root)}" if quarantine else "left in place"
+                warnings.warn(
+                    f"skipping checkpoint {folder.name}: {e}; {where}; falling back to an older one", stacklevel=2
+                )
         return None
+
+    def quarantine(self, folder: Path) -> Path:
+        """Move a damaged checkpoint to `damaged/` under the root: kept for inspection, but no longer
+        a step folder, so neither resume nor pruning counts it; `latest` and `best` stop naming it."""
+        damaged = self.root / DAMAGED_DIR
+        damaged.mkdir(exist_ok=True)
+        target, n = damaged / folder.name, 1
+        while target.exists():
+            n += 1
+            target = damaged / f"{folder.name}-{n}"
+        os.replace(folder, target)
+        self._repoint()
+        return target
+
+    def _repoint(self) -> None:
+        """`latest` and `best` name complete folders or do not exist."""
+        found = complete_checkpoints(self.root)
+        latest = self.latest_name
+        if latest is not None and not (self.root / latest / MANIFEST_FILE).is_file():
+            if found:
+                write_text_atomic(self.root / "latest", found[-1].name + "\n")
+            else:
+                (self.root / "latest").unlink()
+        best = self.best_name
+        if best is not None and not (self.root / best / MANIFEST_FILE).is_file():
+            (self.root / "best").unlink()
 
     def rewind(self, step: int, best_step: int = -1) -> None:
         """Continue the run from `step`: checkpoints after it (corrupted ones that were skipped, or
@@ -205,9 +237,11 @@ class CheckpointManager:
             if p.is_dir() and (p.name.startswith(".tmp-step-") or p.name.startswith(".trash-step-")):
                 shutil.rmtree(p)
 
-    def _prune(self) -> None:
+    def _prune(self, keep: str) -> None:
+        """Keep the newest `keep_last`, the best, and `keep` (the folder just published: a root that
+        still holds newer step folders must not delete it the moment `latest` names it)."""
         folders = complete_checkpoints(self.root)
-        keep = {p.name for p in folders[-self.keep_last :]}
+        keep = {keep, *(p.name for p in folders[-self.keep_last :])}
         if self.keep_best and self.best_name:
             keep.add(self.best_name)
         for folder in folders:

@@ -547,6 +547,13 @@ def add_launch_parser(verbs: argparse._SubParsersAction) -> argparse.ArgumentPar
             "recipe", nargs="?", default="recipes/tiny.toml", help="TOML recipe (default: recipes/tiny.toml)"
         )
         a.add_argument("overrides", nargs="*", help="dotted overrides passed to `kiln pretrain`")
+        a.add_argument(
+            "--resume",
+            default="auto",
+            help="passed to `kiln pretrain`: auto (newest complete checkpoint), none, or a checkpoint path; "
+            "anything but auto needs a job that does not restart (--max-restarts 0, and --requeue-before 0 "
+            "or --pod-restarts 0)",
+        )
         a.add_argument("--nodes", type=int, default=1)
         a.add_argument(
             "--nproc",
@@ -677,16 +684,42 @@ def run_launch(args: argparse.Namespace, parallel: ParallelConfig | None = None)
         raise ConfigError(flag, err.message, "<command line>") from None
 
 
+def pretrain_arguments(args: argparse.Namespace, cfg: LaunchConfig) -> list[str]:
+    """The overrides and flags the launched `kiln pretrain` gets after its recipe.
+
+    Every restart (torchrun's, a Slurm requeue, a pod restart) runs the same command again, and a
+    restart must continue from the newest checkpoint: one told to resume from a fixed path, or from
+    none, would go back there each time (and set the progress since aside). So a resume other than
+    auto is passed only to a job that does not restart."""
+    if args.resume == "auto":
+        return list(args.overrides)
+    restarts = {"--max-restarts": cfg.max_restarts}
+    if args.action == "slurm":
+        restarts["--requeue-before"] = cfg.slurm.requeue_before_s
+    if args.action == "k8s":
+        restarts["--pod-restarts"] = cfg.k8s.pod_restarts
+    on = [f"{flag} {value}" for flag, value in restarts.items() if value]
+    if on:
+        raise ConfigError(
+            "--resume",
+            f"{args.resume!r} would be resumed again by every restart ({', '.join(on)}); "
+            f"set {' and '.join(f'{flag} 0' for flag in restarts)}, or resume with auto",
+            "<command line>",
+        )
+    return [*args.overrides, "--resume", args.resume]
+
+
 def _launch(args: argparse.Namespace, parallel: ParallelConfig | None) -> int:
     cfg = config_from_args(args)
     cfg.validate()
     check_layout(parallel, cfg, args.recipe)
+    arguments = pretrain_arguments(args, cfg)
     if args.action == "local":
         if args.dry_run:
-            print(shlex.join(torchrun_command(cfg, args.recipe, args.overrides)))
+            print(shlex.join(torchrun_command(cfg, args.recipe, arguments)))
             return 0
-        return run_torchrun(cfg, pretrain_program(args.recipe, args.overrides))
-    text = (slurm_script if args.action == "slurm" else k8s_manifest)(cfg, args.recipe, args.overrides)
+        return run_torchrun(cfg, pretrain_program(args.recipe, arguments))
+    text = (slurm_script if args.action == "slurm" else k8s_manifest)(cfg, args.recipe, arguments)
     if not args.out:
         sys.stdout.write(text)
         return 0

@@ -127,7 +127,7 @@ def rollback(trainer) -> dict | None:
     there is no checkpoint yet."""
     if trainer.sharded_saver is not None:
         trainer.sharded_saver.finish()
-    found = trainer.ckpt.load_newest_valid()
+    found = trainer.ckpt.load_newest_valid(quarantine=trainer.is_main)
     if found is None:
         return None
     folder, manifest, model_state, train_state = found

@@ -265,13 +265,13 @@ class Trainer:
                 )
             found = None
         elif resume == "auto":
-            found = self.ckpt.load_newest_valid()
+            found = self.ckpt.load_newest_valid(quarantine=self.is_main)
         else:
             folder = resolve_checkpoint(resume)
             found = (folder, *self.ckpt.load(folder))
         if found is None:
             if self.is_main:
-                (self.out_dir / "metrics.jsonl").unlink(missing_ok=True)
+                self._set_metrics_aside()
             return None
         folder, manifest = found[:2]
         saved_cfg = manifest["model_config"]
@@ -280,6 +280,19 @@ class Trainer:
         if changed:
             raise ConfigError("model", f"differs from the checkpoint {folder} being resumed ({'; '.join(changed)})")
         return found
+
+    def _set_metrics_aside(self) -> None:
+        """A run starting from step 0 logs afresh; the log an earlier attempt left (one whose
+        checkpoints were all damaged, or that died before its first save) is kept beside it."""
+        path = self.out_dir / "metrics.jsonl"
+        if not path.is_file() or path.stat().st_size == 0:
+            path.unlink(missing_ok=True)
+            return
+        n = 1
+        while (kept := path.with_name(f"metrics.previous-{n}.jsonl")).exists():
+            n += 1
+        path.rename(kept)
+        print(f"starting from step 0; the earlier {path.name} is kept as {kept.name}")
 
     def _resume(self, found, init_from) -> str:
         folder, manifest, model_state, train_state = found

@@ -1,6 +1,8 @@
 """Overrides that shrink a recipe to a run the default suite can afford: ~0.3 MB of real text, a
 512-token vocabulary, a 2-layer model trained for a few steps in fp32."""
 
+from pathlib import Path
+
 
 def mini_overrides(max_steps: int = 12, warmup_steps: int = 2, every: int = 6) -> list[str]:
     """Dotted overrides for the spine (corpus -> pretrain); `every` sets eval and checkpoint cadence."""
@@ -22,3 +24,34 @@ def mini_overrides(max_steps: int = 12, warmup_steps: int = 2, every: int = 6) -
         f"train.ckpt_every={every}",
         "train.precision=fp32",
     ]
+
+
+def pretrain_only_recipe(tmp_path: Path, tiny_pack_factory) -> tuple[Path, Path]:
+    """(recipe file, its pretrain folder) of a run whose only stage is pretraining, on a tiny pack
+    made in place: 8 fp32 steps of a 2-layer model, a checkpoint every 2, validation at the end."""
+    tiny_pack_factory(tmp_path / "run" / "pack")
+    recipe = tmp_path / "recipe.toml"
+    recipe.write_text(f"""
+[run]
+name = "run"
+out_dir = "{tmp_path}"
+stages = ["pretrain"]
+[model]
+dim = 32
+n_layers = 2
+n_heads = 4
+max_seq_len = 16
+[train]
+seq_len = 16
+micro_batch_size = 2
+global_batch_tokens = 64
+max_steps = 8
+warmup_steps = 2
+precision = "fp32"
+compile = false
+eval_every = 100
+ckpt_every = 2
+keep_last = 10
+peak_flops = 1e12
+""")
+    return recipe, tmp_path / "run" / "pretrain"

@@ -513,6 +513,41 @@ def test_cli_local_runs_torchrun_with_this_interpreter(monkeypatch):
     assert started["env"]["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
 
 
+def test_cli_passes_resume_through_to_the_launched_pretrain(monkeypatch, capsys):
+    """`--resume PATH` reaches `kiln pretrain` in all three launchers (it used to be refused by the
+    parser); since every restart reruns the same command, it needs a job that does not restart."""
+    from kiln.cli import build_parser
+
+    ckpt = "runs/big/pretrain/checkpoints/step-00000400"
+    no_restarts = ["--max-restarts", "0"]
+    run_launch(_parser().parse_args(["launch", "local", "--dry-run", *no_restarts, "--resume", ckpt, "r.toml", "a=1"]))
+    _, _, cmd_args = torchrun_parse(capsys.readouterr().out.split()[1:], monkeypatch)
+    pretrain = build_parser(["pretrain"]).parse_args(cmd_args[cmd_args.index("pretrain") :])
+    assert (pretrain.recipe, pretrain.overrides, pretrain.resume) == ("r.toml", ["a=1"], ckpt)
+
+    run_launch(
+        _parser().parse_args(["launch", "slurm", *no_restarts, "--requeue-before", "0", "--resume", ckpt, "r.toml"])
+    )
+    assert f"pretrain r.toml --resume {ckpt}" in " ".join(capsys.readouterr().out.replace("\\\n", " ").split())
+    run_launch(
+        _parser().parse_args(
+            ["launch", "k8s", "--image", "kiln:1", *no_restarts, "--pod-restarts", "0", "--resume", ckpt, "r.toml"]
+        )
+    )
+    job = yaml.safe_load(capsys.readouterr().out)
+    command = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["command"]
+    assert command[-4:] == ["pretrain", "r.toml", "--resume", ckpt]
+
+    for argv, restarting in (
+        (["local"], "--max-restarts 3"),
+        (["slurm", *no_restarts], "--requeue-before 300"),
+        (["k8s", "--image", "kiln:1", *no_restarts], "--pod-restarts 3"),
+    ):
+        with pytest.raises(ConfigError) as err:
+            run_launch(_parser().parse_args(["launch", *argv, "--resume", ckpt, "r.toml"]))
+        assert err.value.key == "--resume" and restarting in err.value.message
+
+
 @pytest.mark.parametrize(
     "argv, flag",
     [

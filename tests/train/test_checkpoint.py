@@ -6,6 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from kiln_testing.recipes import pretrain_only_recipe
 
 from kiln.checkpoint import (
     CheckpointError,
@@ -268,8 +269,9 @@ def test_checkpoint_saved_in_the_old_fused_layout_is_converted_on_load(tmp_path)
         old[name] = t
     folder = save_weights(tmp_path / "old", cfg, old)
     manifest = json.loads((folder / "manifest.json").read_text())
-    # Such a manifest had no weights_layout, and no self-checksum either.
+    # Such a manifest (format 1) had no weights_layout, and no self-checksum either.
     del manifest["weights_layout"], manifest["manifest_sha256"]
+    manifest["format"] = 1
     (folder / "manifest.json").write_text(json.dumps(manifest))
     _, state, _ = load_weights(folder)
     for name, t in model.state_dict().items():
@@ -348,42 +350,13 @@ def test_sharded_checkpoint_corruption_detected_and_fallback(tmp_path, target, d
 # ---- through `kiln pretrain` -------------------------------------------------------------------
 
 
-def _recipe(tmp_path, tiny_pack_factory) -> tuple[Path, Path]:
-    tiny_pack_factory(tmp_path / "run" / "pack")
-    recipe = tmp_path / "recipe.toml"
-    recipe.write_text(f"""
-[run]
-name = "run"
-out_dir = "{tmp_path}"
-stages = ["pretrain"]
-[model]
-dim = 32
-n_layers = 2
-n_heads = 4
-max_seq_len = 16
-[train]
-seq_len = 16
-micro_batch_size = 2
-global_batch_tokens = 64
-max_steps = 8
-warmup_steps = 2
-precision = "fp32"
-compile = false
-eval_every = 100
-ckpt_every = 2
-keep_last = 10
-peak_flops = 1e12
-""")
-    return recipe, tmp_path / "run" / "pretrain"
-
-
 def test_pretrain_cli_resumes_from_newest_complete_checkpoint(tmp_path, tiny_pack_factory, capsys):
     """`kiln pretrain` (resume=auto by default) after a crash that left the step-8 save unfinished
     and the step-6 weights damaged: it warns, resumes from step 4, and ends where the first run did.
     An explicit --resume of the damaged checkpoint is an error naming the file."""
     from kiln.cli import main
 
-    recipe, stage = _recipe(tmp_path, tiny_pack_factory)
+    recipe, stage = pretrain_only_recipe(tmp_path, tiny_pack_factory)
     assert main(["pretrain", str(recipe)]) == 0
     root = stage / "checkpoints"
     assert [p.name for p in complete_checkpoints(root)] == [f"step-{s:08d}" for s in (2, 4, 6, 8)]

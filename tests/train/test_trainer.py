@@ -290,9 +290,9 @@ def test_auto_resume_skips_corrupted_checkpoint(pack, tmp_path):
         trainer = Trainer(MODEL, tiny_train_config(eval_every=100), pack, out)
     messages = " ".join(str(w.message) for w in warned)
     assert "skipping checkpoint step-00000008" in messages and "model.safetensors" in messages
-    assert "renamed to abandoned-step-00000008" in messages
+    assert "moved to damaged/step-00000008" in messages  # quarantined, not left as a newer step folder
     assert trainer.step == 4 and trainer.resumed_from.endswith("step-00000004")
-    assert (out / "checkpoints" / "abandoned-step-00000008").is_dir()
+    assert (out / "checkpoints" / "damaged" / "step-00000008").is_dir()
     trainer.fit()
     _, redone, manifest = load_weights(out)
     assert manifest["step"] == 8
