@@ -20,7 +20,8 @@ from typing import Iterator
 # torch.save reports a short write as a RuntimeError from its zip writer ("unexpected pos") and
 # safetensors as a SafetensorError quoting the OS error; neither carries an errno or the path.
 OS_ERROR_CODE = re.compile(r"\(os error (\d+)\)|\[Errno (\d+)\]")
-SHORT_WRITE_MARKS = ("unexpected pos", "PytorchStreamWriter failed", "I/O error")
+# numpy's tofile and save report one as "N requested and M written".
+SHORT_WRITE_MARKS = ("unexpected pos", "PytorchStreamWriter failed", "I/O error", "requested and")
 # Below this many free bytes a write that stopped short is taken to have filled the disk.
 LOW_FREE_BYTES = 64 << 20
 

@@ -44,8 +44,9 @@ def write_shard(bin_path: Path, tokens: np.ndarray, header: dict) -> None:
     """Write tokens to bin_path and its header next to it (.json), header last: a shard whose
     header exists is complete."""
     dtype = np.dtype({"uint16": "<u2", "uint32": "<u4"}[header["dtype"]])
-    with publishing(bin_path) as tmp:
-        np.ascontiguousarray(tokens, dtype=dtype).tofile(tmp)
+    # A file write, not ndarray.tofile: that reports a full disk with no errno.
+    with publishing(bin_path) as tmp, open(tmp, "wb") as f:
+        f.write(memoryview(np.ascontiguousarray(tokens, dtype=dtype)))
     header = {**header, "tokens": int(len(tokens))}
     write_text_atomic(bin_path.with_suffix(".json"), json.dumps(header, indent=2) + "\n")
 
