@@ -21,14 +21,13 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
-from kiln.checkpoint import save_weights
+from kiln.checkpoint import save_weights, write_safetensors
 from kiln.data.chat import ChatTokens, has_kiln_chat_tokens, hf_tokenizer_config_extra
 from kiln.data.readers import read_json
 from kiln.data.tokenizer import HF_TOKENIZER_FILES, Tokenizer, find_tokenizer
 from kiln.errors import ConfigError, DataError
-from kiln.files import copy_file_atomic, publishing, write_text_atomic
+from kiln.files import copy_file_atomic, write_text_atomic
 from kiln.model.config import ModelConfig
 from kiln.model.transformer import fuse_gate_up, fuse_qkv, split_gate_up, split_qkv
 from kiln.peft.load import plain_weights
@@ -207,8 +206,7 @@ def export_hf(
     else:
         config.update(use_sliding_window=False, sliding_window=None, max_window_layers=model_cfg.n_layers)
     # Weights first, config.json last: a folder transformers can open has all of its files.
-    with publishing(out / "model.safetensors") as tmp:
-        save_file(tensors, str(tmp), metadata={"format": "pt"})
+    write_safetensors(tensors, out / "model.safetensors")
     generation = {"_from_model_config": True, **special_ids}
     write_text_atomic(out / "generation_config.json", json.dumps(generation, indent=2) + "\n")
     write_text_atomic(out / "config.json", json.dumps(config, indent=2) + "\n")

@@ -78,12 +78,17 @@ def dedupe_tied(state_dict: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Te
     return tensors, tied
 
 
+def write_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """Write `tensors` to `path` as safetensors, published when complete (kiln.files.publishing)."""
+    with publishing(path) as tmp:
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
+
+
 def write_files(
     folder: Path, model_cfg, state_dict: dict, manifest_extra: dict | None, train_state: dict | None
 ) -> dict:
     tensors, tied = dedupe_tied(state_dict)
-    with publishing(folder / MODEL_FILE) as tmp:
-        save_file(tensors, str(tmp), metadata={"format": "pt"})
+    write_safetensors(tensors, folder / MODEL_FILE)
     names = [MODEL_FILE]
     if train_state is not None:
         with publishing(folder / TRAIN_STATE_FILE) as tmp:
