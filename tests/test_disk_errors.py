@@ -297,7 +297,7 @@ def test_export_hf_on_a_full_disk_keeps_the_earlier_export(tmp_path, kiln_tokeni
         Path(filename).write_bytes(b"\0" * 64)
         raise SafetensorError(SAFETENSORS_FULL)
 
-    monkeypatch.setattr("kiln.hf.save_file", full_save_file)
+    monkeypatch.setattr("kiln.checkpoint.format.save_file", full_save_file)
     assert main(["export", "hf", str(ckpt), str(out)]) == OS_ERROR_EXIT
     assert error_line(capsys) == f"kiln: error: {out / 'model.safetensors'}: disk full"
     assert {p.name: p.read_bytes() for p in out.iterdir()} == first
