@@ -146,40 +146,27 @@ def test_a_read_only_folder_is_permission_denied_naming_the_file(tmp_path):
 # ---- through the CLI -----------------------------------------------------------------------------
 
 
-def pretrain_recipe(tmp_path, tiny_pack_factory) -> tuple[Path, Path]:
+# A pretraining run of six steps that saves every second step and logs every step.
+PRETRAIN = (
+    "model.dim=32 model.n_layers=1 model.n_heads=4 model.max_seq_len=16 train.seq_len=16 "
+    "train.micro_batch_size=2 train.global_batch_tokens=64 train.max_steps=6 train.warmup_steps=2 "
+    "train.precision=fp32 train.compile=false train.eval_every=100 train.log_every=1 train.ckpt_every=2 "
+    "train.peak_flops=1e12"
+).split()
+
+
+def pretrain_args(tmp_path, tiny_pack_factory) -> tuple[list[str], Path]:
+    """`kiln pretrain` arguments for a run on a tiny pack, and the stage folder it writes."""
     tiny_pack_factory(tmp_path / "run" / "pack")
     recipe = tmp_path / "recipe.toml"
-    recipe.write_text(f"""
-[run]
-name = "run"
-out_dir = "{tmp_path}"
-stages = ["pretrain"]
-[model]
-dim = 32
-n_layers = 1
-n_heads = 4
-max_seq_len = 16
-[train]
-seq_len = 16
-micro_batch_size = 2
-global_batch_tokens = 64
-max_steps = 6
-warmup_steps = 2
-precision = "fp32"
-compile = false
-eval_every = 100
-log_every = 1
-ckpt_every = 2
-keep_last = 10
-peak_flops = 1e12
-""")
-    return recipe, tmp_path / "run" / "pretrain"
+    recipe.write_text(f'[run]\nname = "run"\nout_dir = "{tmp_path}"\nstages = ["pretrain"]\n')
+    return ["pretrain", str(recipe), *PRETRAIN], tmp_path / "run" / "pretrain"
 
 
 def test_checkpoint_save_on_a_full_disk(tmp_path, tiny_pack_factory, monkeypatch, capsys):
     """The step-4 save stops half-way through train_state.pt with torch's own error: one line naming
     the file and "disk full", exit 3, no step-4 folder or temporary, step 2 intact and `latest`."""
-    recipe, stage = pretrain_recipe(tmp_path, tiny_pack_factory)
+    args, stage = pretrain_args(tmp_path, tiny_pack_factory)
     real_save, saves = torch.save, []
 
     def save(obj, f, *args, **kwargs):
@@ -192,7 +179,7 @@ def test_checkpoint_save_on_a_full_disk(tmp_path, tiny_pack_factory, monkeypatch
 
     monkeypatch.setattr(torch, "save", save)
     monkeypatch.setattr(kiln.files, "free_bytes", lambda path: 4096)  # what a full disk has left
-    assert main(["pretrain", str(recipe)]) == OS_ERROR_EXIT
+    assert main(args) == OS_ERROR_EXIT
     root = stage / "checkpoints"
     line = error_line(capsys)
     assert line == f"kiln: error: {root / '.tmp-step-00000004' / 'train_state.pt'}: disk full"
@@ -207,7 +194,7 @@ def test_metrics_on_a_full_disk_keep_whole_lines(tmp_path, tiny_pack_factory, mo
     and the log holds the two records before it, whole."""
     import kiln.train.metrics as metrics
 
-    recipe, stage = pretrain_recipe(tmp_path, tiny_pack_factory)
+    args, stage = pretrain_args(tmp_path, tiny_pack_factory)
 
     class FillingFile:
         def __init__(self, real):
@@ -228,7 +215,7 @@ def test_metrics_on_a_full_disk_keep_whole_lines(tmp_path, tiny_pack_factory, mo
         return FillingFile(real) if Path(path).name == "metrics.jsonl" and "a" in mode else real
 
     monkeypatch.setattr(metrics, "open", filling_open, raising=False)
-    assert main(["pretrain", str(recipe)]) == OS_ERROR_EXIT
+    assert main(args) == OS_ERROR_EXIT
     log = stage / "metrics.jsonl"
     assert error_line(capsys) == f"kiln: error: {log}: disk full"
     text = log.read_text()
