@@ -21,7 +21,7 @@ import torch
 from safetensors import SafetensorError
 
 import kiln.files
-from kiln.checkpoint import complete_checkpoints, save_weights, verify
+from kiln.checkpoint import CheckpointManager, complete_checkpoints, save_weights, verify
 from kiln.checkpoint.format import read_manifest
 from kiln.cli import OS_ERROR_EXIT, main
 from kiln.data.pack import write_shard
@@ -187,6 +187,28 @@ def test_checkpoint_save_on_a_full_disk(tmp_path, tiny_pack_factory, monkeypatch
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step-00000002"]
     assert (root / "latest").read_text().strip() == "step-00000002"
     verify(root / "step-00000002", read_manifest(root / "step-00000002"))
+
+
+def test_background_save_on_a_full_disk_is_raised_by_finish(tmp_path, monkeypatch):
+    """parallel.async_checkpoint: the writer thread's failure reaches the training thread at finish()
+    as the OSError naming the file, and the half-written folder is gone."""
+    import kiln.checkpoint.format as checkpoint_format
+
+    def full_save_file(tensors, filename, metadata=None):
+        Path(filename).write_bytes(b"\0" * 64)
+        raise SafetensorError(SAFETENSORS_FULL)
+
+    cfg = ModelConfig(vocab_size=64, dim=16, n_layers=1, n_heads=2, max_seq_len=8)
+    root, state = tmp_path / "ckpt", build_model(cfg).state_dict()
+    manager = CheckpointManager(root, background=True)
+    manager.save(1, cfg, state, {}, {})
+    manager.finish()
+    monkeypatch.setattr(checkpoint_format, "save_file", full_save_file)
+    manager.save(2, cfg, state, {}, {})
+    with pytest.raises(OSError) as raised:
+        manager.finish()
+    assert os_error_line(raised.value) == f"{root / '.tmp-step-00000002' / 'model.safetensors'}: disk full"
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step-00000001"]
 
 
 def test_metrics_on_a_full_disk_keep_whole_lines(tmp_path, tiny_pack_factory, monkeypatch, capsys):
