@@ -15,6 +15,7 @@ from types import ModuleType
 from typing import Iterable, NamedTuple
 
 from kiln.errors import ConfigError, DataError, TrainingDiverged
+from kiln.files import os_error_line
 
 
 class Verb(NamedTuple):
@@ -86,15 +87,26 @@ def chosen_verb(argv: list[str]) -> str | None:
     return None
 
 
+# The exit status of a command the file system stopped (disk full, read-only, permission denied):
+# neither a bad input (2) nor a traceback or a diverged run (1).
+OS_ERROR_EXIT = 3
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     verb = chosen_verb(argv)
     args = build_parser([verb] if verb else []).parse_args(argv)
     try:
         return verb_module(args.verb).run(args)
-    except (ConfigError, DataError, FileNotFoundError) as err:
+    except (ConfigError, DataError) as err:
         print(f"kiln: error: {err}", file=sys.stderr)
         return 2
+    except FileNotFoundError as err:  # a path the command was given (or its inputs name) is missing
+        print(f"kiln: error: {os_error_line(err)}", file=sys.stderr)
+        return 2
+    except OSError as err:  # disk full, read-only, permission: the file system refused a write or read
+        print(f"kiln: error: {os_error_line(err)}", file=sys.stderr)
+        return OS_ERROR_EXIT
     except TrainingDiverged as err:
         print(f"kiln: error: {err}", file=sys.stderr)
         return 1

@@ -21,13 +21,13 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
-from kiln.checkpoint import save_weights
+from kiln.checkpoint import save_weights, write_safetensors
 from kiln.data.chat import ChatTokens, has_kiln_chat_tokens, hf_tokenizer_config_extra
 from kiln.data.readers import read_json
 from kiln.data.tokenizer import HF_TOKENIZER_FILES, Tokenizer, find_tokenizer
 from kiln.errors import ConfigError, DataError
+from kiln.files import copy_file_atomic, write_text_atomic
 from kiln.model.config import ModelConfig
 from kiln.model.transformer import fuse_gate_up, fuse_qkv, split_gate_up, split_qkv
 from kiln.peft.load import plain_weights
@@ -154,14 +154,14 @@ def _write_tokenizer(tokenizer_path, model_cfg: ModelConfig, out: Path, chat: bo
         raise ConfigError(
             "vocab_size", f"model has {model_cfg.vocab_size} embeddings but {tok.path} has {tok.vocab_size} tokens"
         )
-    shutil.copyfile(tok.path, out / "tokenizer.json")
+    copy_file_atomic(tok.path, out / "tokenizer.json")
     own = [tok.path.parent / name for name in HF_TOKENIZER_FILES if (tok.path.parent / name).is_file()]
     if not own:
         tok_config, special_ids = _kiln_tokenizer_config(tok, model_cfg, chat)
-        (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
+        write_text_atomic(out / "tokenizer_config.json", json.dumps(tok_config, indent=2) + "\n")
         return special_ids
     for path in own:
-        shutil.copyfile(path, out / path.name)
+        copy_file_atomic(path, out / path.name)
     special_ids = {"bos_token_id": tok.bos_id, "eos_token_id": tok.eot_id, "pad_token_id": tok.pad_id}
     return {key: value for key, value in special_ids.items() if value is not None}
 
@@ -205,11 +205,11 @@ def export_hf(
         config.update(attention_bias=False, mlp_bias=False)
     else:
         config.update(use_sliding_window=False, sliding_window=None, max_window_layers=model_cfg.n_layers)
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    (out / "generation_config.json").write_text(
-        json.dumps({"_from_model_config": True, **special_ids}, indent=2) + "\n"
-    )
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    # Weights first, config.json last: a folder transformers can open has all of its files.
+    write_safetensors(tensors, out / "model.safetensors")
+    generation = {"_from_model_config": True, **special_ids}
+    write_text_atomic(out / "generation_config.json", json.dumps(generation, indent=2) + "\n")
+    write_text_atomic(out / "config.json", json.dumps(config, indent=2) + "\n")
     return out
 
 

@@ -25,6 +25,7 @@ from kiln.data.curate import curate
 from kiln.data.pack import pack
 from kiln.data.tokenizer import Tokenizer, train_tokenizer_from_corpus
 from kiln.errors import ConfigError, DataError
+from kiln.files import write_text_atomic
 from kiln.parallel.dims import check_job_options, init_distributed
 from kiln.parallel.launch import add_launch_parser, run_launch
 from kiln.parallel.plan import Workload
@@ -129,7 +130,7 @@ def run_recipe(
     rank, world = _rank_and_world()
     if rank == 0:
         recipe.run_dir.mkdir(parents=True, exist_ok=True)
-        (recipe.run_dir / "recipe.json").write_text(json.dumps(recipe_to_dict(recipe), indent=2))
+        write_text_atomic(recipe.run_dir / "recipe.json", json.dumps(recipe_to_dict(recipe), indent=2))
     for stage in (s for s in STAGES if s in wanted):
         out = stage_dir(recipe, stage)
         marker = out / MARKER
@@ -150,23 +151,16 @@ def run_recipe(
         if rank == 0:
             print(f"[{stage}] finished in {seconds} s")
             if not (out / "stats.json").exists():
-                (out / "stats.json").write_text(json.dumps(stats, indent=2, default=str))
+                write_text_atomic(out / "stats.json", json.dumps(stats, indent=2, default=str))
             # Atomic: a kill mid-write must not leave an unreadable marker, which the next run would
             # take for stale output.
-            tmp = marker.with_name(marker.name + ".tmp")
-            tmp.write_text(
-                json.dumps(
-                    {
-                        "fingerprint": fingerprint(recipe, stage),
-                        "inputs": stage_inputs(recipe, stage),
-                        "seconds": seconds,
-                        "stats": stats,
-                    },
-                    indent=2,
-                    default=str,
-                )
-            )
-            tmp.replace(marker)
+            done = {
+                "fingerprint": fingerprint(recipe, stage),
+                "inputs": stage_inputs(recipe, stage),
+                "seconds": seconds,
+                "stats": stats,
+            }
+            write_text_atomic(marker, json.dumps(done, indent=2, default=str))
         _barrier(world)
         results[stage] = stats if stats is not None else json.loads(marker.read_text()).get("stats", {})
     return results

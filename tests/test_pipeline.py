@@ -111,6 +111,7 @@ def test_a_larger_max_steps_extends_a_finished_pretrain(tmp_path, fake_stages, m
     assert not list(tmp_path.glob("tiny/pretrain.previous*"))
     assert json.loads((run / "pretrain" / "extensions.jsonl").read_text()) == first
     assert json.loads((run / "pretrain" / "DONE").read_text())["inputs"]["train"]["max_steps"] == 700
+    assert not [p.name for p in (run / "pretrain").iterdir() if p.name.endswith(".tmp")]
     # Fewer steps, or max_steps changed together with another key, is a new run.
     pipeline.run_recipe(recipe(tmp_path, "train.max_steps=500"))
     assert (run / "pretrain.previous-1" / "checkpoint").read_text() == "weights"

@@ -19,6 +19,7 @@ from kiln.checkpoint.format import (
     step_dirname,
     verify,
     write_manifest,
+    write_safetensors,
 )
 from kiln.checkpoint.manager import CheckpointManager
 from kiln.checkpoint.rng import capture_rng_state, restore_rng_state
@@ -50,4 +51,5 @@ __all__ = [
     "step_dirname",
     "verify",
     "write_manifest",
+    "write_safetensors",
 ]

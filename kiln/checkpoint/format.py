@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 import time
 import warnings
 from pathlib import Path
@@ -28,6 +27,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kiln.errors import DataError
+from kiln.files import fsync, publishing, write_text_atomic
 
 MODEL_FILE = "model.safetensors"
 TRAIN_STATE_FILE = "train_state.pt"
@@ -60,23 +60,6 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def fsync(path: Path) -> None:
-    # Data must reach the disk before the rename that publishes it, or a power loss could leave
-    # a "complete" folder holding empty files.
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    fsync(tmp)
-    os.replace(tmp, path)
-
-
 # ---- model weights -------------------------------------------------------------------------------
 
 
@@ -99,14 +82,21 @@ def dedupe_tied(state_dict: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Te
     return tensors, tied
 
 
+def write_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """Write `tensors` to `path` as safetensors, published when complete (kiln.files.publishing)."""
+    with publishing(path) as tmp:
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
+
+
 def write_files(
     folder: Path, model_cfg, state_dict: dict, manifest_extra: dict | None, train_state: dict | None
 ) -> dict:
     tensors, tied = dedupe_tied(state_dict)
-    save_file(tensors, str(folder / MODEL_FILE), metadata={"format": "pt"})
+    write_safetensors(tensors, folder / MODEL_FILE)
     names = [MODEL_FILE]
     if train_state is not None:
-        torch.save(train_state, folder / TRAIN_STATE_FILE)
+        with publishing(folder / TRAIN_STATE_FILE) as tmp:
+            torch.save(train_state, tmp)
         names.append(TRAIN_STATE_FILE)
     return write_manifest(folder, model_cfg, names, {**(manifest_extra or {}), "tied": tied})
 

@@ -86,7 +86,11 @@ class CheckpointManager:
         tmp = self.begin(step)
         manifest_extra = {"step": step, **manifest_extra}
         if not self.background:
-            write_files(tmp, model_cfg, model_state, manifest_extra, train_state)
+            try:
+                write_files(tmp, model_cfg, model_state, manifest_extra, train_state)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)  # a disk that filled keeps no half-written step
+                raise
             return self.commit(tmp, step, is_best)
         # Training goes on updating the tensors in place, so the thread writes copies taken now.
         memo = {}
@@ -102,6 +106,7 @@ class CheckpointManager:
             write_files(tmp, model_cfg, model_state, manifest_extra, train_state)
             self.commit(tmp, step, is_best)
         except BaseException as e:  # re-raised in the training thread by finish()
+            shutil.rmtree(tmp, ignore_errors=True)
             self._writer_error = e
 
     def finish(self) -> None:

@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.state_dict import (
 from kiln.checkpoint.format import TRAIN_STATE_FILE, write_manifest
 from kiln.checkpoint.manager import CheckpointManager
 from kiln.checkpoint.safety import SHARDED_DIR, WeightsOnlyLoadPlanner
+from kiln.files import publishing, reporting
 
 
 def _barrier() -> None:
@@ -61,7 +62,8 @@ class ShardedSaver:
             future = dcp.async_save(state, checkpoint_id=writer, process_group=self._async_group())
             self._pending = (future, tmp, step, model_cfg, train_state, manifest_extra, is_best)
         else:
-            dcp.save(state, checkpoint_id=writer)
+            with reporting(writer):
+                dcp.save(state, checkpoint_id=writer)
             self._publish(tmp, step, model_cfg, train_state, manifest_extra, is_best)
 
     def _async_group(self):
@@ -78,13 +80,15 @@ class ShardedSaver:
             return
         future, *rest = self._pending
         self._pending = None
-        future.result()
+        with reporting(rest[0] / SHARDED_DIR):
+            future.result()
         self._publish(*rest)
 
     def _publish(self, tmp: Path, step: int, model_cfg, train_state: dict, manifest_extra: dict, is_best: bool):
         _barrier()  # every rank's shards are on disk
         if _rank() == 0:
-            torch.save(train_state, tmp / TRAIN_STATE_FILE)
+            with publishing(tmp / TRAIN_STATE_FILE) as partial:
+                torch.save(train_state, partial)
             names = sorted(str(p.relative_to(tmp)) for p in (tmp / SHARDED_DIR).rglob("*") if p.is_file())
             write_manifest(
                 tmp, model_cfg, [*names, TRAIN_STATE_FILE], {"step": step, "layout": "sharded", **manifest_extra}

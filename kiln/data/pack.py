@@ -22,6 +22,7 @@ from kiln.data.config import PackConfig
 from kiln.data.corpus import choose_split_ids, iter_documents
 from kiln.data.tokenizer import Tokenizer, count_documents
 from kiln.errors import ConfigError, DataError
+from kiln.files import publishing, write_text_atomic
 from kiln.progress import progress, progress_visible
 
 SPLITS = ("train", "val")
@@ -43,9 +44,11 @@ def write_shard(bin_path: Path, tokens: np.ndarray, header: dict) -> None:
     """Write tokens to bin_path and its header next to it (.json), header last: a shard whose
     header exists is complete."""
     dtype = np.dtype({"uint16": "<u2", "uint32": "<u4"}[header["dtype"]])
-    np.ascontiguousarray(tokens, dtype=dtype).tofile(bin_path)
+    # A file write, not ndarray.tofile: that reports a full disk with no errno.
+    with publishing(bin_path) as tmp, open(tmp, "wb") as f:
+        f.write(memoryview(np.ascontiguousarray(tokens, dtype=dtype)))
     header = {**header, "tokens": int(len(tokens))}
-    bin_path.with_suffix(".json").write_text(json.dumps(header, indent=2) + "\n")
+    write_text_atomic(bin_path.with_suffix(".json"), json.dumps(header, indent=2) + "\n")
 
 
 class ShardWriter:
@@ -171,7 +174,7 @@ def pack(corpus_dir: Path, tokenizer_path: Path, cfg: PackConfig, out_dir: Path)
         }
     weights = mixture_weights(cfg, {s: per_source[s]["train"]["tokens"] for s in per_source})
     mixture = {**{k: base_header[k] for k in ("vocab_size", "tokenizer_sha256")}, "weights": weights}
-    (out_dir / "mixture.json").write_text(json.dumps(mixture, indent=2) + "\n")
+    write_text_atomic(out_dir / "mixture.json", json.dumps(mixture, indent=2) + "\n")
 
     seconds = time.perf_counter() - started
     totals = {
@@ -187,5 +190,5 @@ def pack(corpus_dir: Path, tokenizer_path: Path, cfg: PackConfig, out_dir: Path)
         "seconds": round(seconds, 3),
         "tokens_per_second": round((totals["train"]["tokens"] + totals["val"]["tokens"]) / max(seconds, 1e-9)),
     }
-    (out_dir / "stats.json").write_text(json.dumps(stats, indent=2) + "\n")
+    write_text_atomic(out_dir / "stats.json", json.dumps(stats, indent=2) + "\n")
     return stats

@@ -22,6 +22,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from kiln.data.config import TokenizerConfig
 from kiln.data.corpus import choose_split_ids, iter_documents
 from kiln.errors import DataError
+from kiln.files import publishing, write_text_atomic
 from kiln.progress import progress_visible
 
 # Reserved first so their ids (0..n-1) never move when the vocabulary size changes, and later
@@ -306,7 +307,8 @@ def train_tokenizer(
         )
     train_seconds = time.perf_counter() - started
     path = out_dir / "tokenizer.json"
-    hf.save(str(path))
+    with publishing(path) as tmp:
+        hf.save(str(tmp))
     tok = Tokenizer.load(path)
     ids = [tok.token_id(special) for special in SPECIAL_TOKENS]
     if ids != list(range(len(SPECIAL_TOKENS))):  # later stages rely on these fixed ids
@@ -325,7 +327,7 @@ def train_tokenizer(
         "bytes_per_token": round(heldout_bytes / heldout_tokens, 4) if heldout_tokens else None,
         "seconds": round(time.perf_counter() - started, 3),
     }
-    (out_dir / "stats.json").write_text(json.dumps(stats, indent=2) + "\n")
+    write_text_atomic(out_dir / "stats.json", json.dumps(stats, indent=2) + "\n")
     return stats
 
 
@@ -365,5 +367,5 @@ def train_tokenizer_from_corpus(corpus_dir: Path, cfg: TokenizerConfig, out_dir:
         }
     stats["heldout_documents"] = sum(len(v) for v in heldout.values())
     stats["heldout_by_source"] = per_source
-    (Path(out_dir) / "stats.json").write_text(json.dumps(stats, indent=2) + "\n")
+    write_text_atomic(Path(out_dir) / "stats.json", json.dumps(stats, indent=2) + "\n")
     return stats

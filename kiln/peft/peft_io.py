@@ -32,10 +32,11 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 from safetensors import safe_open
-from safetensors.torch import save_file
 
+from kiln.checkpoint import write_safetensors
 from kiln.data.readers import read_json
 from kiln.errors import DataError
+from kiln.files import write_text_atomic
 from kiln.model.transformer import fuse_gate_up, fuse_qkv, split_gate_up, split_qkv
 from kiln.peft.adapter import (
     AdapterConfig,
@@ -136,8 +137,8 @@ def save_trainable(model: nn.Module, cfg: PeftConfig, out_dir) -> Path:
         "peft": asdict(cfg),
         "lora": {name: {"r": m.r, "scaling": m.scaling} for name, m in lora_modules(model).items()},
     }
-    save_file(tensors, str(out / KILN_WEIGHTS), metadata={"format": "pt"})
-    (out / KILN_CONFIG).write_text(json.dumps(meta, indent=2) + "\n")
+    write_safetensors(tensors, out / KILN_WEIGHTS)
+    write_text_atomic(out / KILN_CONFIG, json.dumps(meta, indent=2) + "\n")
     return out
 
 
@@ -269,8 +270,8 @@ def save_peft_adapter(
     }
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / PEFT_WEIGHTS), metadata={"format": "pt"})
-    (out / PEFT_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    write_safetensors(tensors, out / PEFT_WEIGHTS)
+    write_text_atomic(out / PEFT_CONFIG, json.dumps(config, indent=2) + "\n")
     return out
 
 

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from kiln.checkpoint import save_weights
+from kiln.files import write_text_atomic
 from kiln.peft.apply import parameter_counts
 from kiln.peft.peft_io import merged_state_dict, save_peft_adapter, save_trainable
 
@@ -39,4 +40,4 @@ def save_peft_outputs(trainer, peft, out: Path) -> dict:
 
 
 def write_stats(out: Path, stats: dict) -> None:
-    (Path(out) / "stats.json").write_text(json.dumps(stats, indent=2, default=str))
+    write_text_atomic(Path(out) / "stats.json", json.dumps(stats, indent=2, default=str))

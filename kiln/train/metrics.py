@@ -3,6 +3,7 @@ peak-FLOPs detection, MFU, peak memory."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -18,6 +19,7 @@ from pathlib import Path
 import torch
 
 from kiln.errors import ConfigError
+from kiln.files import reporting, write_text_atomic
 
 # Dense (non-sparse) bf16 tensor-core peaks from the vendors' data sheets, FLOP/s per device.
 # Matched by substring of torch.cuda.get_device_name(), most specific first.
@@ -269,12 +271,13 @@ class MetricsLogger:
         except BaseException:
             self._close_backends()
             raise
-        self._file = open(self.path, "a")
+        # Unbuffered: each record reaches the file at once, and a write the disk refuses leaves
+        # nothing buffered to retry.
+        self._file = open(self.path, "ab", buffering=0)
         self._step = 0
 
     def log(self, record: dict) -> None:
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        self._append((json.dumps(record) + "\n").encode())
         if not self.backends:
             return
         step = record.get("step")
@@ -293,6 +296,21 @@ class MetricsLogger:
                 backend.log(step, values)
             if text is not None:
                 backend.event(step, text)
+
+    def _append(self, data: bytes) -> None:
+        """Append one record; a write the disk refuses is cut back to the record before, so the log
+        never ends in half a line, and raised as an OSError naming the log."""
+        fd = self._file.fileno()
+        end = os.fstat(fd).st_size
+        with reporting(self.path):
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[self._file.write(view) :]
+            except OSError:
+                with contextlib.suppress(OSError):
+                    os.ftruncate(fd, end)
+                raise
 
     def _close_backends(self) -> None:
         for backend in self.backends:
@@ -323,9 +341,7 @@ def truncate_metrics(path, last_step: int) -> None:
             record.get("step", 0) <= last_step or (record.get("kind") == "event" and record.get("type") == "watchdog")
         ):
             kept.append(line)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
-    tmp.replace(path)
+    write_text_atomic(path, "".join(line + "\n" for line in kept))
 
 
 def measure_cpu_peak_flops(dtype: torch.dtype, seconds: float = 0.3, n: int = 1024) -> float:

@@ -30,6 +30,7 @@ from kiln.checkpoint import (
 )
 from kiln.data.loader import TokenLoader
 from kiln.errors import ConfigError
+from kiln.files import write_text_atomic
 from kiln.model import ModelConfig, build_model, count_params, flops_per_token
 from kiln.model.weights import model_config_from_dict, upgrade_layout
 from kiln.parallel.config import ParallelConfig
@@ -603,7 +604,7 @@ class Trainer:
             self.after_fit(self)
         summary = self._summary(train_time, train_tokens, start_wall)
         if self.is_main:
-            (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+            write_text_atomic(self.out_dir / "summary.json", json.dumps(summary, indent=1) + "\n")
             self.metrics.close()
         return summary
 
