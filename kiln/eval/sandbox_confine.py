@@ -206,7 +206,14 @@ _BLOCKED_IMPORTS = {"ctypes", "_ctypes", "cffi", "_cffi_backend"}
 
 def make_guard(root: str, allow_processes: bool):
     """The audit hook: ends the run with FORBIDDEN_EXIT on anything the sandbox module lists."""
-    _exit, write, lstat, stat, readlink, getcwd = posix._exit, posix.write, posix.lstat, posix.stat, posix.readlink, posix.getcwd
+    _exit, write, lstat, stat, readlink, getcwd = (
+        posix._exit,
+        posix.write,
+        posix.lstat,
+        posix.stat,
+        posix.readlink,
+        posix.getcwd,
+    )
     is_instance, length, any_of, type_of = isinstance, len, any, type
     text_type, bytes_type, int_type = str, bytes, int
     split, join, startswith, rfind, contains = str.split, str.join, str.startswith, str.rfind, str.__contains__
@@ -272,7 +279,9 @@ def make_guard(root: str, allow_processes: bool):
         if dir_fd is not None and dir_fd != -1 and not startswith(path, "/"):
             path = readlink(f"/proc/self/fd/{int_type(dir_fd)}") + "/" + path
         resolved = resolve(path)
-        return resolved is not None and (resolved == base or startswith(resolved, base + "/") or resolved == "/dev/null")
+        return resolved is not None and (
+            resolved == base or startswith(resolved, base + "/") or resolved == "/dev/null"
+        )
 
     def name(path) -> str:
         text = as_text(path)

@@ -253,25 +253,21 @@ def test_landlock_holds_when_the_guard_is_bypassed(tmp_path):
     assert result.status == "ok", result.detail
 
 
+def write_megabytes(count: int, delete: bool = False) -> str:
+    """A program writing `count` 1 MB files, one every 50 ms, printing each index; with `delete`,
+    each file is removed at once but kept open (it still takes disk space until closed)."""
+    remove = "os.remove(f'part{i}'); " if delete else ""
+    return (
+        f"import os, time\nkeep = []\nfor i in range({count}):\n"
+        f"    f = open(f'part{{i}}', 'wb'); {remove}f.write(b'x' * 1024 * 1024); f.flush(); keep.append(f)\n"
+        "    print(i, flush=True); time.sleep(0.05)\n"
+    )
+
+
 def test_the_folder_quota_is_enforced_from_outside():
-    writer = (
-        "import time\n"
-        "for i in range(200):\n"
-        "    open(f'part{i}', 'wb').write(b'x' * 1024 * 1024)\n"
-        "    print(i, flush=True)\n"
-        "    time.sleep(0.05)\n"
-    )
-    result = run_python(writer, Limits(timeout_s=60.0, file_mb=2, disk_mb=8))
-    assert result.status == "forbidden" and "disk_mb=8" in result.detail, (result.status, result.detail)
-    written = len(result.stdout.split())
-    assert 8 <= written < 200, written
-    # Deleted files still held open count too: they use the disk until closed.
-    hidden = (
-        "import os, time\nkeep = []\n"
-        "for i in range(200):\n"
-        "    f = open(f'part{i}', 'wb'); os.remove(f'part{i}'); f.write(b'x' * 1024 * 1024); f.flush()\n"
-        "    keep.append(f); time.sleep(0.05)\n"
-    )
-    result = run_python(hidden, Limits(timeout_s=60.0, file_mb=2, disk_mb=8))
-    assert result.status == "forbidden" and "disk_mb=8" in result.detail, (result.status, result.detail)
-    assert run_python(writer.replace("200", "4"), Limits(timeout_s=60.0, file_mb=2, disk_mb=8)).passed
+    quota = Limits(timeout_s=60.0, file_mb=2, disk_mb=8)
+    for delete in (False, True):
+        result = run_python(write_megabytes(200, delete), quota)
+        assert result.status == "forbidden" and "disk_mb=8" in result.detail, (delete, result.status, result.detail)
+        assert 8 <= len(result.stdout.split()) < 200, (delete, result.stdout)
+    assert run_python(write_megabytes(4), quota).passed
