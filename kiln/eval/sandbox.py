@@ -14,20 +14,29 @@ a wall-clock timeout or not. Before the snippet runs, the child confines itself 
    CAP_DAC_READ_SEARCH, so it can still read the Python installation (which may live under a
    private /root) but writes only where `nobody` may, and RLIMIT_NPROC applies (the kernel exempts
    root from it); no_new_privs is set so an exec can never gain privileges;
-4. a Python audit hook (PEP 578) that ends the run as "forbidden" on: a write, create, rename,
-   delete, chmod, link or truncate outside the folder (symlinks resolved), opening a directory
-   outside it, any socket call, starting a process (fork, exec, spawn, system, subprocess, and
-   importing _posixsubprocess, whose fork_exec has no audit event), signalling other processes,
-   raising resource limits, and ctypes/cffi.
+4. Landlock (Linux 5.13+, unprivileged): the kernel refuses every write, create, delete, rename,
+   link and truncate outside the folder (/dev/null excepted), whoever the child runs as; with ABI 4
+   also TCP bind/connect, with ABI 6 signals to processes outside the sandbox;
+5. a Python audit hook (PEP 578, kiln.eval.sandbox_confine) that ends the run as "forbidden", naming
+   what it stopped, on: a write, create (os.mkfifo/os.mknod included, which are replaced because
+   they raise no event), rename, delete, chmod, link or truncate outside the folder (symlinks,
+   dir_fd and descriptors resolved), opening a directory outside it, any socket call, starting a
+   process (fork, exec, spawn, system, subprocess, and importing _posixsubprocess, whose fork_exec
+   has no audit event), signalling other processes, raising resource limits, ctypes/cffi, and the
+   gc/tracing calls that could reach the hook. The hook captures everything it calls before the
+   snippet runs, so replacing os._exit, os.sep, os.path or builtins does not change it.
+
+The parent enforces the folder quota (disk_mb): it measures the folder, plus the files the child
+holds open, every DISK_POLL_S and kills the group when it is over.
 
 What is not prevented, exactly: reading files (the snippet can read whatever the child's user can;
-as `nobody` with CAP_DAC_READ_SEARCH that is every file); writes to world-writable places such as
-/tmp when the audit hook is bypassed (audit hooks are not a security boundary: code that reaches
-native memory could disable it, and only layers 1-3, which the kernel enforces, remain then);
-without root, the child runs as the caller's own user, so writes outside the folder are stopped by
-the audit hook alone, and RLIMIT_NPROC counts all of that user's processes; with max_processes > 0
-a grandchild that calls setsid() leaves the process group and survives the final kill. `isolation`
-in each result says which layers were actually in force.
+as `nobody` with CAP_DAC_READ_SEARCH that is every file); without Landlock, writes to world-writable
+places such as /tmp (as `nobody`) or anywhere the caller may write (without root) once the audit
+hook is bypassed (audit hooks are not a security boundary: code that reaches native memory could
+disable it); chmod/chown/utime/xattr of the caller's own files outside the folder when the hook is
+bypassed (Landlock does not cover them); with max_processes > 0 a grandchild that calls setsid()
+leaves the process group and survives the final kill, and its open files are not counted in the
+quota. `isolation` in each result says which layers were actually in force.
 """
 
 from __future__ import annotations
