@@ -64,6 +64,7 @@ _BOOT = (
     "_child_main(sys.argv[2], int(sys.argv[3]))"
 )
 DISK_POLL_S = 0.05  # how often the parent measures the folder
+ENTRY_BYTES = 4096  # the least each file or folder is charged in the quota
 
 
 @dataclass(frozen=True)
@@ -256,7 +257,8 @@ def _watch(pid: int, root: Path, limits: Limits) -> str:
 
 
 def _disk_bytes(root: Path, pid: int) -> int:
-    """Bytes allocated to the folder's files plus the regular files `pid` holds open (deleted ones too).
+    """Bytes allocated to the folder's files plus the regular files `pid` holds open (deleted ones too),
+    each at least ENTRY_BYTES.
 
     A folder that cannot be listed counts as over any quota: what it holds cannot be measured.
     """
@@ -267,7 +269,9 @@ def _disk_bytes(root: Path, pid: int) -> int:
         nonlocal total
         if (st.st_dev, st.st_ino) not in seen:
             seen.add((st.st_dev, st.st_ino))
-            total += max(st.st_blocks * 512, st.st_size if stat.S_ISREG(st.st_mode) else 0)
+            # Every entry is charged at least one block, so that millions of empty files (inodes,
+            # and the parent's time walking them) count as well.
+            total += max(st.st_blocks * 512, st.st_size if stat.S_ISREG(st.st_mode) else 0, ENTRY_BYTES)
 
     folders = [str(root)]
     while folders:

@@ -271,3 +271,8 @@ def test_the_folder_quota_is_enforced_from_outside():
         assert result.status == "forbidden" and "disk_mb=8" in result.detail, (delete, result.status, result.detail)
         assert 8 <= len(result.stdout.split()) < 200, (delete, result.stdout)
     assert run_python(write_megabytes(4), quota).passed
+    # Empty files cost inodes: each is charged a block (4096 bytes), so 1 MB allows about 256.
+    empty = "import time\nfor i in range(100000):\n    open(f'e{i}', 'w').close()\n    print(i, flush=True)\n"
+    result = run_python(empty + "time.sleep(30)\n", Limits(timeout_s=60.0, disk_mb=1))
+    assert result.status == "forbidden" and "disk_mb=1" in result.detail, (result.status, result.detail)
+    assert 250 <= len(result.stdout.split()) < 100000
