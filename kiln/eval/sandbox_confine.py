@@ -284,6 +284,8 @@ def make_guard(root: str, allow_processes: bool):
         )
 
     def name(path) -> str:
+        if is_instance(path, int_type):
+            return f"descriptor {int_type(path)} ({show(readlink(f'/proc/self/fd/{int_type(path)}'))})"
         text = as_text(path)
         return show(text) if text is not None else f"a {type_of(path).__name__} path"
 
