@@ -74,6 +74,9 @@ def test_huge_allocation_is_a_memory_error():
     assert result.status == "memory" and result.stdout == ""
     result = run_python("x = []\nwhile True:\n    x.append(bytearray(10 ** 7))", Limits(timeout_s=20.0, memory_mb=256))
     assert result.status == "memory"
+    # The child's own exit path does not go through the os._exit the snippet can replace.
+    result = run_python("import os; os._exit = lambda *a: None\nraise MemoryError", FAST)
+    assert result.status == "memory" and not result.passed, (result.status, result.detail)
 
 
 def test_writing_outside_the_folder_is_forbidden(tmp_path):
