@@ -200,8 +200,11 @@ _ALWAYS_BLOCKED = {
     "sys.settrace",
     "sys.setprofile",
     "sys._current_frames",
+    "sys.monitoring.register_callback",
+    # A subinterpreter starts with no audit hooks at all.
+    "cpython.PyInterpreterState_New",
 }
-_BLOCKED_IMPORTS = {"ctypes", "_ctypes", "cffi", "_cffi_backend"}
+_BLOCKED_IMPORTS = {"ctypes", "_ctypes", "cffi", "_cffi_backend", "_xxsubinterpreters", "_interpreters"}
 
 
 def make_guard(root: str, allow_processes: bool):
