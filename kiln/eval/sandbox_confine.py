@@ -207,28 +207,13 @@ _ALWAYS_BLOCKED = {
 _BLOCKED_IMPORTS = {"ctypes", "_ctypes", "cffi", "_cffi_backend", "_xxsubinterpreters", "_interpreters"}
 
 
-def make_guard(root: str, allow_processes: bool):
-    """The audit hook: ends the run with FORBIDDEN_EXIT on anything the sandbox module lists."""
-    _exit, write, lstat, stat, readlink, getcwd = (
-        posix._exit,
-        posix.write,
-        posix.lstat,
-        posix.stat,
-        posix.readlink,
-        posix.getcwd,
-    )
-    is_instance, length, any_of, type_of = isinstance, len, any, type
-    text_type, bytes_type, int_type = str, bytes, int
-    split, join, startswith, rfind, contains = str.split, str.join, str.startswith, str.rfind, str.__contains__
-    decode, encode, show = bytes.decode, str.encode, str.__repr__
-    base_error, os_error, value_error, type_error = BaseException, OSError, ValueError, TypeError
-    stdout, flush = sys.stdout, type(sys.stdout).flush
-    path_events, process_events = dict(_PATH_EVENTS), frozenset(_PROCESS_EVENTS)
-    always_blocked = frozenset(_ALWAYS_BLOCKED)
-    blocked_imports = frozenset(_BLOCKED_IMPORTS | (set() if allow_processes else {"_posixsubprocess"}))
-    own_pid, own_group = posix.getpid(), posix.getpgid(0)
-    write_flags = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
-    mark, forbidden_exit = MARK, FORBIDDEN_EXIT
+def _path_checks(root: str):
+    """(as_text, inside, name, is_directory) for the guard, with everything they call captured."""
+    lstat, stat, readlink, getcwd = posix.lstat, posix.stat, posix.readlink, posix.getcwd
+    is_instance, type_of, text_type, bytes_type, int_type = isinstance, type, str, bytes, int
+    split, join, startswith, rfind = str.split, str.join, str.startswith, str.rfind
+    decode, show = bytes.decode, str.__repr__
+    os_error, value_error, type_error = OSError, ValueError, TypeError
 
     def as_text(path):
         """An exact str for a str or bytes path (no method of a subclass runs), else None."""
@@ -292,6 +277,31 @@ def make_guard(root: str, allow_processes: bool):
         text = as_text(path)
         return show(text) if text is not None else f"a {type_of(path).__name__} path"
 
+    def is_directory(path) -> bool:
+        try:
+            return stat(path).st_mode & 0o170000 == 0o040000
+        except (os_error, value_error, type_error):
+            return False
+
+    return as_text, inside, name, is_directory
+
+
+def make_guard(root: str, allow_processes: bool):
+    """The audit hook: ends the run with FORBIDDEN_EXIT on anything the sandbox module lists."""
+    _exit, write = posix._exit, posix.write
+    is_instance, length, any_of, type_of = isinstance, len, any, type
+    text_type, int_type = str, int
+    split, startswith, contains, encode = str.split, str.startswith, str.__contains__, str.encode
+    base_error = BaseException
+    stdout, flush = sys.stdout, type(sys.stdout).flush
+    path_events, process_events = dict(_PATH_EVENTS), frozenset(_PROCESS_EVENTS)
+    always_blocked = frozenset(_ALWAYS_BLOCKED)
+    blocked_imports = frozenset(_BLOCKED_IMPORTS | (set() if allow_processes else {"_posixsubprocess"}))
+    own_pid, own_group = posix.getpid(), posix.getpgid(0)
+    write_flags = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+    mark, forbidden_exit = MARK, FORBIDDEN_EXIT
+    as_text, inside, name, is_directory = _path_checks(root)
+
     def deny(what: str) -> None:
         try:
             flush(stdout)
@@ -300,18 +310,12 @@ def make_guard(root: str, allow_processes: bool):
         write(2, encode(f"\n{mark}forbidden: {what}\n", "utf-8", "replace"))
         _exit(forbidden_exit)
 
-    def is_directory(path) -> bool:
-        try:
-            return stat(path).st_mode & 0o170000 == 0o040000
-        except (os_error, value_error, type_error):
-            return False
-
     def check(event: str, args: tuple) -> None:
         if event == "open":
             path, mode, flags = args
-            writes = (is_instance(mode, text_type) and any_of(contains(mode, c) for c in "wax+")) or bool(
+            writes = (is_instance(mode, text_type) and any_of(contains(mode, c) for c in "wax+")) or (
                 (flags or 0) & write_flags
-            )
+            ) != 0
             if is_instance(path, int_type):
                 return  # wrapping a descriptor grants nothing its opening did not
             if writes and not inside(path):

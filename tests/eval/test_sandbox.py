@@ -1,14 +1,17 @@
 """Hostile snippets in the sandbox: each ends with a clear status and the parent stays healthy."""
 
+import dis
 import os
 import re
 import socket
+import types
 from importlib.util import find_spec
 
 import pytest
 
 from kiln.errors import ConfigError
 from kiln.eval.sandbox import Limits, run_many, run_python
+from kiln.eval.sandbox_confine import make_guard
 
 FAST = Limits(timeout_s=3.0)
 
@@ -199,6 +202,8 @@ GUARD_ATTACKS = {
     "import os; os.remove({out!r} + '/keep.txt')",
     "builtins replaced": "import builtins; builtins.isinstance = lambda *a: True; builtins.len = lambda x: 0\n"
     "open({out!r} + '/escape.txt', 'w').write('x')",
+    "builtins.bool replaced": "import builtins, os; builtins.bool = lambda x=0: False\n"
+    "os.open({out!r} + '/escape.txt', os.O_WRONLY | os.O_CREAT)",
     "descriptor chmod": "import os; fd = os.open({out!r} + '/keep.txt', os.O_RDONLY); os.chmod(fd, 0o600)",
     "mkfifo outside": "import os; os.mkfifo({out!r} + '/escape.txt')",
     "mknod outside via dir_fd": "import os, stat; d = os.open({out!r}, os.O_RDONLY | os.O_DIRECTORY)\n"
@@ -225,6 +230,28 @@ def test_attacks_on_the_guard_are_forbidden_and_change_nothing(tmp_path, attack)
     assert (out / "keep.txt").read_text() == "precious" and (out / "keep.txt").stat().st_mode & 0o777 == 0o666
     assert not list(tmp_path.parent.glob("kiln-sandbox-*-escape.txt"))
     assert not list(__import__("pathlib").Path("/tmp").glob("kiln-sandbox-*-escape.txt"))
+
+
+def test_the_guard_reads_no_global_or_builtin_name_when_called():
+    """Every function the hook can reach uses only its closure: nothing the snippet could rebind."""
+    hook = make_guard("/tmp", allow_processes=False)
+    functions, seen, loaded = [hook], set(), {}
+    while functions:
+        function = functions.pop()
+        if id(function) in seen:
+            continue
+        seen.add(id(function))
+        codes = [function.__code__]
+        while codes:
+            code = codes.pop()
+            codes += [c for c in code.co_consts if isinstance(c, types.CodeType)]
+            names = {i.argval for i in dis.get_instructions(code) if i.opname in ("LOAD_GLOBAL", "LOAD_NAME")}
+            if names:
+                loaded[code.co_name] = names
+        functions += [
+            c.cell_contents for c in function.__closure__ or () if isinstance(c.cell_contents, types.FunctionType)
+        ]
+    assert len(seen) >= 5 and loaded == {}
 
 
 def test_named_violations():
