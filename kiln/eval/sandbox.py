@@ -14,20 +14,29 @@ a wall-clock timeout or not. Before the snippet runs, the child confines itself 
    CAP_DAC_READ_SEARCH, so it can still read the Python installation (which may live under a
    private /root) but writes only where `nobody` may, and RLIMIT_NPROC applies (the kernel exempts
    root from it); no_new_privs is set so an exec can never gain privileges;
-4. a Python audit hook (PEP 578) that ends the run as "forbidden" on: a write, create, rename,
-   delete, chmod, link or truncate outside the folder (symlinks resolved), opening a directory
-   outside it, any socket call, starting a process (fork, exec, spawn, system, subprocess, and
-   importing _posixsubprocess, whose fork_exec has no audit event), signalling other processes,
-   raising resource limits, and ctypes/cffi.
+4. Landlock (Linux 5.13+, unprivileged): the kernel refuses every write, create, delete, rename,
+   link and truncate outside the folder (/dev/null excepted), whoever the child runs as; with ABI 4
+   also TCP bind/connect, with ABI 6 signals to processes outside the sandbox;
+5. a Python audit hook (PEP 578, kiln.eval.sandbox_confine) that ends the run as "forbidden", naming
+   what it stopped, on: a write, create (os.mkfifo/os.mknod included, which are replaced because
+   they raise no event), rename, delete, chmod, link or truncate outside the folder (symlinks,
+   dir_fd and descriptors resolved), opening a directory outside it, any socket call, starting a
+   process (fork, exec, spawn, system, subprocess, and importing _posixsubprocess, whose fork_exec
+   has no audit event), signalling other processes, raising resource limits, ctypes/cffi, and the
+   gc/tracing calls that could reach the hook. The hook captures everything it calls before the
+   snippet runs, so replacing os._exit, os.sep, os.path or builtins does not change it.
+
+The parent enforces the folder quota (disk_mb): it measures the folder, plus the files the child
+holds open, every DISK_POLL_S and kills the group when it is over.
 
 What is not prevented, exactly: reading files (the snippet can read whatever the child's user can;
-as `nobody` with CAP_DAC_READ_SEARCH that is every file); writes to world-writable places such as
-/tmp when the audit hook is bypassed (audit hooks are not a security boundary: code that reaches
-native memory could disable it, and only layers 1-3, which the kernel enforces, remain then);
-without root, the child runs as the caller's own user, so writes outside the folder are stopped by
-the audit hook alone, and RLIMIT_NPROC counts all of that user's processes; with max_processes > 0
-a grandchild that calls setsid() leaves the process group and survives the final kill. `isolation`
-in each result says which layers were actually in force.
+as `nobody` with CAP_DAC_READ_SEARCH that is every file); without Landlock, writes to world-writable
+places such as /tmp (as `nobody`) or anywhere the caller may write (without root) once the audit
+hook is bypassed (audit hooks are not a security boundary: code that reaches native memory could
+disable it); chmod/chown/utime/xattr of the caller's own files outside the folder when the hook is
+bypassed (Landlock does not cover them); with max_processes > 0 a grandchild that calls setsid()
+leaves the process group and survives the final kill, and its open files are not counted in the
+quota. `isolation` in each result says which layers were actually in force.
 """
 
 from __future__ import annotations
@@ -37,25 +46,25 @@ import json
 import math
 import os
 import signal
+import stat
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from kiln.errors import ConfigError
+from kiln.eval.sandbox_confine import FORBIDDEN_EXIT, MARK, confine, make_guard, replace_node_creation
 
 STATUSES = ("ok", "error", "timeout", "memory", "forbidden", "killed")
-FORBIDDEN_EXIT, MEMORY_EXIT, FILE_SIZE_EXIT = 117, 118, 119
-MARK = "kiln-sandbox: "
+MEMORY_EXIT, FILE_SIZE_EXIT = 118, 119
 KILN_ROOT = str(Path(__file__).resolve().parents[2])
 # The child imports this module by path (-I ignores PYTHONPATH and the user's site folder).
 _BOOT = (
     "import sys; sys.path.insert(0, sys.argv[1]); from kiln.eval.sandbox import _child_main; "
     "_child_main(sys.argv[2], int(sys.argv[3]))"
 )
-CLONE_NEWNET, CLONE_NEWUSER = 0x40000000, 0x10000000
-PR_SET_KEEPCAPS, PR_SET_NO_NEW_PRIVS = 8, 38
-CAP_DAC_READ_SEARCH = 2
+DISK_POLL_S = 0.05  # how often the parent measures the folder
+ENTRY_BYTES = 4096  # the least each file or folder is charged in the quota
 
 
 @dataclass(frozen=True)
@@ -64,6 +73,7 @@ class Limits:
     cpu_s: int | None = None  # CPU seconds; None: ceil(timeout_s) + 1, so the wall clock usually fires first
     memory_mb: int = 1024  # address space, which counts more than resident memory
     file_mb: int = 16  # largest file written, stdout and stderr included
+    disk_mb: int = 64  # everything in the folder plus the files the child holds open, measured from outside
     max_processes: int = 0  # extra processes or threads the snippet may start
     max_open_files: int = 256
     network: bool = False  # True leaves the network namespace alone and allows sockets
@@ -77,7 +87,7 @@ class Limits:
             raise ConfigError("cpu_s", f"must be >= 1 (or None), got {self.cpu_s}")
         if self.memory_mb < 64:
             raise ConfigError("memory_mb", f"must be >= 64 (the interpreter alone needs ~30 MB), got {self.memory_mb}")
-        for key in ("file_mb", "max_open_files", "max_output"):
+        for key in ("file_mb", "disk_mb", "max_open_files", "max_output"):
             if getattr(self, key) < 1:
                 raise ConfigError(key, f"must be >= 1, got {getattr(self, key)}")
         if self.max_processes < 0:
@@ -170,7 +180,7 @@ def run_python(
                 start_new_session=True,
             )
             try:
-                timed_out = _wait_exited(proc.pid, limits.timeout_s)
+                ended = _watch(proc.pid, root, limits)
             finally:
                 # Kill the group while the leader is still a zombie: its pid, which is the group id,
                 # cannot have been reused yet, so nothing outside the sandbox is ever signalled.
@@ -188,7 +198,7 @@ def run_python(
             pid=proc.pid,
             isolation=_read_json(private / "isolation.json"),
         )
-        _classify(result, timed_out, limits, cpu)
+        _classify(result, ended, limits, cpu)
         return result
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -222,17 +232,72 @@ def _unprivileged_ids() -> list[int] | None:
     return [entry.pw_uid, entry.pw_gid]
 
 
-def _wait_exited(pid: int, timeout: float) -> bool:
-    """Wait until the child exits without reaping it; True if the timeout came first."""
-    deadline = time.monotonic() + timeout
+def _watch(pid: int, root: Path, limits: Limits) -> str:
+    """Wait until the child exits without reaping it: "exited", "timeout", or "disk" (over disk_mb).
+
+    The disk quota is measured here, in the parent, because nothing inside the child can be trusted
+    to report it; between two measurements the child can write about DISK_POLL_S times its speed.
+    """
+    deadline = time.monotonic() + limits.timeout_s
+    quota = limits.disk_mb * 1024 * 1024
+    next_measure = 0.0
     delay = 0.001
     while os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
-        left = deadline - time.monotonic()
+        now = time.monotonic()
+        if now >= next_measure:
+            if _disk_bytes(root, pid) > quota:
+                return "disk"
+            next_measure = now + DISK_POLL_S
+        left = deadline - now
         if left <= 0:
-            return True
+            return "timeout"
         time.sleep(min(delay, left))
         delay = min(delay * 2, 0.02)
-    return False
+    return "exited"
+
+
+def _disk_bytes(root: Path, pid: int) -> int:
+    """Bytes allocated to the folder's files plus the regular files `pid` holds open (deleted ones too),
+    each at least ENTRY_BYTES.
+
+    A folder that cannot be listed counts as over any quota: what it holds cannot be measured.
+    """
+    seen: set[tuple[int, int]] = set()
+    total = 0
+
+    def count(st: os.stat_result) -> None:
+        nonlocal total
+        if (st.st_dev, st.st_ino) not in seen:
+            seen.add((st.st_dev, st.st_ino))
+            # Every entry is charged at least one block, so that millions of empty files (inodes,
+            # and the parent's time walking them) count as well.
+            total += max(st.st_blocks * 512, st.st_size if stat.S_ISREG(st.st_mode) else 0, ENTRY_BYTES)
+
+    folders = [str(root)]
+    while folders:
+        try:
+            with os.scandir(folders.pop()) as entries:
+                for entry in entries:
+                    st = entry.stat(follow_symlinks=False)
+                    count(st)
+                    if stat.S_ISDIR(st.st_mode):
+                        folders.append(entry.path)
+        except FileNotFoundError:
+            continue  # removed while we looked
+        except PermissionError:
+            return sys.maxsize
+    try:
+        descriptors = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return total
+    for fd in descriptors:
+        try:
+            st = os.stat(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if stat.S_ISREG(st.st_mode):
+            count(st)
+    return total
 
 
 def _kill_group(pgid: int) -> None:
@@ -256,11 +321,13 @@ def _read_json(path: Path) -> dict:
         return {}
 
 
-def _classify(result: SandboxResult, timed_out: bool, limits: Limits, cpu: int) -> None:
+def _classify(result: SandboxResult, ended: str, limits: Limits, cpu: int) -> None:
     code = result.returncode
     marks = [ln[len(MARK) :] for ln in result.stderr.splitlines() if ln.startswith(MARK)]
-    if timed_out:
+    if ended == "timeout":
         result.status, result.detail = "timeout", f"wall clock over {limits.timeout_s:g} s"
+    elif ended == "disk":
+        result.status, result.detail = "forbidden", f"the folder passed disk_mb={limits.disk_mb} (killed)"
     elif code == 0:
         result.status = "ok"
     elif code == FORBIDDEN_EXIT and marks:
@@ -282,14 +349,17 @@ def _classify(result: SandboxResult, timed_out: bool, limits: Limits, cpu: int) 
 
 
 def _child_main(config_path: str, report_fd: int) -> None:
-    """Confine this process (module docstring, layers 1-4), then run main.py as __main__."""
+    """Confine this process (module docstring, layers 1-5), then run main.py as __main__."""
+    import posix
     import runpy
     import traceback
 
+    # Captured before the snippet runs: it may replace os._exit, sys.stdout and anything else.
+    exit_now, streams = posix._exit, (sys.stdout, sys.stderr)
     with open(config_path) as f:
         cfg = json.load(f)
     root = cfg["root"]
-    report = _confine(cfg)
+    report = confine(cfg)
     report["python_guard"] = bool(cfg["python_guard"])
     os.write(report_fd, json.dumps(report).encode())
     os.close(report_fd)
@@ -298,193 +368,26 @@ def _child_main(config_path: str, report_fd: int) -> None:
     for name in [m for m in sys.modules if m.split(".")[0] in ("ctypes", "_ctypes")]:
         del sys.modules[name]
     if cfg["python_guard"]:
-        sys.addaudithook(_guard(root, allow_processes=cfg["max_processes"] > 0))
+        replace_node_creation()
+        sys.addaudithook(make_guard(root, allow_processes=cfg["max_processes"] > 0))
     sys.argv = ["main.py"]
     try:
         runpy.run_path(os.path.join(root, "main.py"), run_name="__main__")
     except MemoryError:
         traceback.print_exc()
-        _flush_and_exit(MEMORY_EXIT)
+        _flush(streams)
+        exit_now(MEMORY_EXIT)
     except OSError as err:
         if err.errno != errno.EFBIG:
             raise
         traceback.print_exc()
-        _flush_and_exit(FILE_SIZE_EXIT)
+        _flush(streams)
+        exit_now(FILE_SIZE_EXIT)
 
 
-def _flush_and_exit(code: int) -> None:
-    for stream in (sys.stdout, sys.stderr):
+def _flush(streams) -> None:
+    for stream in streams:
         try:
             stream.flush()
         except (OSError, ValueError):
             pass
-    os._exit(code)
-
-
-def _confine(cfg: dict) -> dict:
-    import ctypes
-    import resource
-
-    report: dict = {}
-    mb = 1024 * 1024
-
-    def limit(which, value: int) -> None:
-        _, hard = resource.getrlimit(which)
-        value = value if hard == resource.RLIM_INFINITY else min(value, hard)
-        resource.setrlimit(which, (value, value))
-
-    _, cpu_hard = resource.getrlimit(resource.RLIMIT_CPU)
-    cpu = cfg["cpu_s"]
-    # Soft limit: SIGXCPU; one second later the hard limit sends SIGKILL.
-    resource.setrlimit(
-        resource.RLIMIT_CPU, (cpu, cpu + 1 if cpu_hard == resource.RLIM_INFINITY else min(cpu + 1, cpu_hard))
-    )
-    limit(resource.RLIMIT_AS, cfg["memory_mb"] * mb)
-    limit(resource.RLIMIT_FSIZE, cfg["file_mb"] * mb)
-    limit(resource.RLIMIT_NOFILE, cfg["max_open_files"])
-    limit(resource.RLIMIT_CORE, 0)
-    libc = ctypes.CDLL(None, use_errno=True)
-    report["network"] = "allowed" if cfg["network"] else _unshare_network(libc, root=os.geteuid() == 0)
-    if cfg["drop"] is not None:
-        uid, gid = cfg["drop"]
-        libc.prctl(PR_SET_KEEPCAPS, 1, 0, 0, 0)
-        os.setgroups([])
-        os.setgid(gid)
-        os.setuid(uid)
-        report["user"] = "nobody"
-        report["read_everything"] = _capset(libc, 1 << CAP_DAC_READ_SEARCH)
-    else:
-        report["user"] = "caller"
-        if report["network"] == "user namespace":
-            _capset(libc, 0)  # the new namespace granted every capability inside it
-    report["no_new_privs"] = libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) == 0
-    extra = cfg["max_processes"]
-    nproc = 0 if extra == 0 else _count_tasks(os.getuid()) + extra
-    limit(resource.RLIMIT_NPROC, nproc)
-    report["nproc"] = nproc
-    report["nproc_enforced"] = os.getuid() != 0  # the kernel never applies RLIMIT_NPROC to root
-    return report
-
-
-def _unshare_network(libc, root: bool) -> str:
-    if libc.unshare(CLONE_NEWNET) == 0:
-        return "namespace"
-    if root:
-        return "none"  # a user namespace would leave no way to become nobody afterwards
-    uid, gid = os.getuid(), os.getgid()
-    if libc.unshare(CLONE_NEWUSER | CLONE_NEWNET) != 0:
-        return "none"
-    try:
-        # Map our own ids, so files we create still belong to us (unmapped ids cannot create files).
-        for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
-            with open(f"/proc/self/{name}", "w") as f:
-                f.write(text)
-    except OSError:
-        return "user namespace (ids unmapped)"
-    return "user namespace"
-
-
-def _capset(libc, caps: int) -> bool:
-    """Set the permitted and effective capability sets to `caps` (bits below 32)."""
-    import ctypes
-    import struct
-
-    header = ctypes.create_string_buffer(struct.pack("Ii", 0x20080522, 0))  # _LINUX_CAPABILITY_VERSION_3
-    data = ctypes.create_string_buffer(struct.pack("6I", caps, caps, 0, 0, 0, 0))
-    return libc.capset(header, data) == 0
-
-
-def _count_tasks(uid: int) -> int:
-    """Threads of every process of `uid` (what RLIMIT_NPROC counts)."""
-    count = 0
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            if os.stat(f"/proc/{pid}").st_uid == uid:
-                count += len(os.listdir(f"/proc/{pid}/task"))
-        except OSError:
-            continue
-    return count
-
-
-# Path arguments (by position) of audit events that change the file system, and where their dir_fd is.
-_PATH_EVENTS = {
-    "os.remove": ((0,), 1),
-    "os.rmdir": ((0,), 1),
-    "os.mkdir": ((0,), 2),
-    "os.rename": ((0, 1), 2),
-    "os.link": ((0, 1), 2),
-    "os.symlink": ((1,), 2),
-    "os.truncate": ((0,), None),
-    "os.chmod": ((0,), 2),
-    "os.chown": ((0,), 3),
-    "os.utime": ((0,), 3),
-    "os.chflags": ((0,), None),
-    "os.lchflags": ((0,), None),
-    "os.setxattr": ((0,), None),
-    "os.removexattr": ((0,), None),
-}
-_PROCESS_EVENTS = {
-    "os.fork",
-    "os.forkpty",
-    "os.exec",
-    "os.posix_spawn",
-    "os.spawn",
-    "os.system",
-    "subprocess.Popen",
-    "pty.spawn",
-    "os.startfile",
-}
-_ALWAYS_BLOCKED = {"resource.setrlimit", "resource.prlimit"}
-_BLOCKED_IMPORTS = {"ctypes", "_ctypes", "cffi", "_cffi_backend"}
-
-
-def _guard(root: str, allow_processes: bool):
-    """The audit hook: ends the run with FORBIDDEN_EXIT on anything the module docstring lists."""
-    realpath, isdir, fsdecode, getpid = os.path.realpath, os.path.isdir, os.fsdecode, os.getpid
-    base = realpath(root)
-    write_flags = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
-    blocked_imports = _BLOCKED_IMPORTS | (set() if allow_processes else {"_posixsubprocess"})
-
-    def inside(path, dir_fd=None) -> bool:
-        if isinstance(path, int):
-            return True  # an already open descriptor: opening it was checked
-        path = fsdecode(path)
-        if dir_fd not in (None, -1) and not os.path.isabs(path):
-            path = os.path.join(os.readlink(f"/proc/self/fd/{dir_fd}"), path)
-        resolved = realpath(path)
-        return resolved == base or resolved.startswith(base + os.sep) or resolved == "/dev/null"
-
-    def deny(what: str) -> None:
-        try:
-            sys.stdout.flush()
-        except (OSError, ValueError):
-            pass
-        os.write(2, f"\n{MARK}forbidden: {what}\n".encode("utf-8", errors="replace"))
-        os._exit(FORBIDDEN_EXIT)
-
-    def hook(event: str, args: tuple) -> None:
-        if event == "open":
-            path, mode, flags = args
-            writes = (isinstance(mode, str) and any(c in mode for c in "wax+")) or bool((flags or 0) & write_flags)
-            if writes and not inside(path):
-                deny(f"writing {fsdecode(path)!r} outside the sandbox folder")
-            if not writes and not isinstance(path, int) and isdir(path) and not inside(path):
-                deny(f"opening directory {fsdecode(path)!r} outside the sandbox folder")
-        elif event in _PATH_EVENTS:
-            positions, fd_at = _PATH_EVENTS[event]
-            dir_fd = args[fd_at] if fd_at is not None and len(args) > fd_at else None
-            for i in positions:
-                if not inside(args[i], dir_fd):
-                    deny(f"{event} on {fsdecode(args[i])!r} outside the sandbox folder")
-        elif event.startswith("socket."):
-            deny(f"network access ({event})")
-        elif event in _PROCESS_EVENTS and not allow_processes:
-            deny(f"starting a process ({event})")
-        elif event in ("os.kill", "os.killpg") and args[0] not in (0, getpid(), os.getpgid(0)):
-            deny(f"{event} of another process ({args[0]})")
-        elif event == "import" and args[0].split(".")[0] in blocked_imports:
-            deny(f"importing {args[0]}")
-        elif event in _ALWAYS_BLOCKED or event.startswith("ctypes."):
-            deny(event)
-
-    return hook
