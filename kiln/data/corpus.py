@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from kiln.data.config import CorpusConfig
-from kiln.data.readers import iter_jsonl
+from kiln.data.readers import strict_records
 from kiln.errors import DataError
 
 # Module-level so tests can point the Debian source at a folder they build.
@@ -413,12 +413,9 @@ def iter_documents(corpus_dir: Path) -> Iterator[dict]:
     if not files:
         raise DataError(f"{corpus_dir}: no *.jsonl document files (run the corpus stage first)")
     for path in files:
-        for line in iter_jsonl(path):
-            if line.problem:
-                raise DataError(f"{path}:{line.number}: {line.why}")
-            record = line.record
+        for number, record in strict_records(path):
             for key in ("id", "text", "source"):
                 if not isinstance(record.get(key), str):
-                    raise DataError(f"{path}:{line.number}: field {key!r} missing or not a string")
+                    raise DataError(f"{path}:{number}: field {key!r} missing or not a string")
             record.setdefault("meta", {})
             yield record

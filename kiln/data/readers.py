@@ -197,6 +197,18 @@ def has_lone_surrogate(text: str) -> bool:
         return True
 
 
+LONE_SURROGATE = "holds a lone surrogate (a \\ud800-\\udfff escape), which is not UTF-8 text"
+
+
+def line_has_lone_surrogate(line: "JsonLine") -> bool:
+    """Whether a parsed line holds a lone surrogate in any field. Python decodes a "\\ud800" escape
+    without complaint, but no UTF-8 writer or tokenizer accepts the result; only a line with such
+    an escape is re-encoded to find out."""
+    if line.record is None or "\\ud" not in line.raw.lower():
+        return False
+    return has_lone_surrogate(json.dumps(line.record, ensure_ascii=False))
+
+
 def open_binary(path: Path) -> IO[bytes]:
     kind = next((k for s, k in COMPRESSED_SUFFIXES.items() if path.name.lower().endswith(s)), None)
     if kind == "gzip":
@@ -291,6 +303,30 @@ def iter_jsonl(path: str | Path, decode_errors: str = "strict") -> Iterator[Json
             yield JsonLine(number, record, text)
 
 
+def read_utf8_text(path: str | Path) -> str:
+    """A whole text file that must be UTF-8 (an evaluation's prompts or documents); otherwise a
+    DataError naming path:line and the first byte that is not."""
+    data = Path(path).read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data[: err.start].count(b"\n") + 1
+        column = err.start - (data.rfind(b"\n", 0, err.start) + 1) + 1
+        raise DataError(f"{path}:{line}: not UTF-8 text (byte 0x{data[err.start]:02x} at column {column})") from None
+
+
+def strict_records(path: str | Path) -> Iterator[tuple[int, dict]]:
+    """(line number, object) of every non-blank line of a JSONL file that must be well formed (a
+    corpus folder, an evaluation task): a malformed line, or one holding a lone surrogate, is a
+    DataError naming path:line."""
+    for line in iter_jsonl(path):
+        if line.problem:
+            raise DataError(f"{path}:{line.number}: {line.why}")
+        if line_has_lone_surrogate(line):
+            raise DataError(f"{path}:{line.number}: {LONE_SURROGATE}")
+        yield line.number, line.record
+
+
 def _read_jsonl(path: Path, source: str, name: str) -> Iterator[Record]:
     errors = decompress_errors()
     line_no = 0
@@ -307,8 +343,7 @@ def _document(path: Path, line: JsonLine, source: str, name: str) -> Record:
     if line.problem:
         return None, rejection(path, line.number, line.problem, line.raw)
     doc, reason = make_document(line.record, f"{name}:{line.number}", source)
-    # A "\ud800" escape decodes to a lone surrogate, which no UTF-8 writer or tokenizer accepts.
-    if doc is not None and "\\u" in line.raw.lower() and has_lone_surrogate(doc["text"]):
+    if doc is not None and line_has_lone_surrogate(line):  # in the text, the id or the meta alike
         reason, doc = "bad_utf8", None
     if doc is None:
         return None, rejection(path, line.number, reason, line.raw)

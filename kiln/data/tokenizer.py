@@ -21,6 +21,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from kiln.data.config import TokenizerConfig
 from kiln.data.corpus import choose_split_ids, iter_documents
+from kiln.data.readers import has_lone_surrogate
 from kiln.errors import DataError
 from kiln.progress import progress_visible
 
@@ -212,6 +213,15 @@ class Tokenizer:
             with rust_threads():
                 encodings = self.hf.encode_batch(texts, add_special_tokens=False)
             return [e.ids for e in encodings]
+        except TypeError:
+            # The tokenizers library calls a text with a lone surrogate (a "\ud800" JSON escape, a
+            # surrogateescape'd argument) not a string; readers refuse those, this names any left.
+            bad = next((i for i, text in enumerate(texts) if isinstance(text, str) and has_lone_surrogate(text)), None)
+            if bad is None:
+                raise
+            raise DataError(
+                f"text {bad} of {len(texts)} to encode holds a lone surrogate, which is not UTF-8"
+            ) from None
         finally:
             self.hf.encode_special_tokens = False
 

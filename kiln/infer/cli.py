@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from kiln.data.readers import has_lone_surrogate
 from kiln.errors import ConfigError
 from kiln.infer.config import SampleConfig
 from kiln.infer.engine import Engine
@@ -71,6 +72,11 @@ def run(args: argparse.Namespace) -> int:
     each printed after the prompt. The prompt follows the tokenizer's bos (else its eos: Kiln's
     <|endoftext|>), so the model reads it as the start of a document, as pretraining data lays
     documents out."""
+    if has_lone_surrogate(args.prompt):
+        # Python hands a byte the locale cannot decode to argv as a lone surrogate (surrogateescape).
+        raise ConfigError(
+            "--prompt", "is not UTF-8 text (a byte outside UTF-8); pass the prompt as UTF-8", "<command line>"
+        )
     cfg = SampleConfig(
         prompt=args.prompt,
         max_new_tokens=args.max_new_tokens,

@@ -143,3 +143,17 @@ def test_bad_inputs(tmp_path):
         train_tokenizer(["x"], TokenizerConfig(vocab_size=100), tmp_path / "t", heldout=[])
     with pytest.raises(DataError, match="no \\*.jsonl"):
         train_tokenizer_from_corpus(tmp_path / "missing", TokenizerConfig(), tmp_path / "t")
+
+
+def test_a_lone_surrogate_is_named_not_a_unicode_error(tmp_path, trained):
+    """A "\\ud800" escape decodes in Python but no tokenizer can encode it: in a corpus folder it is a
+    DataError naming path:line before training starts; passed to encode, a DataError too."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    good = [json.dumps({"id": f"d{i}", "text": text, "source": "s"}) for i, text in enumerate(synthetic_texts(20))]
+    bad = '{"id": "x", "text": "lone \\ud800 surrogate", "source": "s"}'
+    (corpus / "docs-00000.jsonl").write_text("\n".join([*good[:5], bad, *good[5:]]) + "\n")
+    with pytest.raises(DataError, match=r"docs-00000\.jsonl:6: holds a lone surrogate"):
+        train_tokenizer_from_corpus(corpus, TokenizerConfig(vocab_size=300), tmp_path / "tok")
+    with pytest.raises(DataError, match="text 1 of 2 to encode holds a lone surrogate"):
+        Tokenizer.load(trained[0] / "tokenizer.json").encode_batch(["fine", "caf\udce9"])
