@@ -50,6 +50,9 @@ PSF_LICENSE = "PSF-2.0"
 DOCS_FILE_BYTES = 64 * 1024 * 1024  # rotate output files so no single JSONL grows without bound
 
 
+MIN_SPLIT_DOCUMENTS = 2  # one held out, one trained on
+
+
 def stable_unit(key: str) -> float:
     """Map a string to [0, 1) the same way on every machine and Python run.
 
@@ -84,6 +87,15 @@ def choose_split_ids(corpus_dir: Path, fraction: float) -> set[str]:
     for source, n in counts.items():
         if n >= 2 and source not in covered:
             chosen.add(lowest[source][1])
+    total = sum(counts.values())
+    if not chosen or len(chosen) == total:
+        # Nothing held out (every source has one document) or nothing left to train on: the
+        # tokenizer could not be measured and pretraining would have no validation loss.
+        raise DataError(
+            f"{corpus_dir}: {total} document{'s' if total != 1 else ''} in {len(counts)} "
+            f"source{'s' if len(counts) != 1 else ''}, too few to split: a corpus needs at least "
+            f"{MIN_SPLIT_DOCUMENTS} documents of one source (one held out for validation, the rest to train on)"
+        )
     return chosen
 
 

@@ -154,6 +154,6 @@ def test_a_lone_surrogate_is_named_not_a_unicode_error(tmp_path, trained):
     bad = '{"id": "x", "text": "lone \\ud800 surrogate", "source": "s"}'
     (corpus / "docs-00000.jsonl").write_text("\n".join([*good[:5], bad, *good[5:]]) + "\n")
     with pytest.raises(DataError, match=r"docs-00000\.jsonl:6: holds a lone surrogate"):
-        train_tokenizer_from_corpus(corpus, TokenizerConfig(vocab_size=300), tmp_path / "tok")
+        train_tokenizer_from_corpus(corpus, TokenizerConfig(vocab_size=512), tmp_path / "tok")
     with pytest.raises(DataError, match="text 1 of 2 to encode holds a lone surrogate"):
         Tokenizer.load(trained[0] / "tokenizer.json").encode_batch(["fine", "caf\udce9"])
