@@ -364,6 +364,24 @@ def _read_text_file(path: Path, source: str, name: str) -> Record:
     return {"id": name, "text": text, "source": source, "meta": {}}, None
 
 
+NOT_UTF8_ROW = "a string column of this row is not UTF-8"
+
+
+def parquet_rows(batch) -> list[dict | None]:
+    """The rows of a Parquet record batch, None for a row with a string that is not UTF-8: Arrow
+    does not validate what other writers stored, and one such row must cost that row, not the file."""
+    try:
+        return batch.to_pylist()
+    except UnicodeDecodeError:
+        rows: list[dict | None] = []
+        for i in range(batch.num_rows):
+            try:
+                rows.append(batch.slice(i, 1).to_pylist()[0])
+            except UnicodeDecodeError:
+                rows.append(None)
+        return rows
+
+
 def _read_parquet(path: Path, source: str, name: str) -> Iterator[Record]:
     try:
         import pyarrow
@@ -378,8 +396,11 @@ def _read_parquet(path: Path, source: str, name: str) -> Iterator[Record]:
             yield None, rejection(path, 0, "missing_text", f"columns: {', '.join(columns)}")
             return
         for batch in pf.iter_batches(batch_size=1024):
-            for record in batch.to_pylist():
+            for record in parquet_rows(batch):
                 row += 1
+                if record is None:
+                    yield None, rejection(path, row, "bad_utf8", NOT_UTF8_ROW)
+                    continue
                 if isinstance(record.get("meta"), str):
                     # Writers that cannot store a map column often store meta as a JSON string.
                     try:

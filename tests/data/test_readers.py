@@ -246,3 +246,16 @@ def test_a_lone_surrogate_in_any_field_is_quarantined(tmp_path):
     docs, rejected = split(list(read_documents(path)))
     assert [(r["file"], r["line"], r["reason"]) for r in rejected] == [(str(path), n, "bad_utf8") for n in (1, 2, 3)]
     assert [d["text"] for d in docs] == ["a literal backslash: \\ud800 is six characters"]
+
+
+def test_a_parquet_row_that_is_not_utf8_costs_that_row(tmp_path):
+    """Arrow does not validate strings other writers stored: the bad row is a bad_utf8 rejection with
+    its row number, and the rows around it (same batch, same file) are read."""
+    pytest.importorskip("pyarrow")
+    from kiln_testing.text import write_parquet_with_bad_utf8
+
+    path = tmp_path / "t.parquet"
+    write_parquet_with_bad_utf8(path, {"id": ["a", "b", "c"], "text": ["one", "two", "three"]}, "text", 1)
+    docs, rejected = split(list(read_documents(path)))
+    assert [d["id"] for d in docs] == ["a", "c"]
+    assert [(r["file"], r["line"], r["reason"]) for r in rejected] == [(str(path), 2, "bad_utf8")]
