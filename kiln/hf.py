@@ -20,9 +20,8 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
-from kiln.checkpoint import save_weights, write_safetensors
+from kiln.checkpoint import read_safetensors, save_weights, write_safetensors
 from kiln.data.chat import ChatTokens, has_kiln_chat_tokens, hf_tokenizer_config_extra
 from kiln.data.readers import read_json
 from kiln.data.tokenizer import HF_TOKENIZER_FILES, Tokenizer, find_tokenizer
@@ -301,9 +300,7 @@ def _load_safetensors(folder: Path) -> dict[str, torch.Tensor]:
         _refuse_pickle(path, index)
         if not path.is_file():
             raise DataError(f"{index}: shard {name} listed in weight_map is missing")
-        with safe_open(str(path), framework="pt") as f:
-            for key in f.keys():
-                tensors[key] = f.get_tensor(key)
+        tensors.update(read_safetensors(path))
     return tensors
 
 

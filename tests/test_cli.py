@@ -211,3 +211,27 @@ def test_launch_local_trains_sharded_and_generates(tmp_path, capsys):
         == 0
     )
     assert capsys.readouterr().out.startswith("import")
+
+
+def test_a_one_document_corpus_is_one_line_naming_the_minimum(tmp_path, capsys):
+    """Before: a TypeError printing the tokenizer's held-out compression, which one document lacks."""
+    docs = tmp_path / "one.jsonl"
+    docs.write_text(json.dumps({"id": "a", "text": "The only document of the corpus. " * 10, "source": "web"}) + "\n")
+    args = [
+        "run",
+        "recipes/tiny.toml",
+        f'run.out_dir="{tmp_path}"',
+        "run.name=one",
+        'run.stages=["data", "tokenizer", "pack"]',
+        f'data.inputs=["{docs}"]',
+        'data.steps=["normalize"]',
+        "data.tasks=1",
+    ]
+    capsys.readouterr()
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith(
+        "1 document in 1 source, too few to split: a corpus needs at least 2 documents of one "
+        "source (one held out for validation, the rest to train on)"
+    ), err
+    assert len(err.splitlines()) == 1 and str(tmp_path / "one") in err

@@ -10,6 +10,7 @@ import ast
 import hmac
 import json
 import pickle
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -143,6 +144,83 @@ def test_a_pickled_file_is_not_taken_for_a_checkpoint(tmp_path, marker):
         resolve_checkpoint(tmp_path / "model.pt")
     with pytest.raises(CheckpointError, match="pickled file"):
         load_weights(tmp_path / "model.pt")
+    assert not marker.exists()
+
+
+# ---- files that are not what their name says ---------------------------------------------------
+
+
+def _fake_safetensors(path: Path, kind: str, marker: Path) -> str:
+    """Overwrite `path` with something else under its safetensors name; the words the error uses."""
+    good = path.read_bytes()
+    if kind == "torch_save":
+        _evil_torch_file(path, marker)
+        return "it is a zip archive"
+    if kind == "pickle":
+        path.write_bytes(pickle.dumps(Payload(marker)))
+        return "it is a pickle"
+    path.write_bytes(good[: len(good) - 7])  # a download cut short
+    return r"\d+ bytes that do not parse: damaged or cut short"
+
+
+def _weights_folders(tmp_path: Path) -> dict[str, tuple[Path, object]]:
+    """Every place Kiln reads a safetensors file: (the file, how Kiln loads its folder)."""
+    from kiln.checkpoint import save_weights
+    from kiln.hf import export_hf
+    from kiln.peft import PeftConfig, apply_peft, load_peft_adapter, load_trainable, save_peft_adapter
+    from kiln.peft.peft_io import save_trainable
+
+    model = build_model(CFG)
+    peft_cfg = PeftConfig(method="lora", r=2, alpha=4, targets=["attn.wo"])
+    lora = apply_peft(build_model(CFG), peft_cfg)
+    save_weights(tmp_path / "ckpt", CFG, model.state_dict())
+    export_hf(CFG, model.state_dict(), None, tmp_path / "hf")
+    save_peft_adapter(lora, CFG, tmp_path / "adapter", peft_cfg)
+    save_trainable(lora, peft_cfg, tmp_path / "trainable")
+    return {
+        "checkpoint": (tmp_path / "ckpt" / "model.safetensors", lambda: load_weights(tmp_path / "ckpt")),
+        "hf": (tmp_path / "hf" / "model.safetensors", lambda: import_hf(tmp_path / "hf")),
+        "peft": (
+            tmp_path / "adapter" / "adapter_model.safetensors",
+            lambda: load_peft_adapter(build_model(CFG), tmp_path / "adapter"),
+        ),
+        "trainable": (
+            tmp_path / "trainable" / "kiln_peft.safetensors",
+            lambda: load_trainable(apply_peft(build_model(CFG), peft_cfg), tmp_path / "trainable"),
+        ),
+    }
+
+
+@pytest.mark.parametrize("kind", ["torch_save", "pickle", "truncated"])
+def test_a_file_that_is_not_safetensors_is_named_wherever_weights_load(tmp_path, marker, kind):
+    """A pickle renamed model.safetensors, or a truncated file: one DataError naming the path and what
+    the file is, from the checkpoint loader, `kiln import hf` and both adapter formats; never
+    safetensors' own SafetensorError, and the payload never runs."""
+    for where, (path, load) in _weights_folders(tmp_path).items():
+        load()  # the genuine file loads
+        words = _fake_safetensors(path, kind, marker)
+        if where == "checkpoint":
+            _rewrite_manifest_checksums(path.parent)  # a shipped checkpoint's checksums match its files
+        with pytest.raises(DataError, match=re.escape(f"{path}: not a safetensors file (") + words) as err:
+            load()
+        assert isinstance(err.value, DataError), where
+    assert not marker.exists()
+
+
+def test_kiln_import_hf_cli_names_a_pickle_renamed_safetensors(tmp_path, marker):
+    from kiln.hf import export_hf
+
+    export_hf(CFG, build_model(CFG).state_dict(), None, tmp_path / "hf")
+    _fake_safetensors(tmp_path / "hf" / "model.safetensors", "torch_save", marker)
+    done = subprocess.run(
+        [sys.executable, "-m", "kiln.cli", "import", "hf", str(tmp_path / "hf"), str(tmp_path / "out")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "model.safetensors: not a safetensors file (it is a zip archive" in done.stderr
+    assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
     assert not marker.exists()
 
 

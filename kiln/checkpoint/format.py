@@ -24,7 +24,8 @@ import warnings
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 
 from kiln.errors import DataError
 from kiln.files import fsync, publishing, write_text_atomic
@@ -61,6 +62,28 @@ def sha256_file(path: Path) -> str:
 
 
 # ---- model weights -------------------------------------------------------------------------------
+
+# What a file that is not safetensors usually is, from its first bytes: a torch.save zip archive,
+# a bare pickle (protocol 2 and up start with 0x80), an HTML error page saved by a failed download.
+_LOOKALIKES = ((b"PK\x03\x04", "a zip archive (torch.save)"), (b"\x80", "a pickle"), (b"<", "HTML or XML text"))
+
+
+def read_safetensors(path) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors file. A file that is not one (a pickle renamed
+    `model.safetensors`, a truncated download) is a CheckpointError naming the path and, when the
+    first bytes tell, what the file is instead. safetensors never runs the file's content."""
+    path = Path(path)
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return {key: f.get_tensor(key) for key in f.keys()}
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: not found") from None
+    except (SafetensorError, OSError) as err:
+        with open(path, "rb") as fh:
+            head = fh.read(4)
+        what = next((name for magic, name in _LOOKALIKES if head.startswith(magic)), None)
+        found = f"it is {what}" if what else f"{path.stat().st_size} bytes that do not parse: damaged or cut short"
+        raise CheckpointError(f"{path}: not a safetensors file ({found}; {err})") from None
 
 
 def dedupe_tied(state_dict: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -300,4 +323,4 @@ def restore_tied(state: dict, tied: dict, where: Path) -> dict:
 def load_single_file_state(folder: Path, manifest: dict) -> dict[str, torch.Tensor]:
     """The verified model state dict of a single-file checkpoint, tied aliases restored."""
     verify(folder, manifest, names=[MODEL_FILE])
-    return restore_tied(load_file(str(folder / MODEL_FILE)), manifest.get("tied", {}), folder / MODEL_FILE)
+    return restore_tied(read_safetensors(folder / MODEL_FILE), manifest.get("tied", {}), folder / MODEL_FILE)

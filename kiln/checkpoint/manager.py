@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from safetensors.torch import load_file
 
 from kiln.checkpoint.format import (
     MANIFEST_FILE,
@@ -21,6 +20,7 @@ from kiln.checkpoint.format import (
     complete_checkpoints,
     fsync,
     read_manifest,
+    read_safetensors,
     restore_tied,
     step_dirname,
     verify,
@@ -157,7 +157,7 @@ class CheckpointManager:
             raise CheckpointError(
                 f"{folder}: weights-only checkpoint (no {TRAIN_STATE_FILE}); use init_from to start a new run from it"
             )
-        model_state = restore_tied(load_file(str(folder / MODEL_FILE)), manifest.get("tied", {}), folder)
+        model_state = restore_tied(read_safetensors(folder / MODEL_FILE), manifest.get("tied", {}), folder)
         if self.convert_state is not None:
             model_state = self.convert_state(model_state, manifest)
         return manifest, model_state, self._load_train_state(folder)

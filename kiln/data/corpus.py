@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from kiln.data.config import CorpusConfig
-from kiln.data.readers import iter_jsonl
+from kiln.data.readers import strict_records
 from kiln.errors import DataError
 
 # Module-level so tests can point the Debian source at a folder they build.
@@ -48,6 +48,9 @@ DEBIAN_SUFFIXES = (".txt", ".md", ".rst")
 
 PSF_LICENSE = "PSF-2.0"
 DOCS_FILE_BYTES = 64 * 1024 * 1024  # rotate output files so no single JSONL grows without bound
+
+
+MIN_SPLIT_DOCUMENTS = 2  # one held out, one trained on
 
 
 def stable_unit(key: str) -> float:
@@ -84,6 +87,15 @@ def choose_split_ids(corpus_dir: Path, fraction: float) -> set[str]:
     for source, n in counts.items():
         if n >= 2 and source not in covered:
             chosen.add(lowest[source][1])
+    total = sum(counts.values())
+    if not chosen or len(chosen) == total:
+        # Nothing held out (every source has one document) or nothing left to train on: the
+        # tokenizer could not be measured and pretraining would have no validation loss.
+        raise DataError(
+            f"{corpus_dir}: {total} document{'s' if total != 1 else ''} in {len(counts)} "
+            f"source{'s' if len(counts) != 1 else ''}, too few to split: a corpus needs at least "
+            f"{MIN_SPLIT_DOCUMENTS} documents of one source (one held out for validation, the rest to train on)"
+        )
     return chosen
 
 
@@ -413,12 +425,9 @@ def iter_documents(corpus_dir: Path) -> Iterator[dict]:
     if not files:
         raise DataError(f"{corpus_dir}: no *.jsonl document files (run the corpus stage first)")
     for path in files:
-        for line in iter_jsonl(path):
-            if line.problem:
-                raise DataError(f"{path}:{line.number}: {line.why}")
-            record = line.record
+        for number, record in strict_records(path):
             for key in ("id", "text", "source"):
                 if not isinstance(record.get(key), str):
-                    raise DataError(f"{path}:{line.number}: field {key!r} missing or not a string")
+                    raise DataError(f"{path}:{number}: field {key!r} missing or not a string")
             record.setdefault("meta", {})
             yield record

@@ -197,6 +197,18 @@ def has_lone_surrogate(text: str) -> bool:
         return True
 
 
+LONE_SURROGATE = "holds a lone surrogate (a \\ud800-\\udfff escape), which is not UTF-8 text"
+
+
+def line_has_lone_surrogate(line: "JsonLine") -> bool:
+    """Whether a parsed line holds a lone surrogate in any field. Python decodes a "\\ud800" escape
+    without complaint, but no UTF-8 writer or tokenizer accepts the result; only a line with such
+    an escape is re-encoded to find out."""
+    if line.record is None or "\\ud" not in line.raw.lower():
+        return False
+    return has_lone_surrogate(json.dumps(line.record, ensure_ascii=False))
+
+
 def open_binary(path: Path) -> IO[bytes]:
     kind = next((k for s, k in COMPRESSED_SUFFIXES.items() if path.name.lower().endswith(s)), None)
     if kind == "gzip":
@@ -291,6 +303,30 @@ def iter_jsonl(path: str | Path, decode_errors: str = "strict") -> Iterator[Json
             yield JsonLine(number, record, text)
 
 
+def read_utf8_text(path: str | Path) -> str:
+    """A whole text file that must be UTF-8 (an evaluation's prompts or documents); otherwise a
+    DataError naming path:line and the first byte that is not."""
+    data = Path(path).read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data[: err.start].count(b"\n") + 1
+        column = err.start - (data.rfind(b"\n", 0, err.start) + 1) + 1
+        raise DataError(f"{path}:{line}: not UTF-8 text (byte 0x{data[err.start]:02x} at column {column})") from None
+
+
+def strict_records(path: str | Path) -> Iterator[tuple[int, dict]]:
+    """(line number, object) of every non-blank line of a JSONL file that must be well formed (a
+    corpus folder, an evaluation task): a malformed line, or one holding a lone surrogate, is a
+    DataError naming path:line."""
+    for line in iter_jsonl(path):
+        if line.problem:
+            raise DataError(f"{path}:{line.number}: {line.why}")
+        if line_has_lone_surrogate(line):
+            raise DataError(f"{path}:{line.number}: {LONE_SURROGATE}")
+        yield line.number, line.record
+
+
 def _read_jsonl(path: Path, source: str, name: str) -> Iterator[Record]:
     errors = decompress_errors()
     line_no = 0
@@ -307,8 +343,7 @@ def _document(path: Path, line: JsonLine, source: str, name: str) -> Record:
     if line.problem:
         return None, rejection(path, line.number, line.problem, line.raw)
     doc, reason = make_document(line.record, f"{name}:{line.number}", source)
-    # A "\ud800" escape decodes to a lone surrogate, which no UTF-8 writer or tokenizer accepts.
-    if doc is not None and "\\u" in line.raw.lower() and has_lone_surrogate(doc["text"]):
+    if doc is not None and line_has_lone_surrogate(line):  # in the text, the id or the meta alike
         reason, doc = "bad_utf8", None
     if doc is None:
         return None, rejection(path, line.number, reason, line.raw)
@@ -329,6 +364,24 @@ def _read_text_file(path: Path, source: str, name: str) -> Record:
     return {"id": name, "text": text, "source": source, "meta": {}}, None
 
 
+NOT_UTF8_ROW = "a string column of this row is not UTF-8"
+
+
+def parquet_rows(batch) -> list[dict | None]:
+    """The rows of a Parquet record batch, None for a row with a string that is not UTF-8: Arrow
+    does not validate what other writers stored, and one such row must cost that row, not the file."""
+    try:
+        return batch.to_pylist()
+    except UnicodeDecodeError:
+        rows: list[dict | None] = []
+        for i in range(batch.num_rows):
+            try:
+                rows.append(batch.slice(i, 1).to_pylist()[0])
+            except UnicodeDecodeError:
+                rows.append(None)
+        return rows
+
+
 def _read_parquet(path: Path, source: str, name: str) -> Iterator[Record]:
     try:
         import pyarrow
@@ -343,8 +396,11 @@ def _read_parquet(path: Path, source: str, name: str) -> Iterator[Record]:
             yield None, rejection(path, 0, "missing_text", f"columns: {', '.join(columns)}")
             return
         for batch in pf.iter_batches(batch_size=1024):
-            for record in batch.to_pylist():
+            for record in parquet_rows(batch):
                 row += 1
+                if record is None:
+                    yield None, rejection(path, row, "bad_utf8", NOT_UTF8_ROW)
+                    continue
                 if isinstance(record.get("meta"), str):
                     # Writers that cannot store a map column often store meta as a JSON string.
                     try:

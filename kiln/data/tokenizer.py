@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -21,6 +22,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from kiln.data.config import TokenizerConfig
 from kiln.data.corpus import choose_split_ids, iter_documents
+from kiln.data.readers import has_lone_surrogate
 from kiln.errors import DataError
 from kiln.files import publishing, write_text_atomic
 from kiln.progress import progress_visible
@@ -45,6 +47,55 @@ SPLIT_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+
+# What the tokenizers library is handed at once, so that a pathological line costs what ordinary
+# text of its size costs (docs/data.md#tokenizer-limits). It keeps per-character alignment data for
+# every text it pre-tokenizes and per-token data for every text it encodes (a 50 MB line with
+# spaces peaked at 8.9 GB in training; a 5 MB one took 1 GB to encode), and the BPE trainer rescans
+# a whole word at every merge inside it (a 50 MB line without whitespace did not finish).
+MAX_PIECE_CHARS = 1 << 16  # longer texts go in pieces, cut where the pre-split cuts anyway
+ENCODE_BATCH_CHARS = 1 << 20  # characters encoded per call of the library
+MAX_TRAIN_WORD_CHARS = 64  # the trainer sees longer runs of non-whitespace in slices of this length
+# Places the pre-split (SPLIT_PATTERN) always separates: before a space between two non-spaces,
+# after a newline followed by a non-space. Pieces cut there encode to the ids of the whole text.
+_PIECE_BOUNDARY = re.compile(r"(?<=\S) (?=\S)|(?<=\n)(?=\S)")
+_BOUNDARY_SEARCH_CHARS = 4096  # looked for near the end of a piece first
+_LONG_RUN = re.compile(r"\S{%d,}" % (MAX_TRAIN_WORD_CHARS + 1))
+
+
+def text_pieces(text: str, max_chars: int = MAX_PIECE_CHARS) -> list[str]:
+    """text in pieces of at most max_chars (one piece, text itself, when it is that short), cut at
+    the last _PIECE_BOUNDARY that fits; a stretch with none (a run of non-whitespace) is cut at
+    max_chars, the one place where the pieces' tokens differ from the whole text's."""
+    pieces, start = [], 0
+    while len(text) - start > max_chars:
+        limit = start + max_chars
+        cut = None
+        for low in (max(start + 1, limit - _BOUNDARY_SEARCH_CHARS), start + 1):
+            for match in _PIECE_BOUNDARY.finditer(text, low, limit):
+                cut = match.start()
+            if cut is not None:
+                break
+        cut = cut or limit
+        pieces.append(text[start:cut])
+        start = cut
+    pieces.append(text[start:] if start else text)
+    return pieces
+
+
+def training_pieces(text: str) -> Iterator[str]:
+    """text as the tokenizer trainer sees it: text_pieces, with runs of non-whitespace longer than
+    MAX_TRAIN_WORD_CHARS cut into slices of that length. Ordinary text goes through whole."""
+    for piece in text_pieces(text):
+        start = 0
+        for run in _LONG_RUN.finditer(piece):
+            if run.start() > start:
+                yield piece[start : run.start()]
+            for at in range(run.start(), run.end(), MAX_TRAIN_WORD_CHARS):
+                yield piece[at : min(at + MAX_TRAIN_WORD_CHARS, run.end())]
+            start = run.end()
+        if start < len(piece):
+            yield piece[start:] if start else piece
 
 
 @contextmanager
@@ -210,11 +261,44 @@ class Tokenizer:
         # Multithreaded in Rust; much faster than a Python loop over encode().
         self.hf.encode_special_tokens = not parse_special
         try:
-            with rust_threads():
-                encodings = self.hf.encode_batch(texts, add_special_tokens=False)
-            return [e.ids for e in encodings]
+            return self._encode_in_pieces(texts)
+        except TypeError:
+            # The tokenizers library calls a text with a lone surrogate (a "\ud800" JSON escape, a
+            # surrogateescape'd argument) not a string; readers refuse those, this names any left.
+            bad = next((i for i, text in enumerate(texts) if isinstance(text, str) and has_lone_surrogate(text)), None)
+            if bad is None:
+                raise
+            raise DataError(
+                f"text {bad} of {len(texts)} to encode holds a lone surrogate, which is not UTF-8"
+            ) from None
         finally:
             self.hf.encode_special_tokens = False
+
+    def _encode_in_pieces(self, texts: list[str]) -> list[list[int]]:
+        """Long texts in text_pieces, at most ENCODE_BATCH_CHARS per library call: the library's
+        per-token data of one call is freed before the next, whatever the length of a text."""
+        pieces = [text_pieces(text) if isinstance(text, str) else [text] for text in texts]
+        if all(len(p) == 1 for p in pieces) and sum(len(t) for t in texts) <= ENCODE_BATCH_CHARS:
+            with rust_threads():
+                return [e.ids for e in self.hf.encode_batch(texts, add_special_tokens=False)]
+        out: list[list[int]] = [[] for _ in texts]
+        batch, owners, size = [], [], 0
+        for owner, parts in enumerate(pieces):
+            for part in parts:
+                batch.append(part)
+                owners.append(owner)
+                size += len(part)
+                if size >= ENCODE_BATCH_CHARS:
+                    self._encode_into(out, batch, owners)
+                    batch, owners, size = [], [], 0
+        self._encode_into(out, batch, owners)
+        return out
+
+    def _encode_into(self, out: list[list[int]], batch: list[str], owners: list[int]) -> None:
+        with rust_threads():
+            encodings = self.hf.encode_batch(batch, add_special_tokens=False)
+        for owner, encoding in zip(owners, encodings):
+            out[owner].extend(encoding.ids)
 
     def decode(self, ids: Iterable[int]) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=False)
@@ -296,7 +380,7 @@ def train_tokenizer(
                 break
             counted["documents"] += 1
             counted["bytes"] += size
-            yield text
+            yield from training_pieces(text)
 
     with rust_threads():
         hf.train_from_iterator(limited(), trainer=trainer, length=length)

@@ -21,10 +21,11 @@
 from __future__ import annotations
 
 import csv
+import io
 import random
 from pathlib import Path
 
-from kiln.data.readers import iter_jsonl
+from kiln.data.readers import read_utf8_text, strict_records
 from kiln.data.steps.toxicity import IGNORED_BY_DEFAULT, WordList, builtin_word_list, read_word_list, toxicity_score
 from kiln.errors import ConfigError, DataError
 from kiln.eval.harness import (
@@ -73,15 +74,10 @@ SAFETY_PROMPTS = (
 
 
 def _read_jsonl(path: Path) -> list[dict]:
-    rows = []
     try:
-        for line in iter_jsonl(path):
-            if line.problem:
-                raise DataError(f"{path}:{line.number}: {line.why}")
-            rows.append(line.record)
+        return [record for _, record in strict_records(path)]
     except OSError as err:
         raise DataError(f"{path}: cannot read ({err})") from None
-    return rows
 
 
 def _require(rows: list[dict], keys: tuple[str, ...], path: Path) -> None:
@@ -96,7 +92,7 @@ def _require(rows: list[dict], keys: tuple[str, ...], path: Path) -> None:
 
 def read_mmlu_csv(path: Path) -> list[dict]:
     rows = []
-    with open(path, newline="", encoding="utf-8") as f:
+    with io.StringIO(read_utf8_text(path), newline="") as f:
         for number, row in enumerate(csv.reader(f), 1):
             if not row:
                 continue
@@ -302,7 +298,7 @@ def read_prompts(path) -> list[str]:
     RealToxicityPrompts)."""
     path = Path(path)
     if path.suffix == ".txt":
-        return [ln for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip()]
+        return [ln for ln in read_utf8_text(path).splitlines() if ln.strip()]
     prompts = []
     for number, row in enumerate(_read_jsonl(path), 1):
         prompt = row.get("prompt")
@@ -360,7 +356,7 @@ def load_texts(paths, name: str = "perplexity") -> PerplexityTask:
             _require(rows, ("text",), f)
             docs.extend(r["text"] for r in rows if r["text"])
         else:
-            docs.append(f.read_text(encoding="utf-8", errors="replace"))
+            docs.append(read_utf8_text(f))
     if not docs:
         raise ConfigError("text", f"no documents in {[str(p) for p in paths]}")
     return PerplexityTask(name, docs, config={"files": len(files)})

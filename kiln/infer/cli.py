@@ -7,6 +7,7 @@ import argparse
 import sys
 
 from kiln.config import finite_float
+from kiln.data.readers import has_lone_surrogate
 from kiln.errors import ConfigError
 from kiln.infer.config import SampleConfig
 from kiln.infer.engine import Engine
@@ -72,6 +73,11 @@ def run(args: argparse.Namespace) -> int:
     each printed after the prompt. The prompt follows the tokenizer's bos (else its eos: Kiln's
     <|endoftext|>), so the model reads it as the start of a document, as pretraining data lays
     documents out."""
+    if has_lone_surrogate(args.prompt):
+        # Python hands a byte the locale cannot decode to argv as a lone surrogate (surrogateescape).
+        raise ConfigError(
+            "--prompt", "is not UTF-8 text (a byte outside UTF-8); pass the prompt as UTF-8", "<command line>"
+        )
     cfg = SampleConfig(
         prompt=args.prompt,
         max_new_tokens=args.max_new_tokens,

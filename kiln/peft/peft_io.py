@@ -31,9 +31,8 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
-from safetensors import safe_open
 
-from kiln.checkpoint import write_safetensors
+from kiln.checkpoint import read_safetensors, write_safetensors
 from kiln.data.readers import read_json
 from kiln.errors import DataError
 from kiln.files import write_text_atomic
@@ -142,13 +141,6 @@ def save_trainable(model: nn.Module, cfg: PeftConfig, out_dir) -> Path:
     return out
 
 
-def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
-    if not path.is_file():
-        raise DataError(f"{path}: not found")
-    with safe_open(str(path), framework="pt") as f:
-        return {k: f.get_tensor(k) for k in f.keys()}
-
-
 def _freeze_all_but_peft(model: nn.Module) -> None:
     for p in model.parameters():
         p.requires_grad_(False)
@@ -167,7 +159,7 @@ def load_trainable(model: nn.Module, in_dir) -> PeftConfig:
         raise DataError(f"{folder / KILN_CONFIG}: not a Kiln PEFT file (format {meta.get('format')!r})")
     cfg = PeftConfig(**meta["peft"])
     cfg.validate()
-    tensors = _read_tensors(folder / KILN_WEIGHTS)
+    tensors = read_safetensors(folder / KILN_WEIGHTS)
     if cfg.method == "qlora" and not any(isinstance(m, NF4Linear) for m in model.modules()):
         quantize_base(model, cfg.nf4_block_size, cfg.double_quant)
     for name, info in meta.get("lora", {}).items():
@@ -357,7 +349,7 @@ def load_peft_adapter(model: nn.Module, in_dir, model_cfg=None) -> nn.Module:
     config = read_json(folder / PEFT_CONFIG)
     _check_supported(config, folder / PEFT_CONFIG)
     weights_path = folder / PEFT_WEIGHTS
-    tensors = _read_tensors(weights_path)
+    tensors = read_safetensors(weights_path)
     r0, alpha0, rslora = config.get("r", 8), config.get("lora_alpha", 8), bool(config.get("use_rslora", False))
     dropout = float(config.get("lora_dropout", 0.0))
     modules: dict[str, dict] = {}

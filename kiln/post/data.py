@@ -33,11 +33,13 @@ import torch
 
 from kiln.data.chat import message_problem
 from kiln.data.readers import (
+    NOT_UTF8_ROW,
     decompress_errors,
     has_lone_surrogate,
     input_format,
     iter_jsonl,
     list_named_inputs,
+    parquet_rows,
     rejection,
 )
 from kiln.errors import DataError
@@ -244,8 +246,11 @@ def _iter_parquet(path: Path) -> Iterator[tuple[int, dict | None, dict | str]]:
     row = 0
     try:
         for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
-            for record in batch.to_pylist():
+            for record in parquet_rows(batch):
                 row += 1
+                if record is None:
+                    yield row, None, rejection(path, row, "bad_utf8", NOT_UTF8_ROW)
+                    continue
                 # A table holding several formats has nulls in the columns a row does not use.
                 record = {k: v for k, v in record.items() if v is not None}
                 yield row, record, json.dumps(record, default=str)

@@ -154,3 +154,23 @@ def test_real_sources_end_to_end(tmp_path):
     assert 1.5 < loader.bytes_per_token < 8
     val = TokenLoader(tmp_path / "pack", split="val", seq_len=64, batch_size=2)
     assert len(list(val.iter_batches(3))) >= 1
+
+
+@pytest.mark.parametrize("sources", [["web"], ["web", "code", "books"]])
+def test_a_corpus_too_small_to_split_is_refused_with_the_minimum(tmp_path, sources):
+    """One document (or one per source) leaves nothing to hold out: the tokenizer and the packer
+    refuse it naming the corpus and the minimum, instead of an empty validation split."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    lines = [json.dumps({"id": f"{s}-0", "text": f"the only {s} document, " * 20, "source": s}) for s in sources]
+    (corpus / "docs-00000.jsonl").write_text("\n".join(lines) + "\n")
+    minimum = rf"{corpus}: {len(sources)} documents? in {len(sources)} sources?, too few to split: a corpus needs at least 2 documents"
+    with pytest.raises(DataError, match=minimum):
+        train_tokenizer_from_corpus(corpus, TokenizerConfig(vocab_size=512), tmp_path / "tok")
+    train_tokenizer(["some text to train on " * 50], TokenizerConfig(vocab_size=512), tmp_path / "tok", heldout=[])
+    with pytest.raises(DataError, match=minimum):
+        pack(corpus, tmp_path / "tok" / "tokenizer.json", PackConfig(), tmp_path / "packed")
+    # A second document of one source is enough.
+    extra = json.dumps({"id": "web-1", "text": "a second web document, " * 20, "source": "web"})
+    (corpus / "docs-00000.jsonl").write_text("\n".join([*lines, extra]) + "\n")
+    assert pack(corpus, tmp_path / "tok" / "tokenizer.json", PackConfig(), tmp_path / "packed")["val"]["documents"] == 1

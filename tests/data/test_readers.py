@@ -231,3 +231,31 @@ def test_iter_jsonl_classifies_every_line_and_keeps_numbers(tmp_path):
     assert replaced[3].record == {"b": "\ufffd"} and replaced[3].problem is None
     assert [line.why for line in replaced[:3]] == ["", "not a JSON object", replaced[2].why]
     assert replaced[2].why.startswith("not JSON (")
+
+
+def test_a_lone_surrogate_in_any_field_is_quarantined(tmp_path):
+    """A lone surrogate in the id or the meta breaks the UTF-8 writer as surely as one in the text:
+    each such line is a bad_utf8 rejection with its file and line, and the read goes on."""
+    path = tmp_path / "s.jsonl"
+    path.write_bytes(
+        b'{"id": "\\ud800", "text": "lone surrogate in the id"}\n'
+        b'{"text": "in the meta", "meta": {"title": "x\\udfff"}}\n'
+        b'{"text": "in an extra field", "url": "\\udbff"}\n'
+        b'{"text": "a literal backslash: \\\\ud800 is six characters"}\n'
+    )
+    docs, rejected = split(list(read_documents(path)))
+    assert [(r["file"], r["line"], r["reason"]) for r in rejected] == [(str(path), n, "bad_utf8") for n in (1, 2, 3)]
+    assert [d["text"] for d in docs] == ["a literal backslash: \\ud800 is six characters"]
+
+
+def test_a_parquet_row_that_is_not_utf8_costs_that_row(tmp_path):
+    """Arrow does not validate strings other writers stored: the bad row is a bad_utf8 rejection with
+    its row number, and the rows around it (same batch, same file) are read."""
+    pytest.importorskip("pyarrow")
+    from kiln_testing.text import write_parquet_with_bad_utf8
+
+    path = tmp_path / "t.parquet"
+    write_parquet_with_bad_utf8(path, {"id": ["a", "b", "c"], "text": ["one", "two", "three"]}, "text", 1)
+    docs, rejected = split(list(read_documents(path)))
+    assert [d["id"] for d in docs] == ["a", "c"]
+    assert [(r["file"], r["line"], r["reason"]) for r in rejected] == [(str(path), 2, "bad_utf8")]

@@ -1,13 +1,28 @@
 import hashlib
 import json
+import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from kiln.data.config import TokenizerConfig
 from kiln.data.corpus import stable_unit
-from kiln.data.tokenizer import SPECIAL_TOKENS, Tokenizer, train_tokenizer, train_tokenizer_from_corpus
+from kiln.data.tokenizer import (
+    MAX_PIECE_CHARS,
+    MAX_TRAIN_WORD_CHARS,
+    SPECIAL_TOKENS,
+    Tokenizer,
+    text_pieces,
+    train_tokenizer,
+    train_tokenizer_from_corpus,
+    training_pieces,
+)
 from kiln.errors import ConfigError, DataError
+
+REPO = Path(__file__).resolve().parents[2]
 
 SYLLABLES = ["ka", "lo", "mi", "ter", "on", "sa", "ri", "ven", "du", "pel", "ax", "qu", "is", "th", "ee"]
 
@@ -143,3 +158,85 @@ def test_bad_inputs(tmp_path):
         train_tokenizer(["x"], TokenizerConfig(vocab_size=100), tmp_path / "t", heldout=[])
     with pytest.raises(DataError, match="no \\*.jsonl"):
         train_tokenizer_from_corpus(tmp_path / "missing", TokenizerConfig(), tmp_path / "t")
+
+
+def test_a_lone_surrogate_is_named_not_a_unicode_error(tmp_path, trained):
+    """A "\\ud800" escape decodes in Python but no tokenizer can encode it: in a corpus folder it is a
+    DataError naming path:line before training starts; passed to encode, a DataError too."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    good = [json.dumps({"id": f"d{i}", "text": text, "source": "s"}) for i, text in enumerate(synthetic_texts(20))]
+    bad = '{"id": "x", "text": "lone \\ud800 surrogate", "source": "s"}'
+    (corpus / "docs-00000.jsonl").write_text("\n".join([*good[:5], bad, *good[5:]]) + "\n")
+    with pytest.raises(DataError, match=r"docs-00000\.jsonl:6: holds a lone surrogate"):
+        train_tokenizer_from_corpus(corpus, TokenizerConfig(vocab_size=512), tmp_path / "tok")
+    with pytest.raises(DataError, match="text 1 of 2 to encode holds a lone surrogate"):
+        Tokenizer.load(trained[0] / "tokenizer.json").encode_batch(["fine", "caf\udce9"])
+
+
+PEAK_RSS_SCRIPT = """
+import random, string, sys
+from pathlib import Path
+from kiln.data.config import TokenizerConfig
+from kiln.data.tokenizer import Tokenizer, train_tokenizer
+rng = random.Random(0)
+words = ["".join(rng.choices(string.ascii_lowercase, k=rng.randint(2, 9))) for _ in range(5000)]
+line = " ".join(rng.choices(words, k=int(float(sys.argv[2]) * 1e6) // 6))  # one line, no newline
+out = Path(sys.argv[3])
+if sys.argv[1] == "train":
+    train_tokenizer([line], TokenizerConfig(vocab_size=1024), out, heldout=[])
+else:
+    ids = Tokenizer.load(out / "tokenizer.json").encode(line, parse_special=False)
+    assert len(ids) > len(line) // 10
+# VmHWM, not getrusage's ru_maxrss: Linux carries ru_maxrss over from the parent (pytest) across exec.
+print(next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM:")) // 1024)
+"""
+
+
+def peak_rss_mb(*args) -> int:
+    """Peak resident memory of a fresh Python process running PEAK_RSS_SCRIPT with args."""
+    done = subprocess.run(
+        [sys.executable, "-c", PEAK_RSS_SCRIPT, *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert done.returncode == 0, done.stderr
+    return int(done.stdout.split()[-1])
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="peak memory is read from /proc (Linux)")
+def test_one_long_line_trains_and_encodes_in_bounded_memory(tmp_path):
+    """A 4 MB line with spaces (the 50 MB one peaked at 8.9 GB): fed to the trainer and the encoder
+    in pieces, training stays under 200 MB and encoding under 300 MB. Unsplit, the library holds
+    per-character data for the whole line: about 400 MB to train on it and 800 MB to encode it."""
+    assert peak_rss_mb("train", 4, tmp_path) < 200
+    assert peak_rss_mb("encode", 4, tmp_path) < 300
+
+
+def test_a_line_without_whitespace_is_trained_on_in_word_sized_slices(tmp_path):
+    """A 1 MB run of non-whitespace is one pre-token; BPE rescans it at every merge (0.4 MB of random
+    letters took minutes). The trainer sees it in MAX_TRAIN_WORD_CHARS slices, so no learned token
+    is longer, where the whole run would grow tokens hundreds of characters long."""
+    line = "abcdefghijklmnopqrstuvwxyz0123456789" * 30_000
+    pieces = list(training_pieces(f"start {line} end"))
+    assert "".join(pieces) == f"start {line} end"
+    assert max(len(p) for p in pieces) == MAX_TRAIN_WORD_CHARS
+    train_tokenizer(["abc " * 10_000 + line], TokenizerConfig(vocab_size=1024), tmp_path, heldout=[])
+    tok = Tokenizer.load(tmp_path / "tokenizer.json")
+    longest = max(len(tok.decode([i])) for i in range(len(SPECIAL_TOKENS), tok.vocab_size))
+    assert 16 <= longest <= MAX_TRAIN_WORD_CHARS
+
+
+def test_long_texts_encode_in_pieces_to_the_ids_of_the_whole(trained):
+    """Pieces are cut where the pre-split cuts anyway, so a text longer than MAX_PIECE_CHARS (words,
+    runs of spaces, newlines, punctuation, special-token text) gets the ids the library gives it whole."""
+    tok = Tokenizer.load(trained[0] / "tokenizer.json")
+    rng = random.Random(3)
+    parts = ["word", " word", "  ", "\n", "\n\n", " \n", "\r\n", "\t", ".", ", ", "'s", "12345", "é", "<|endoftext|>"]
+    text = "".join(rng.choice(parts) for _ in range(3 * MAX_PIECE_CHARS // 3))
+    assert len(text_pieces(text)) > 2
+    whole = tok.hf.encode(text, add_special_tokens=False).ids
+    assert tok.encode(text) == whole
+    assert tok.encode_batch(["short", text, "also short"])[1] == whole

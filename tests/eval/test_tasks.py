@@ -327,3 +327,25 @@ def test_kiln_eval_writes_results_the_report_plots(tmp_path, tok, capsys):
         run_eval(parse([str(run / "pretrain"), "--tasks", "mmlu"]))
     with pytest.raises(ConfigError, match="--k"):
         run_eval(parse([str(run / "pretrain"), "--tasks", "humaneval", "--k", "5"]))
+
+
+def test_evaluation_files_that_are_not_utf8_are_named_with_path_and_line(tmp_path):
+    """Prompts, perplexity documents and MMLU CSVs with a byte outside UTF-8, and JSONL records with a
+    lone surrogate escape: one DataError naming path:line, never a UnicodeError or replaced text."""
+    (tmp_path / "prompts.txt").write_bytes(b"a fine prompt\ncaf\xe9 au lait\n")
+    with pytest.raises(DataError, match=r"prompts\.txt:2: not UTF-8 text \(byte 0xe9 at column 4\)"):
+        read_prompts(tmp_path / "prompts.txt")
+    (tmp_path / "doc.txt").write_bytes(b"one\ntwo\nthree \xff\n")
+    with pytest.raises(DataError, match=r"doc\.txt:3: not UTF-8 text"):
+        load_texts([tmp_path / "doc.txt"])
+    (tmp_path / "docs.jsonl").write_text('{"text": "fine"}\n{"text": "lone \\udc80 surrogate"}\n')
+    with pytest.raises(DataError, match=r"docs\.jsonl:2: holds a lone surrogate"):
+        load_texts([tmp_path / "docs.jsonl"])
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "\\ud800"}\n')
+    with pytest.raises(DataError, match=r"prompts\.jsonl:1: holds a lone surrogate"):
+        read_prompts(tmp_path / "prompts.jsonl")
+    root = write_mmlu(tmp_path / "mmlu")
+    test_csv = root / "data" / "test" / "anatomy_test.csv"
+    test_csv.write_bytes(test_csv.read_bytes() + b"Q\xc3?,a,b,c,d,A\n")
+    with pytest.raises(DataError, match=r"anatomy_test\.csv:3: not UTF-8 text"):
+        load_mmlu(root)

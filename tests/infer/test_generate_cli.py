@@ -3,7 +3,10 @@ run through the command line on a tiny checkpoint and compared with the library 
 
 import argparse
 import copy
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +22,7 @@ from kiln.infer.samples import sample_texts
 from kiln.model import ModelConfig, build_model
 
 PROMPT = "def main("
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -181,3 +185,28 @@ def test_serve_refuses_bad_quant_flags_before_starting(run):
     )
     with pytest.raises(ConfigError, match="--group-size"):
         load_for_inference(args)
+
+
+def test_a_prompt_that_is_not_utf8_is_one_line_naming_the_flag(run, tmp_path):
+    """A byte outside UTF-8 on the command line reaches Python as a lone surrogate (surrogateescape),
+    which the tokenizer cannot encode: one line naming --prompt, not a traceback."""
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kiln.cli",
+            "generate",
+            str(run["target"]),
+            "--max-new-tokens",
+            "2",
+            "--prompt",
+            b"caf\xe9",
+        ],
+        cwd=REPO,
+        env={**os.environ, "LC_ALL": "C.UTF-8", "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "--prompt: is not UTF-8 text" in done.stderr
+    assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1

@@ -28,3 +28,19 @@ def stdlib_chunks(n: int, words: int = 300, reverse: bool = False) -> list[str]:
             if len(docs) == n:
                 return docs
     return docs
+
+
+def write_parquet_with_bad_utf8(path, columns: dict[str, list[str]], bad_column: str, bad_row: int) -> None:
+    """A Parquet file whose string column `bad_column` holds an invalid UTF-8 byte in row `bad_row`,
+    as writers that do not validate strings produce (pyarrow itself refuses to build one)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    values = [v.encode("utf-8") for v in columns[bad_column]]
+    values[bad_row] = values[bad_row] + b"\xff"
+    offsets = [0]
+    for v in values:
+        offsets.append(offsets[-1] + len(v))
+    buffer = pa.py_buffer(b"".join(int.to_bytes(o, 4, "little") for o in offsets))
+    bad = pa.Array.from_buffers(pa.string(), len(values), [None, buffer, pa.py_buffer(b"".join(values))])
+    pq.write_table(pa.table({**columns, bad_column: bad}), path)

@@ -310,3 +310,14 @@ def test_pack_rejects_bad_input():
         pack_sft([([1, 2], [1])], 8)
     with pytest.raises(ValueError, match="seq_len"):
         pack_sft([([1, 2], [1, 1])], 0)
+
+
+def test_read_sft_parquet_row_that_is_not_utf8_is_quarantined(tmp_path):
+    pytest.importorskip("pyarrow")
+    from kiln_testing.text import write_parquet_with_bad_utf8
+
+    path = tmp_path / "sft.parquet"
+    write_parquet_with_bad_utf8(path, {"prompt": ["q1", "q2", "q3"], "response": ["r1", "r2", "r3"]}, "response", 2)
+    examples, stats = read_sft([path], rejected_path=tmp_path / "rejected.jsonl")
+    assert stats["kept"] == 2 and stats["reasons"] == {"bad_utf8": 1}
+    assert json.loads((tmp_path / "rejected.jsonl").read_text())["line"] == 3
