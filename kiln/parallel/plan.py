@@ -20,6 +20,7 @@ import math
 import re
 from dataclasses import dataclass
 
+from kiln.errors import ConfigError
 from kiln.model.config import ModelConfig
 from kiln.parallel.config import PP_SCHEDULES, ParallelConfig
 from kiln.parallel.hardware import GB, ClusterConfig
@@ -195,7 +196,19 @@ def layout_problems(cfg: ModelConfig, lay: Layout, cluster: ClusterConfig, work:
             out.append(f"{m} microbatches < pp={lay.pp}: the pipeline would never fill")
         elif lay.pp_schedule == "interleaved_1f1b" and m % lay.pp:
             out.append(f"interleaved_1f1b needs microbatches ({m}) divisible by pp={lay.pp}")
+    if not out:
+        out += trainer_refusals(lay)
     return out
+
+
+def trainer_refusals(lay: Layout) -> list[str]:
+    """What ParallelConfig refuses in the layout's [parallel] table, so no ranked layout prints a
+    table that `kiln launch` or the trainer would reject."""
+    try:
+        lay.to_parallel_config(0).check_options(lay.dp_shard, None)
+    except ConfigError as err:
+        return [f"[parallel] {err.key}: " + re.sub(r" \(the layout [^)]*\)", "", err.message)]
+    return []
 
 
 def stage_layer_ids(cfg: ModelConfig, pp: int, v: int = 1) -> list[list[int]]:
@@ -418,6 +431,10 @@ class Estimate:
     optimizer_time: float
     mfu: float
     tokens_per_s: float
+    # What the data- and context-parallel collectives would take with no overlap at all (dp_time and
+    # cp_time are the exposed remainder), so a report never calls a running collective free.
+    dp_unoverlapped: float = 0.0
+    cp_unoverlapped: float = 0.0
 
 
 def layer_seconds_per_token(
@@ -462,6 +479,7 @@ def estimate(
     cp_bw = _group_bw(cluster, lay.tp, lay.cp)
     ep_bw = _group_bw(cluster, lay.tp, lay.ep)
     pp_bw = _group_bw(cluster, lay.tp * lay.cp * lay.dp, p)
+    cp_ring = 3 * (lay.cp - 1) * kv_bytes / cp_bw  # one layer's K/V ring traffic, before overlap
     slots = {}
     for r in representative_ranks(counts):
         layers, n_moe = counts[r]
@@ -479,7 +497,7 @@ def estimate(
             comm += n_moe * (4 + 2 * redo) * _ring(lay.ep, act_bytes / lay.tp * cfg.moe_top_k, ep_bw)
         # Ring attention passes K/V around the cp ring (fwd) and K/V plus their gradients (bwd),
         # hidden behind the layer's attention kernels when those take longer.
-        cp_t = 0.0 if lay.cp == 1 else layers * max(0.0, 3 * (lay.cp - 1) * kv_bytes / cp_bw - tokens * t_attn / lay.tp)
+        cp_t = 0.0 if lay.cp == 1 else layers * max(0.0, cp_ring - tokens * t_attn / lay.tp)
         pp_t = 2 * act_bytes / lay.tp / pp_bw if p > 1 else 0.0
         slots[r] = (compute, comm, cp_t, pp_t)
     busiest = max(slots, key=lambda r: sum(slots[r]))
@@ -498,20 +516,26 @@ def estimate(
     # Data-parallel traffic overlaps compute (FSDP prefetch, DDP buckets): only what outlasts the
     # compute it can hide behind is exposed. Gradients are reduced in fp32 (Kiln's reduce_dtype).
     per_mb = per_step = 0.0
+    unoverlapped = {"mb": 0.0, "step": 0.0}
+
+    def hide(cost: float, behind: float, per: str) -> float:  # the exposed part; the whole is kept
+        unoverlapped[per] += cost
+        return max(0.0, cost - behind)
+
     if lay.zero == 0:
         ring_bw = rep_bw if rep > 1 else shard_bw
-        per_step += max(0.0, _ring(lay.dp * lay.cp, 4 * (dense + experts), ring_bw, True) - bwd)
+        per_step += hide(_ring(lay.dp * lay.cp, 4 * (dense + experts), ring_bw, True), bwd, "step")
     else:
         rs, ag = gather(4), gather(2)
         if lay.zero == 3:  # gathered for forward and again for backward, reduce-scattered every micro-batch
-            per_mb += max(0.0, ag - fwd) + max(0.0, ag + rs - bwd)
+            per_mb += hide(ag, fwd, "mb") + hide(ag + rs, bwd, "mb")
         elif lay.zero == 2:  # gathered once per step, gradients reduce-scattered every micro-batch
-            per_mb += max(0.0, rs - bwd)
-            per_step += max(0.0, ag - fwd)
+            per_mb += hide(rs, bwd, "mb")
+            per_step += hide(ag, fwd, "step")
         else:  # gradients accumulate unsharded: one reduce-scatter and one gather per step
-            per_step += max(0.0, rs - bwd) + max(0.0, ag - fwd)
+            per_step += hide(rs, bwd, "step") + hide(ag, fwd, "step")
         if rep > 1:  # HSDP: all-reduce the gradient shard across the replicas once per step
-            per_step += max(0.0, _ring(rep, 4 * local, rep_bw, True) - bwd)
+            per_step += hide(_ring(rep, 4 * local, rep_bw, True), bwd, "step")
     slot = compute + tp_t + cp_t + pp_t + per_mb
     # 1F1B/GPipe idle (p-1) slots per step, a (p-1)/(m+p-1) share; interleaving divides that by v.
     bubble = (p - 1) / v * slot
@@ -535,6 +559,8 @@ def estimate(
         opt,
         mfu,
         tokens_step / step,
+        m * unoverlapped["mb"] + unoverlapped["step"],
+        m * counts[busiest][0] * cp_ring,
     )
 
 
@@ -592,6 +618,8 @@ class Plan:
     ranked: list[Estimate]  # layouts that fit, fastest first
     too_big: list[Estimate]  # valid layouts that do not fit, smallest first
     rejected: dict[str, int]  # kind of problem -> layouts excluded for it
+    # Each excluded layout once, under its first problem, so the counts add up to the layouts excluded.
+    invalid: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 def plan(
@@ -604,22 +632,27 @@ def plan(
         # beyond a node, ep on a dense model, an odd micro-batch) are forced on, to say why they fail.
         chosen = [lay for lay in pool if all(getattr(lay, k) == v for k, v in fixed.items())]
         pool = chosen or list(dict.fromkeys(dataclasses.replace(lay, **fixed) for lay in pool))
-    ranked, too_big, rejected = [], [], {}
+    ranked, too_big, rejected, invalid = [], [], {}, {}
     for lay in pool:
         problems = layout_problems(cfg, lay, cluster, work)
-        for reason in problems:
+        for i, reason in enumerate(problems):
             key = re.sub(r"\d+", "N", reason)  # count kinds of problem, not each number
             rejected[key] = rejected.get(key, 0) + 1
+            if i == 0:
+                invalid[key] = invalid.get(key, 0) + 1
         if not problems:
             est = estimate(cfg, lay, cluster, work, act)
             (ranked if est.fits else too_big).append(est)
     # Estimates within 0.5% tie; fewer parallel dimensions win, then the larger micro-batch (bigger
     # matmuls run closer to peak, which the model does not credit), then less memory.
-    ranked.sort(
-        key=lambda e: (round(math.log(e.step_time) / 0.005), _dims(e.layout), -e.layout.micro_batch, e.memory.total)
-    )
+    ranked.sort(key=lambda e: (step_bucket(e), _dims(e.layout), -e.layout.micro_batch, e.memory.total))
     too_big.sort(key=lambda e: e.memory.total)
-    return Plan(cfg, cluster, work, ranked, too_big, rejected)
+    return Plan(cfg, cluster, work, ranked, too_big, rejected, invalid)
+
+
+def step_bucket(est: Estimate) -> int:
+    """Estimates in one bucket tie on step time (within 0.5%): the ranking orders them otherwise."""
+    return round(math.log(est.step_time) / 0.005)
 
 
 def _dims(lay: Layout) -> int:

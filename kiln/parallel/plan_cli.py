@@ -8,12 +8,25 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 
 from kiln.config import finite_float
 from kiln.errors import ConfigError
 from kiln.model.config import PRESETS, ModelConfig, preset
+from kiln.parallel.config import ParallelConfig
 from kiln.parallel.hardware import GB, GPUS, ClusterConfig
-from kiln.parallel.plan import KILN, MEGATRON, Estimate, Layout, Plan, Workload, budget, plan, total_params
+from kiln.parallel.plan import (
+    KILN,
+    MEGATRON,
+    Estimate,
+    Layout,
+    Plan,
+    Workload,
+    budget,
+    plan,
+    step_bucket,
+    total_params,
+)
 
 # Shapes the planner is checked against (docs/plan.md); planning-only, so not training presets.
 REFERENCE_MODELS: dict[str, ModelConfig] = {
@@ -130,8 +143,151 @@ def unique_layouts(ests: list[Estimate]) -> list[Estimate]:
     return out
 
 
+# The [train] keys a layout decides; Kiln's TrainConfig (kiln/train/config.py, a layer above) names them.
+TRAIN_KEYS = ("seq_len", "global_batch_tokens", "micro_batch_size", "activation_checkpointing")
+MEMORY_TERMS = {
+    "params": "weights",
+    "grads": "gradients",
+    "optimizer": "optimizer states (fp32 master weights, Adam m and v)",
+    "activations": "activations autograd keeps, times the micro-batches in flight",
+    "logits": "logits, their fp32 copy and gradient (last pipeline rank)",
+    "buffers": "FSDP working set: gathered blocks and unreduced gradients",
+}
+
+
+def recipe_tables(e: Estimate, work: Workload) -> dict[str, dict]:
+    """The [parallel] and [train] tables that run `e`: the mesh degrees and the [parallel] keys that
+    differ from their defaults, and every [train] key the layout decides (a recipe may set any of them).
+    Under a pipeline, train.micro_batch_size is the replica's whole batch, which the schedule splits
+    into pp_microbatches micro-batches; otherwise the rest of the batch is gradient accumulation."""
+    cfg, default = e.layout.to_parallel_config(e.microbatches), ParallelConfig()
+    degrees = ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep")
+    parallel = {
+        f.name: getattr(cfg, f.name)
+        for f in dataclasses.fields(cfg)
+        if f.name in degrees or getattr(cfg, f.name) != getattr(default, f.name)
+    }
+    batch = e.layout.micro_batch * (e.microbatches if e.layout.pp > 1 else 1)
+    train = dict(zip(TRAIN_KEYS, (work.seq_len, work.global_batch_tokens, batch, e.layout.ac == "full")))
+    return {"parallel": parallel, "train": train}
+
+
+def toml_text(tables: dict[str, dict]) -> str:
+    def value(v) -> str:
+        return ("true" if v else "false") if isinstance(v, bool) else json.dumps(v)
+
+    return "\n\n".join(
+        f"[{name}]\n" + "\n".join(f"{k} = {value(v)}" for k, v in t.items()) for name, t in tables.items()
+    )
+
+
+def memory_terms_gb(e: Estimate) -> tuple[dict[str, float], float]:
+    """Each memory term in GB at 2 decimals, rounded (largest remainder) so the terms add up to the
+    total printed; each term is within 0.01 GB of its own value."""
+    raw = {f.name: getattr(e.memory, f.name) / GB * 100 for f in dataclasses.fields(e.memory) if f.name != "rank"}
+    total = round(sum(raw.values()))
+    cents = {k: math.floor(v) for k, v in raw.items()}
+    for k in sorted(raw, key=lambda k: cents[k] - raw[k])[: max(0, total - sum(cents.values()))]:
+        cents[k] += 1
+    return {k: c / 100 for k, c in cents.items()}, total / 100
+
+
+def comm_seconds(e: Estimate) -> tuple[float, float]:
+    """(all collective time per step with no overlap, the exposed part that the step time includes).
+    TP, EP and pipeline transfers are counted in full; data- and context-parallel traffic hides
+    behind compute up to what it can overlap."""
+    whole = e.tp_time + e.pp_time + e.cp_unoverlapped + e.dp_unoverlapped
+    return whole, e.tp_time + e.pp_time + e.cp_time + e.dp_time
+
+
+def share(part: float, step: float) -> str:
+    """A share of the step; never a 0.0% for time that is there."""
+    return "0" if part <= 0 else ("<0.1%" if part / step < 0.0005 else f"{part / step:.1%}")
+
+
+def comm_cells(e: Estimate) -> tuple[str, str]:
+    whole, exposed = comm_seconds(e)
+    return share(whole, e.step_time), ("hidden" if whole > 0 and exposed <= 0 else share(exposed, e.step_time))
+
+
+def tie_lines(rows: list[Estimate], work: Workload) -> list[str]:
+    """Why consecutive rows of the ranking tie, and what then ordered them."""
+    out, start = [], 0
+    for i in range(1, len(rows) + 1):
+        if i < len(rows) and step_bucket(rows[i]) == step_bucket(rows[start]):
+            continue
+        group = rows[start:i]
+        if len(group) > 1:
+            fields = [f.name for f in dataclasses.fields(Layout)]
+            differ = [k for k in fields if len({getattr(e.layout, k) for e in group}) > 1]
+            tokens = {e.layout.micro_batch * work.seq_len // e.layout.cp for e in group}
+            hidden = sorted(comm_seconds(e)[0] - comm_seconds(e)[1] for e in group)
+            why = []
+            if len(tokens) == 1:
+                why.append(
+                    f"each GPU computes the same {tokens.pop():,} tokens per micro-batch (micro_batch x seq_len / cp)"
+                )
+            if hidden[-1] > 0:
+                span = f"{hidden[0]:.2f}-{hidden[-1]:.2f}" if hidden[-1] - hidden[0] >= 0.005 else f"{hidden[0]:.2f}"
+                why.append(
+                    f"their data- and context-parallel traffic ({span} s per step) is assumed hidden behind compute"
+                )
+            out.append(
+                f"rows {start + 1}-{i} tie (step times within 0.5%): they differ only in {', '.join(differ)}"
+                + (f"; {' and '.join(why)}" if why else "")
+                + ". The model prices no difference between them; the order is fewer parallel dimensions, "
+                "then the larger micro-batch, then less memory."
+            )
+        start = i
+    return out
+
+
+def pruned_counts(result: Plan) -> list[tuple[str, int]]:
+    """Every layout the search left out, counted once under one reason (invalid ones under their
+    first problem, the rest under the largest memory term), most frequent first."""
+    too_big: dict[str, int] = {}
+    for e in result.too_big:
+        terms, _ = memory_terms_gb(e)
+        key = f"does not fit in {result.cluster.usable_memory / GB:.1f} GB (largest term: {max(terms, key=terms.get)})"
+        too_big[key] = too_big.get(key, 0) + 1
+    return sorted((too_big | result.invalid).items(), key=lambda kv: -kv[1])
+
+
+def pruned_lines(result: Plan) -> list[str]:
+    reasons = pruned_counts(result)
+    pruned = sum(n for _, n in reasons)
+    out = [f"searched {len(result.ranked) + pruned} layouts: {len(result.ranked)} fit, {pruned} pruned"]
+    return out + [f"  {n:>7}  {reason}" for reason, n in reasons]
+
+
+def caveat_lines(e: Estimate, cluster: ClusterConfig) -> list[str]:
+    out = [
+        f"caveats: MFU assumes matmuls at {cluster.matmul_efficiency:.0%} and attention at "
+        f"{cluster.attention_efficiency:.0%} of peak (stated, not measured: pass measured values with "
+        "--matmul-efficiency / --attention-efficiency); small models lose more to launch overheads than modelled."
+    ]
+    whole, exposed = comm_seconds(e)
+    lay = e.layout
+    if whole > exposed:
+        out.append(
+            f"  {whole - exposed:.2f} s of data-/context-parallel traffic per step is assumed to overlap compute "
+            "(FSDP prefetch, DDP buckets, ring attention); if it does not, add it to the step."
+        )
+    out.append(
+        "  not modelled: per-collective latency, the loss and gradient-norm all-reduces"
+        + (", loss parallelism's reductions over the vocabulary" if lay.tp > 1 else "")
+        + "."
+    )
+    if lay.ac == "selective":
+        out.append(
+            "  ac=selective (Megatron's recomputation) has no Kiln key: train.activation_checkpointing is all or nothing."
+        )
+    return out
+
+
 def row(e: Estimate, cluster: ClusterConfig) -> dict:
     times = ("compute_time", "bubble_time", "tp_time", "cp_time", "pp_time", "dp_time", "optimizer_time")
+    times += ("cp_unoverlapped", "dp_unoverlapped")
     return {
         "layout": e.layout.label(),
         **dataclasses.asdict(e.layout),
@@ -148,31 +304,45 @@ def row(e: Estimate, cluster: ClusterConfig) -> dict:
 
 def report(result: Plan, top: int, cost: dict | None) -> list[str]:
     cluster, out = result.cluster, []
-    if result.ranked:
-        out.append(f"{len(result.ranked)} layouts fit ({len(result.too_big)} valid ones do not); the best per mesh:")
+    rows = unique_layouts(result.ranked)[:top]
+    if rows:
         out.append(
-            f"{'#':>3}  {'layout':<64} {'GB/GPU':>7} {'step':>8} {'tok/s/GPU':>10} {'MFU':>6} {'bubble':>7} {'comm':>6}"
+            f"{len(result.ranked)} layouts fit; the best per mesh (comm: all collective time as a share of the "
+            "step if nothing overlapped; exposed: the part the step time includes):"
         )
-        for i, e in enumerate(unique_layouts(result.ranked)[:top], 1):
+        out.append(
+            f"{'#':>3}  {'layout':<64} {'GB/GPU':>7} {'step':>8} {'tok/s/GPU':>10} {'MFU':>6} {'bubble':>7} "
+            f"{'comm':>6} {'exposed':>7}"
+        )
+        for i, e in enumerate(rows, 1):
             step = f"{e.step_time * 1e3:.0f} ms" if e.step_time < 1 else f"{e.step_time:.2f} s"
-            comm = (e.tp_time + e.cp_time + e.pp_time + e.dp_time) / e.step_time
+            comm, exposed = comm_cells(e)
             out.append(
-                f"{i:>3}  {e.layout.label():<64} {e.memory.total / GB:>7.1f} {step:>8} "
+                f"{i:>3}  {e.layout.label():<64} {memory_terms_gb(e)[1]:>7.1f} {step:>8} "
                 f"{e.tokens_per_s / cluster.world:>10,.0f} {e.mfu:>6.1%} "
-                f"{e.bubble_time / e.step_time:>7.1%} {comm:>6.1%}"
+                f"{e.bubble_time / e.step_time:>7.1%} {comm:>6} {exposed:>7}"
             )
+        out += tie_lines(rows, result.work)
     shown = result.ranked[:1] or result.too_big[:1]
     for e in shown:
-        gb = e.memory.as_gb()
-        parts = ", ".join(f"{k} {v:.2f}" for k, v in gb.items() if k not in ("total", "pipeline_rank"))
+        terms, total = memory_terms_gb(e)
+        out.append(f"{'best' if e.fits else 'no layout fits; closest'}: {e.layout.label()}")
         out.append(
-            f"{'best' if e.fits else 'no layout fits; closest'}: {e.layout.label()}\n"
-            f"  memory per GPU (pipeline rank {gb['pipeline_rank']}): {gb['total']:.2f} GB "
-            f"{'fits' if e.fits else 'does NOT fit'} in {cluster.usable_memory / GB:.1f} GB usable [{parts}]"
+            f"  memory per GPU (pipeline rank {e.memory.rank}): {total:.2f} GB "
+            f"{'fits' if e.fits else 'does NOT fit'} in {cluster.usable_memory / GB:.1f} GB usable"
+        )
+        out += [f"    {k:<12}{v:>8.2f} GB  {MEMORY_TERMS.get(k, '')}".rstrip() for k, v in terms.items()]
+        whole, exposed = comm_seconds(e)
+        out.append(
+            f"  step {e.step_time:.3f} s = compute {e.compute_time:.3f} + bubble {e.bubble_time:.3f} + exposed "
+            f"communication {exposed:.3f} (of {whole:.3f} s unoverlapped) + optimizer {e.optimizer_time:.3f}"
         )
         if e.fits:
-            note = " (gradients reduced on the last micro-batch only)" if e.layout.zero == 1 else ""
-            out.append(f"  as [parallel]: {e.layout.to_parallel_config(e.microbatches)}{note}")
+            out.append("  to run it, set these keys in the recipe ([parallel] and [train] tables):")
+            if e.layout.zero == 1:
+                out.append("# zero=1: gradients reduced on the last micro-batch only (Kiln's gradient accumulation)")
+            out += toml_text(recipe_tables(e, result.work)).splitlines()
+        out += caveat_lines(e, cluster)
     if not shown:
         out.append("no valid layout")
     if cost:
@@ -181,10 +351,7 @@ def report(result: Plan, top: int, cost: dict | None) -> list[str]:
             f"${cost['cost_usd']:,.0f} at ${cost['price_per_gpu_hour']:.2f}/GPU-hour, "
             f"{cost['energy_mwh']:,.1f} MWh (GPU TDP only)"
         )
-    if result.rejected:
-        reasons = sorted(result.rejected.items(), key=lambda kv: -kv[1])[:6]
-        out.append("excluded: " + "; ".join(f"{reason} (x{n})" for reason, n in reasons))
-    return out
+    return out + pruned_lines(result)
 
 
 def run_plan(args, recipe: tuple[ModelConfig, Workload] | None = None) -> int:
@@ -218,6 +385,8 @@ def run_plan(args, recipe: tuple[ModelConfig, Workload] | None = None) -> int:
                     "ranked": [row(e, cluster) for e in unique_layouts(result.ranked)[: args.top]],
                     "closest_not_fitting": [row(e, cluster) for e in result.too_big[:1]],
                     "rejected": result.rejected,
+                    "pruned": dict(pruned_counts(result)),
+                    "recipe_tables": recipe_tables(best, work) if best else None,
                     "budget": cost,
                 },
                 indent=1,

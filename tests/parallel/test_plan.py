@@ -244,7 +244,7 @@ def _args(*argv):
 def test_cli_recipe_table(capsys):
     assert run_plan(_args(RECIPE, "--gpus-per-node", "2", "--tokens", "1e9")) == 0
     out = capsys.readouterr().out
-    assert "layouts fit" in out and "as [parallel]: ParallelConfig(" in out and "GPU-hours" in out
+    assert "layouts fit" in out and "\n[parallel]\ndp_replicate = " in out and "GPU-hours" in out
 
 
 def test_cli_json_and_rejections(capsys):
@@ -268,7 +268,7 @@ def test_cli_json_and_rejections(capsys):
     assert data["budget"]["gpu_hours"] > 0 and top["memory_gb"]["total"] < 80
     assert run_plan(_args("--preset", "70b", "--gpus-per-node", "1", "--layout", "zero=0")) == 1
     out = capsys.readouterr().out
-    assert "does NOT fit" in out and "optimizer 846.64" in out
+    assert "does NOT fit" in out and "optimizer      846.64 GB" in out
     with pytest.raises(ConfigError, match="preset"):
         run_plan(_args("--preset", "nope"))
     with pytest.raises(ConfigError, match="layout"):
