@@ -4,6 +4,7 @@ collective runs, and pruned layouts counted once per reason."""
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import io
 import re
@@ -14,7 +15,7 @@ from kiln.cli import build_parser
 from kiln.config import tomllib  # the standard library's, or tomli before Python 3.11
 from kiln.parallel.hardware import GB, ClusterConfig
 from kiln.parallel.plan import KILN, Layout, Workload, candidates, estimate, plan, total_params
-from kiln.parallel.plan_cli import add_plan_parser, model_and_workload, parse_layout, run_plan
+from kiln.parallel.plan_cli import add_plan_parser, model_and_workload, parse_layout, pruned_lines, run_plan
 from kiln.pipeline import run
 from kiln.recipe import load_recipe
 
@@ -183,3 +184,24 @@ def test_tied_rows_are_explained():
     labels = [rows[i][0] for i in range(first - 1, last)]
     assert len(set(labels)) == len(labels)
     assert "cp" in tie.group(3).split(", ") and "assumed hidden behind compute" in out
+
+
+def test_no_ranked_layout_is_one_the_trainer_refuses():
+    """Replicas of a tensor- or pipeline-parallel mesh without sharding (DDP x TP) are refused by
+    ParallelConfig; the planner must not rank them."""
+    result = _result("8b-hsdp")
+    for e in result.ranked:
+        e.layout.to_parallel_config(e.microbatches).check_options(e.layout.dp_shard, None)
+    assert any("[parallel] dp_replicate" in reason for reason in result.invalid)
+
+
+def test_a_layout_with_two_problems_is_pruned_once():
+    """tp=8 on the tiny model (4 heads, 2 KV heads) fails twice per layout; it is one pruned layout."""
+    args = _args(["--preset", "tiny", "--layout", "tp=8"])
+    cfg, work = model_and_workload(args)
+    cluster = ClusterConfig(gpu="h100", gpus_per_node=8)
+    result = plan(cfg, cluster, work, KILN, fixed={"tp": 8})
+    forced = {dataclasses.replace(lay, tp=8) for lay in candidates(cfg, cluster, work)}
+    searched, fit, pruned, counts = _pruned("\n".join(pruned_lines(result)) + "\n")
+    assert (searched, fit, pruned) == (len(forced), 0, len(forced)) and sum(counts) == pruned
+    assert sum(result.rejected.values()) > pruned  # the problems themselves outnumber the layouts
