@@ -1,0 +1,98 @@
+"""FSDP2 gradient sync under accumulation (`[parallel] grad_sync`): per micro-batch and deferred train
+like one process, and differ in how many reduce-scatters they issue.
+
+With the layout tests' recipe each of the 2 ranks runs 2 micro-batches per step (8 sequences of 16
+tokens, micro-batches of 2). Run as a script (by torchrun), this file is the worker: it counts FSDP2's
+reduce-scatter calls on rank 0 and writes them next to the fit summary.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+MICRO_BATCHES = 2  # per rank per step: 128 tokens / 16 / 2 ranks / micro-batch 2
+STEPS = 4
+
+
+def _worker(pack: str, out: str, spec: dict) -> None:
+    import torch.distributed as dist
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+
+    from kiln.model import ModelConfig
+    from kiln.parallel.config import ParallelConfig
+    from kiln.parallel.dims import init_distributed
+    from kiln.train.config import TrainConfig
+    from kiln.train.trainer import Trainer
+
+    calls = [0]
+    reduce_scatter = _fsdp_collectives.DefaultReduceScatter.__call__
+
+    def counted(self, *args, **kwargs):
+        calls[0] += 1
+        return reduce_scatter(self, *args, **kwargs)
+
+    _fsdp_collectives.DefaultReduceScatter.__call__ = counted
+    init_distributed("cpu")
+    trainer = Trainer(
+        ModelConfig(**spec["model"]),
+        TrainConfig(**spec["train"]),
+        pack,
+        out,
+        resume="none",
+        parallel=ParallelConfig(**spec["parallel"]),
+    )
+    summary = trainer.fit()
+    if dist.get_rank() == 0:
+        groups = sum(1 for m in trainer.forward_model.modules() if hasattr(m, "set_requires_gradient_sync"))
+        Path(out, "sync.json").write_text(json.dumps({"reduce_scatters": calls[0], "fsdp_modules": groups}))
+        Path(out, "summary-2.json").write_text(json.dumps(summary))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]))
+    sys.exit(0)
+
+import importlib.util  # noqa: E402
+
+# The layout tests' recipe, single-process reference and comparison, shared rather than restated.
+_spec = importlib.util.spec_from_file_location("layout_cases", Path(__file__).with_name("test_layouts.py"))
+_layouts = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_layouts)
+MODEL, TRAIN = _layouts.MODEL, _layouts.TRAIN
+assert_same_training, single_process = _layouts.assert_same_training, _layouts.single_process
+
+
+@pytest.fixture(scope="module")
+def pack(tmp_path_factory, tiny_pack_factory):
+    return tiny_pack_factory(tmp_path_factory.mktemp("pack"))
+
+
+@pytest.fixture(scope="module")
+def reference(pack, tmp_path_factory):
+    return single_process(pack, tmp_path_factory.mktemp("single"), dp=2)
+
+
+def _launch(pack, out, parallel: dict) -> dict:
+    spec = {"parallel": parallel, "model": MODEL, "train": TRAIN}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    cmd += [__file__, str(pack), str(out), json.dumps(spec)]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return json.loads((Path(out) / "sync.json").read_text())
+
+
+@pytest.mark.parametrize("grad_sync", ["per_microbatch", "deferred"])
+def test_fsdp_grad_sync_trains_like_one_process(pack, reference, tmp_path, grad_sync):
+    sync = _launch(pack, tmp_path, {"dp_shard": 2, "grad_sync": grad_sync})
+    assert_same_training(tmp_path, reference)
+    # One reduce-scatter per FSDP module (each block and the root) per reducing backward.
+    reducing_backwards = STEPS * (MICRO_BATCHES if grad_sync == "per_microbatch" else 1)
+    assert sync["fsdp_modules"] == MODEL["n_layers"] + 1
+    assert sync["reduce_scatters"] == sync["fsdp_modules"] * reducing_backwards
