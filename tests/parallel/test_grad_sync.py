@@ -88,6 +88,7 @@ def _launch(pack, out, parallel: dict) -> dict:
     return json.loads((Path(out) / "sync.json").read_text())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("grad_sync", ["per_microbatch", "deferred"])
 def test_fsdp_grad_sync_trains_like_one_process(pack, reference, tmp_path, grad_sync):
     sync = _launch(pack, tmp_path, {"dp_shard": 2, "grad_sync": grad_sync})
@@ -96,3 +97,28 @@ def test_fsdp_grad_sync_trains_like_one_process(pack, reference, tmp_path, grad_
     reducing_backwards = STEPS * (MICRO_BATCHES if grad_sync == "per_microbatch" else 1)
     assert sync["fsdp_modules"] == MODEL["n_layers"] + 1
     assert sync["reduce_scatters"] == sync["fsdp_modules"] * reducing_backwards
+
+
+@pytest.mark.parametrize(
+    "parallel, reason",
+    [
+        ({"dp_shard": 1}, "needs dp_shard \\* cp > 1; one process has no reduce-scatter"),
+        ({"dp_replicate": 2, "dp_shard": 1}, "the layout dp_replicate=2 has no reduce-scatter"),
+        ({"dp_shard": 2, "pp": 2}, "is decided by the pipeline schedule under pp > 1"),
+    ],
+)
+def test_deferred_sync_is_refused_where_fsdp_does_not_reduce_scatter(parallel, reason):
+    from kiln.errors import ConfigError
+    from kiln.parallel.config import ParallelConfig
+
+    with pytest.raises(ConfigError, match=f"grad_sync: .*{reason}"):
+        ParallelConfig(**parallel, grad_sync="deferred").validate()
+    ParallelConfig(**parallel).validate()  # the default is accepted everywhere
+
+
+def test_grad_sync_must_be_a_known_mode():
+    from kiln.errors import ConfigError
+    from kiln.parallel.config import ParallelConfig
+
+    with pytest.raises(ConfigError, match="grad_sync: must be one of per_microbatch, deferred, got 'never'"):
+        ParallelConfig(dp_shard=2, grad_sync="never").validate()
