@@ -2,32 +2,26 @@
 like one process, and differ in how many reduce-scatters they issue.
 
 With the layout tests' recipe each of the 2 ranks runs 2 micro-batches per step (8 sequences of 16
-tokens, micro-batches of 2). Run as a script (by torchrun), this file is the worker: it counts FSDP2's
-reduce-scatter calls on rank 0 and writes them next to the fit summary.
+tokens, micro-batches of 2). Run as a script (by torchrun), this file runs the layout tests' worker with
+FSDP2's reduce-scatter calls counted, and rank 0 writes the count next to the fit summary.
 """
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
 MICRO_BATCHES = 2  # per rank per step: 128 tokens / 16 / 2 ranks / micro-batch 2
 STEPS = 4
 
 
-def _worker(pack: str, out: str, spec: dict) -> None:
-    import torch.distributed as dist
-    from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+def _count_reduce_scatters_around_layout_worker() -> None:
+    """Run tests/parallel/layout_worker.py (argv: pack out spec) counting FSDP2's reduce-scatters."""
+    import runpy
 
-    from kiln.model import ModelConfig
-    from kiln.parallel.config import ParallelConfig
-    from kiln.parallel.dims import init_distributed
-    from kiln.train.config import TrainConfig
-    from kiln.train.trainer import Trainer
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives
 
     calls = [0]
     reduce_scatter = _fsdp_collectives.DefaultReduceScatter.__call__
@@ -37,25 +31,14 @@ def _worker(pack: str, out: str, spec: dict) -> None:
         return reduce_scatter(self, *args, **kwargs)
 
     _fsdp_collectives.DefaultReduceScatter.__call__ = counted
-    init_distributed("cpu")
-    trainer = Trainer(
-        ModelConfig(**spec["model"]),
-        TrainConfig(**spec["train"]),
-        pack,
-        out,
-        resume="none",
-        parallel=ParallelConfig(**spec["parallel"]),
-    )
-    summary = trainer.fit()
-    if dist.get_rank() == 0:
-        groups = sum(1 for m in trainer.forward_model.modules() if hasattr(m, "set_requires_gradient_sync"))
-        Path(out, "sync.json").write_text(json.dumps({"reduce_scatters": calls[0], "fsdp_modules": groups}))
-        Path(out, "summary-2.json").write_text(json.dumps(summary))
-    dist.destroy_process_group()
+    worker = runpy.run_path(str(Path(__file__).with_name("layout_worker.py")), run_name="__main__")
+    if os.environ["RANK"] == "0":
+        fsdp = sum(1 for m in worker["trainer"].forward_model.modules() if hasattr(m, "set_requires_gradient_sync"))
+        Path(sys.argv[2], "sync.json").write_text(json.dumps({"reduce_scatters": calls[0], "fsdp_modules": fsdp}))
 
 
 if __name__ == "__main__":
-    _worker(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]))
+    _count_reduce_scatters_around_layout_worker()
     sys.exit(0)
 
 import importlib.util  # noqa: E402
@@ -66,6 +49,7 @@ _layouts = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_layouts)
 MODEL, TRAIN = _layouts.MODEL, _layouts.TRAIN
 assert_same_training, single_process = _layouts.assert_same_training, _layouts.single_process
+_layouts.WORKER = Path(__file__)  # this copy of the module launches the counting worker above
 
 
 @pytest.fixture(scope="module")
@@ -79,12 +63,7 @@ def reference(pack, tmp_path_factory):
 
 
 def _launch(pack, out, parallel: dict) -> dict:
-    spec = {"parallel": parallel, "model": MODEL, "train": TRAIN}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    cmd += [__file__, str(pack), str(out), json.dumps(spec)]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
-    assert result.returncode == 0, result.stderr[-4000:]
+    _layouts.launch(pack, out, 2, parallel)
     return json.loads((Path(out) / "sync.json").read_text())
 
 
