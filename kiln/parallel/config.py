@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from kiln.errors import ConfigError
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+GRAD_SYNCS = ("per_microbatch", "deferred")
 
 
 @dataclass
@@ -22,6 +23,10 @@ class ParallelConfig:
     reshard_after_forward: bool = True  # True: ZeRO-3 (params freed after forward); False: ZeRO-2-like
     offload: bool = False  # parameters, gradients and optimizer state kept on the CPU (GPU runs only)
     reduce_dtype: str = "fp32"  # dtype of FSDP2's gradient reduce-scatter: fp32 | bf16
+    # When FSDP2 reduce-scatters gradients under accumulation: every micro-batch (each rank keeps only
+    # its gradient shard, ZeRO-2/3) or on the last micro-batch only (full gradients accumulate, one
+    # reduce-scatter per step, ZeRO-1-like). DDP and pipelining have their own rule (docs/parallel.md).
+    grad_sync: str = "per_microbatch"  # per_microbatch | deferred
     # Pipeline
     pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b
     pp_microbatches: int = 0  # 0: 2 x pp (halves the bubble vs pp microbatches)
@@ -51,6 +56,8 @@ class ParallelConfig:
             raise ConfigError("cp_backend", f"must be one of auto, ring, allgather, torch, got {self.cp_backend!r}")
         if self.reduce_dtype not in ("fp32", "bf16"):
             raise ConfigError("reduce_dtype", f"must be fp32 or bf16, got {self.reduce_dtype!r}")
+        if self.grad_sync not in GRAD_SYNCS:
+            raise ConfigError("grad_sync", f"must be one of {', '.join(GRAD_SYNCS)}, got {self.grad_sync!r}")
         if self.dp_shard != -1:  # every degree is given, so the world size is known already
             self.check_options(self.dp_shard, device_type=None)
 
@@ -86,6 +93,22 @@ class ParallelConfig:
             raise ConfigError(
                 "reduce_dtype",
                 f"is the dtype of FSDP2's gradient reduce-scatter, which needs dp_shard * cp > 1; {layout} has none",
+            )
+        if self.grad_sync != "per_microbatch":
+            self._check_deferred_sync(sharded, layout)
+
+    def _check_deferred_sync(self, sharded: bool, layout: str) -> None:
+        if not sharded:
+            raise ConfigError(
+                "grad_sync",
+                f"chooses when FSDP2 reduce-scatters gradients, which needs dp_shard * cp > 1; {layout} has no "
+                "reduce-scatter (DDP always all-reduces once, on the last micro-batch)",
+            )
+        if self.pp > 1:
+            raise ConfigError(
+                "grad_sync",
+                "is decided by the pipeline schedule under pp > 1: it accumulates full gradients over its "
+                "micro-batches and reduce-scatters them after the last",
             )
 
     def describe(self, dp_shard: int) -> str:

@@ -125,13 +125,17 @@ class Layout:
         return bubble_fraction(self.cfg.pp_schedule, self.dims.pp, self.cfg.microbatches, self.cfg.pp_stages_per_rank)
 
     def gradient_sync(self, last_micro_batch: bool):
-        """Reduce gradients across data-parallel ranks only in the last micro-batch's backward."""
+        """The context of one micro-batch's backward: whether it reduces gradients across the
+        data-parallel ranks. DDP reduces in the last micro-batch only; FSDP2 in every micro-batch
+        (grad_sync = "per_microbatch": each rank keeps just its gradient shard) or in the last only
+        ("deferred": full gradients accumulate, one reduce-scatter per step). Under pipelining the
+        schedule decides."""
         model = self.forward_model
         if last_micro_batch or model is None or self.pipelined:
             return nullcontext()
         if hasattr(model, "no_sync"):  # DDP
             return model.no_sync()
-        if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        if hasattr(model, "set_requires_gradient_sync") and self.cfg.grad_sync == "deferred":  # FSDP2
             model.set_requires_gradient_sync(False)
             return _ReenableSync(model)
         return nullcontext()

@@ -94,8 +94,9 @@ class Layout:
     cp: int = 1
     ep: int = 1
     # What data parallelism shards (ZeRO stages) and how Kiln's FSDP2 does it: 0 nothing (DDP);
-    # 1 optimizer states (FSDP, reshard off, gradients reduced once per step on the last micro-batch);
-    # 2 + gradients (FSDP, reshard off, reduced every micro-batch); 3 + parameters (FSDP default).
+    # 1 optimizer states (FSDP, reshard off, grad_sync = "deferred": full gradients accumulate and are
+    # reduce-scattered on the last micro-batch); 2 + gradients (FSDP, reshard off, reduce-scattered
+    # every micro-batch); 3 + parameters (FSDP default). See deferred_grad_sync for pipelining.
     zero: int = 0
     ac: str = "none"  # activation checkpointing: none | selective | full
     micro_batch: int = 1  # sequences per micro-batch per data-parallel rank
@@ -138,6 +139,8 @@ class Layout:
             ep=self.ep,
             # ZeRO-1/2 keep the gathered weights until backward; DDP (zero 0) leaves the key at its default.
             reshard_after_forward=self.zero not in (1, 2),
+            # Under pp > 1 the pipeline schedule defers the reduction itself and the key is refused.
+            grad_sync="deferred" if self.zero == 1 and self.pp == 1 else "per_microbatch",
             pp_schedule=self.pp_schedule,
             pp_microbatches=microbatches if self.pp > 1 else 0,
             pp_stages_per_rank=self.pp_stages_per_rank,
@@ -180,6 +183,10 @@ def layout_problems(cfg: ModelConfig, lay: Layout, cluster: ClusterConfig, work:
         out.append(f"ac {lay.ac!r} is not one of {', '.join(AC_MODES)}")
     if lay.zero not in (0, 1, 2, 3):
         out.append(f"zero={lay.zero} is not 0, 1, 2 or 3")
+    elif lay.zero == 2 and lay.pp > 1:
+        out.append("zero=2 under pp > 1 runs as zero=1: the pipeline schedule accumulates full gradients")
+    elif lay.zero == 1 and lay.pp == 1 and work.global_seqs == lay.dp * lay.micro_batch:
+        out.append("zero=1 with one micro-batch per step runs as zero=2: its only backward reduce-scatters")
     elif lay.zero == 0 and lay.dp_shard > 1:
         out.append("zero=0 replicates (DDP): dp_shard must be 1")
     elif lay.zero > 0 and lay.dp_shard * lay.cp == 1:
@@ -295,11 +302,20 @@ def in_flight(lay: Layout, rank: int, microbatches: int) -> float:
     return float(min(p - rank, m))
 
 
-def model_state_bytes(psi: float, zero: int, shards: int) -> tuple[float, float, float]:
+def model_state_bytes(psi: float, zero: int, shards: int, full_grads: bool = False) -> tuple[float, float, float]:
     """(parameters, gradients, optimizer states) in bytes for psi parameters (ZeRO paper sec. 5):
-    fp16 weights 2, fp16 gradients 2, fp32 master weights + Adam m + v 12, partitioned by stage."""
+    fp16 weights 2, fp16 gradients 2, fp32 master weights + Adam m + v 12, partitioned by stage.
+    `full_grads`: the gradients accumulate unsharded over the step (deferred_grad_sync) whatever the stage."""
     d = max(shards, 1)
-    return 2 * psi / (d if zero >= 3 else 1), 2 * psi / (d if zero >= 2 else 1), 12 * psi / (d if zero >= 1 else 1)
+    grads = 2 * psi / (d if zero >= 2 and not full_grads else 1)
+    return 2 * psi / (d if zero >= 3 else 1), grads, 12 * psi / (d if zero >= 1 else 1)
+
+
+def deferred_grad_sync(lay: Layout) -> bool:
+    """FSDP gradients accumulate unsharded over the step's micro-batches and are reduce-scattered
+    once: ZeRO-1 (grad_sync = "deferred"), and every FSDP layout under pipelining, whose torch
+    schedule turns gradient sync off until its last micro-batch's backward."""
+    return lay.zero == 1 or (lay.zero > 0 and lay.pp > 1)
 
 
 @dataclass
@@ -370,6 +386,7 @@ def memory(
     kinds = (False, True) if any(n_moe for _, n_moe in counts) else (False,)
     per_layer = {moe: layer_activation_bytes(cfg, work.seq_len, tokens, lay.tp, lay.ac, act, moe) for moe in kinds}
     per_layer.setdefault(True, 0.0)
+    deferred = deferred_grad_sync(lay) and m > 1
     worst = None
     for r in representative_ranks(counts):
         layers, n_moe = counts[r]
@@ -377,8 +394,8 @@ def memory(
         states = [
             a + b
             for a, b in zip(
-                model_state_bytes(dense, lay.zero, lay.shard_degree),
-                model_state_bytes(experts, lay.zero, lay.shard_degree // lay.ep),
+                model_state_bytes(dense, lay.zero, lay.shard_degree, deferred),
+                model_state_bytes(experts, lay.zero, lay.shard_degree // lay.ep, deferred),
             )
         ]
         acts = in_flight(lay, r, m) * ((layers - n_moe) * per_layer[False] + n_moe * per_layer[True])
@@ -388,8 +405,8 @@ def memory(
             block_params(cfg, lay, False) if layers > n_moe else 0.0, block_params(cfg, lay, True) if n_moe else 0.0
         )
         # FSDP's unsharded working set: bf16 weights of the current and the prefetched block, and the
-        # current block's fp32 gradients before their reduce-scatter.
-        buffers = {3: block * (2 * 2 + 4), 2: block * 4}.get(lay.zero, 0.0)
+        # current block's fp32 gradients before their reduce-scatter (counted in grads when deferred).
+        buffers = {3: block * 2 * 2, 2: 0.0}.get(lay.zero, 0.0) + (block * 4 if lay.zero >= 2 and not deferred else 0.0)
         logits = 0.0
         if r == lay.pp - 1:
             # bf16 logits, their fp32 copy for the loss and its fp32 gradient (vocabulary-parallel
@@ -527,13 +544,14 @@ def estimate(
         per_step += hide(_ring(lay.dp * lay.cp, 4 * (dense + experts), ring_bw, True), bwd, "step")
     else:
         rs, ag = gather(4), gather(2)
-        if lay.zero == 3:  # gathered for forward and again for backward, reduce-scattered every micro-batch
-            per_mb += hide(ag, fwd, "mb") + hide(ag + rs, bwd, "mb")
-        elif lay.zero == 2:  # gathered once per step, gradients reduce-scattered every micro-batch
-            per_mb += hide(rs, bwd, "mb")
-            per_step += hide(ag, fwd, "step")
-        else:  # gradients accumulate unsharded: one reduce-scatter and one gather per step
-            per_step += hide(rs, bwd, "step") + hide(ag, fwd, "step")
+        # Gradients reduce-scattered every micro-batch, or accumulated unsharded and reduced once.
+        rs_mb, rs_step = (0.0, rs) if deferred_grad_sync(lay) else (rs, 0.0)
+        if lay.zero == 3:  # gathered for forward and again for backward
+            per_mb += hide(ag, fwd, "mb") + hide(ag + rs_mb, bwd, "mb")
+            per_step += hide(rs_step, bwd, "step")
+        else:  # ZeRO-1/2: gathered once per step
+            per_mb += hide(rs_mb, bwd, "mb")
+            per_step += hide(rs_step, bwd, "step") + hide(ag, fwd, "step")
         if rep > 1:  # HSDP: all-reduce the gradient shard across the replicas once per step
             per_step += hide(_ring(rep, 4 * local, rep_bw, True), bwd, "step")
     slot = compute + tp_t + cp_t + pp_t + per_mb

@@ -274,3 +274,41 @@ def test_cli_json_and_rejections(capsys):
         run_plan(_args("--preset", "nope"))
     with pytest.raises(ConfigError, match="layout"):
         run_plan(_args("--preset", "tiny", "--layout", "tp"))
+
+
+# ----------------------------------------------------------------------------- gradient sync
+def test_gradient_bytes_follow_when_fsdp_reduces():
+    # 8B on 64 FSDP shards, 4 micro-batches per step: ZeRO-2 reduce-scatters every micro-batch and
+    # keeps 2 psi / 64 gradient bytes; ZeRO-1 (grad_sync = "deferred") accumulates all 2 psi.
+    cfg, work = _with_vocab("8b"), Workload(8192, 4 * 64 * 8192)
+    psi = total_params(cfg) - cfg.dim
+    zero1, zero2 = (memory(cfg, Layout(dp_shard=64, zero=z), work) for z in (1, 2))
+    assert zero2.grads == pytest.approx(2 * psi / 64)
+    assert zero1.grads == pytest.approx(2 * psi)
+    assert zero1.grads - zero2.grads == pytest.approx(2 * psi * (1 - 1 / 64))
+    assert zero1.optimizer == zero2.optimizer == pytest.approx(12 * psi / 64)
+    # The largest block's fp32 gradient buffer before its reduce-scatter exists only per micro-batch.
+    assert zero1.buffers == 0.0 < zero2.buffers
+
+
+def test_zero_levels_map_to_distinct_fsdp_configs_or_are_refused():
+    cfg, cluster = _with_vocab("8b"), ClusterConfig("h100", 8, 8)
+    configs = {z: Layout(dp_shard=64, zero=z).to_parallel_config(0) for z in (1, 2, 3)}
+    assert [(c.reshard_after_forward, c.grad_sync) for c in configs.values()] == [
+        (False, "deferred"),
+        (False, "per_microbatch"),
+        (True, "per_microbatch"),
+    ]
+    # With one micro-batch per step the deferred reduction happens in the only backward: it is ZeRO-2.
+    assert layout_problems(cfg, Layout(dp_shard=64, zero=1), cluster, Workload(8192, 64 * 8192)) == [
+        "zero=1 with one micro-batch per step runs as zero=2: its only backward reduce-scatters"
+    ]
+    assert layout_problems(cfg, Layout(dp_shard=64, zero=1), cluster, Workload(8192, 2 * 64 * 8192)) == []
+    # Under pipelining torch's schedule defers the reduction itself: ZeRO-2 would be ZeRO-1.
+    piped = Layout(dp_shard=8, pp=8, zero=2)
+    assert "zero=2 under pp > 1 runs as zero=1: the pipeline schedule accumulates full gradients" in (
+        layout_problems(cfg, piped, cluster, Workload(8192, 64 * 8192))
+    )
+    assert Layout(dp_shard=8, pp=8, zero=1).to_parallel_config(8).grad_sync == "per_microbatch"
+    full, sharded = (memory(cfg, Layout(dp_shard=8, pp=8, zero=z), Workload(8192, 64 * 8192)) for z in (1, 3))
+    assert sharded.grads == pytest.approx(full.grads)  # both accumulate each stage's full gradients
