@@ -79,6 +79,7 @@ def measured_layer_activation_bytes_per_token(
         model = build(layers)
         for batch in (1, 2):
             tokens = torch.randint(0, vocab_size, (batch, seq_len), generator=generator)
+            tokens = tokens.to(model.tok_embeddings.weight.device)
             with context():
                 saved[layers, batch] = saved_tensor_bytes(lambda: model(tokens))  # noqa: B023
     per_layer_per_row = saved[2, 2] - saved[1, 2] - saved[2, 1] + saved[1, 1]
