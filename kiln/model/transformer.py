@@ -29,6 +29,7 @@ from kiln.errors import ConfigError
 from kiln.model.config import ModelConfig
 from kiln.model.memory import require_memory
 from kiln.model.moe import MoEFeedForward
+from kiln.model.norm import RMSNorm
 
 
 def rope_tables(head_dim: int, max_seq_len: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,7 +78,7 @@ def require_position_memory(cfg: ModelConfig, device: torch.device) -> None:
 
 def make_norm(cfg: ModelConfig) -> nn.Module:
     if cfg.norm == "rmsnorm":
-        return nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)  # one fused kernel (F.rms_norm)
+        return RMSNorm(cfg.dim, eps=cfg.norm_eps)
     return nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
 
 
@@ -140,14 +141,18 @@ class Attention(nn.Module):
         # -1 groups: under tensor parallelism this rank holds only some of the key/value groups.
         group = self.n_heads // self.n_kv_heads
         qkv = self.wqkv(x).view(batch, seq, -1, group + 2, self.head_dim)
-        # Within a group the query heads and the k head are adjacent, so one RoPE call rotates both.
-        qk, v = qkv.split([group + 1, 1], dim=3)
+        q, k, v = qkv.split([group, 1, 1], dim=3)
+        # Each of q, k and v becomes its own [B, T, heads, head_dim] tensor before anything saves it
+        # for backward, so no saved view keeps the whole fused qkv output (or a joint q|k RoPE output)
+        # alive. Query head g*group + j reads kv head g, the order HF models use.
+        q, k, v = q.flatten(2, 3), k.squeeze(3), v.squeeze(3).contiguous()
         if self.use_rope:
-            qk = apply_rope(qk, cos.unsqueeze(-2), sin.unsqueeze(-2))
-        q, k = qk.split([group, 1], dim=3)
-        # [B, heads, T, head_dim]; query head g*group + j reads kv head g, the order HF models use.
-        q = q.flatten(2, 3).transpose(1, 2)
-        k, v = k.squeeze(3).transpose(1, 2), v.squeeze(3).transpose(1, 2)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        else:
+            k = k.contiguous()
+        # [B, heads, T, head_dim] views of token-major tensors: SDPA then writes its output token-major
+        # too, and the output projection reads it in place instead of from a copy.
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if kv_cache is not None:
             # Inference (kiln.infer.engine.KVCache): the new keys join the row's cached ones, and the
             # cache says how to mask queries that sit at an offset in their row (plain is_causal
