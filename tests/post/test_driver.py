@@ -135,8 +135,8 @@ def test_miniature_run_of_every_post_stage_with_lora(tmp_path, capsys):
 def test_sft_then_grpo_raise_heldout_task_accuracy(tmp_path):
     """The direction of the demo chain (recipes/tiny.toml: pretrain -> SFT -> GRPO) on a smaller,
     faster configuration: SFT raises held-out accuracy on the reverse/sort tasks and GRPO keeps it.
-    Seeds are the recipe's (train.seed 1337, tasks.seed 0); measured 0.00 -> 0.20 -> 0.24 on AMD Zen 4
-    and 0.00 -> 0.34 -> 0.33 on Intel with AMX (~70 s on a quiet 2-core machine)."""
+    Seeds are the recipe's (train.seed 1337, tasks.seed 0); with 120 GRPO steps at temperature 0.7,
+    measured 0.00 -> 0.27 -> 0.28 on Intel with AMX (~120 s on a quiet 2-core machine)."""
     recipe = load_recipe(
         "recipes/tiny.toml",
         [
@@ -165,7 +165,13 @@ def test_sft_then_grpo_raise_heldout_task_accuracy(tmp_path):
             "sft.train.warmup_steps=50",
             "sft.train.eval_every=350",
             "sft.train.ckpt_every=350",
-            "grpo.train.max_steps=20",
+            # The setting that beat SFT in docs/benchmarks.md's GRPO table (the test's earlier 20 steps at
+            # lr 5e-5 and temperature 1 lost 0.03-0.04 on Intel with AMX).
+            "grpo.train.max_steps=120",
+            "grpo.train.lr=1e-4",
+            "grpo.train.eval_every=40",
+            "grpo.train.ckpt_every=40",
+            "grpo.temperature=0.7",
             "grpo.train.warmup_steps=2",
             # RL on the SFT problems, as measured (the recipe's fresh prompt_seed was measured on its own model).
             "grpo.prompt_seed=0",
@@ -176,10 +182,10 @@ def test_sft_then_grpo_raise_heldout_task_accuracy(tmp_path):
     sft, grpo = results["sft"], results["grpo"]
     assert sft["heldout_before"]["accuracy"] < 0.05  # never saw the chat format
     assert sft["heldout_after"]["accuracy"] >= 0.1  # measured 0.20
-    # GRPO starts from SFT's final weights (greedy evaluation is deterministic). Its 20 steps gained
-    # +0.04 on AMD Zen 4 but -0.01 on Intel with AMX (the same code and seeds, before and after the
-    # architecture change: bf16 kernels round differently), and no learning rate or step count tried
-    # there raised it (docs/benchmarks.md). What holds on both: it does not lose what SFT taught.
+    # GRPO starts from SFT's final weights (greedy evaluation is deterministic). The old 20 steps at
+    # lr 5e-5 gained +0.04 on AMD Zen 4 but lost 0.01-0.04 on Intel with AMX (bf16 kernels round
+    # differently); the gain of this setting is within one run's noise (docs/benchmarks.md), so what
+    # is asserted is that GRPO does not lose what SFT taught.
     assert grpo["heldout_before"]["accuracy"] == sft["heldout_after"]["accuracy"]
     assert grpo["heldout_after"]["accuracy"] >= grpo["heldout_before"]["accuracy"] - 0.03
-    assert grpo["rollout"]["rollouts"] == 20 * 8 * 8
+    assert grpo["rollout"]["rollouts"] == 120 * 8 * 8
