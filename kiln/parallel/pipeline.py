@@ -325,7 +325,7 @@ def _mean_aux_loss(stages: list[PipelineStageModule], microbatches: int) -> torc
     """Sum over this rank's stages of the mean MoE auxiliary loss of the step's microbatches.
 
     The step's own forwards are each stage's last `microbatches` records: on the first step the
-    schedule first runs one more forward, on placeholder tensors, to infer the shapes it sends.
+    schedule first runs one more forward, on stand-in tensors, to infer the shapes it sends.
     """
     total = None
     for stage in stages:
