@@ -1,7 +1,8 @@
 """Hugging Face checkpoints in and out: config.json + safetensors + tokenizer.
 
 Export writes a folder that `transformers` (LlamaForCausalLM, or Qwen2ForCausalLM when the model has
-q/k/v biases) and vLLM load as is. Import reads Llama, Mistral and Qwen2 folders.
+q/k/v biases) and vLLM load as is. Import reads Llama, Mistral and Qwen2 folders. MoE models go out
+and come in as Mixtral or Qwen2-MoE; their layers are mapped in kiln/hf_moe.py.
 
 Weight layout: Kiln's RoPE pairs dimension i with i + head_dim/2 ("rotate half"), the layout HF Llama
 checkpoints are already stored in, so q/k rows are copied unchanged both ways. (Meta's original
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -27,11 +29,25 @@ from kiln.data.readers import read_json
 from kiln.data.tokenizer import HF_TOKENIZER_FILES, Tokenizer, find_tokenizer
 from kiln.errors import ConfigError, DataError
 from kiln.files import copy_file_atomic, write_text_atomic
+from kiln.hf_moe import (
+    MOE_ARCHITECTURES,
+    dense_layer_biases,
+    moe_config_fields,
+    moe_config_from_hf,
+    moe_layer_from_hf,
+    moe_layer_to_hf,
+    moe_model_type,
+)
 from kiln.model.config import ModelConfig
 from kiln.model.transformer import fuse_gate_up, fuse_qkv, split_gate_up, split_qkv
 from kiln.peft.load import plain_weights
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    **MOE_ARCHITECTURES,  # kiln/hf_moe.py
+}
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -39,10 +55,6 @@ DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float
 
 
 def kiln_to_hf_state(cfg: ModelConfig, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    if any(cfg.is_moe_layer(i) for i in range(cfg.n_layers)):
-        raise ConfigError(
-            "model.moe_every", "exporting MoE models to Hugging Face is not supported yet; export a dense model"
-        )
     # .contiguous() copies the row slices: safetensors refuses views into a larger tensor.
     out = {
         "model.embed_tokens.weight": state_dict["tok_embeddings.weight"],
@@ -57,13 +69,16 @@ def kiln_to_hf_state(cfg: ModelConfig, state_dict: dict[str, torch.Tensor]) -> d
             q, k, v = split_qkv(state_dict[f"{src}attn.wqkv.{suffix}"], cfg.n_heads, cfg.kv_heads, cfg.head_dim)
             for name, t in (("q_proj", q), ("k_proj", k), ("v_proj", v)):
                 out[f"{dst}self_attn.{name}.{suffix}"] = t.contiguous()
-        gate, up = split_gate_up(state_dict[f"{src}ffn.w13.weight"])
+        out.update(dense_layer_biases(cfg, i, out["model.norm.weight"]))
+        if cfg.is_moe_layer(i):
+            out.update(moe_layer_to_hf(cfg, i, state_dict))
+        else:
+            gate, up = split_gate_up(state_dict[f"{src}ffn.w13.weight"])
+            out.update({f"{dst}mlp.gate_proj.weight": gate, f"{dst}mlp.up_proj.weight": up})
+            out[f"{dst}mlp.down_proj.weight"] = state_dict[f"{src}ffn.w2.weight"]
         out.update(
             {
                 f"{dst}self_attn.o_proj.weight": state_dict[f"{src}attn.wo.weight"],
-                f"{dst}mlp.gate_proj.weight": gate.contiguous(),
-                f"{dst}mlp.up_proj.weight": up.contiguous(),
-                f"{dst}mlp.down_proj.weight": state_dict[f"{src}ffn.w2.weight"],
                 f"{dst}input_layernorm.weight": state_dict[f"{src}attn_norm.weight"],
                 f"{dst}post_attention_layernorm.weight": state_dict[f"{src}ffn_norm.weight"],
             }
@@ -91,8 +106,12 @@ def hf_to_kiln_state(cfg: ModelConfig, tensors: dict[str, torch.Tensor], where: 
                 *(take(f"{src}self_attn.{p}.{suffix}") for p in ("q_proj", "k_proj", "v_proj")), cfg.kv_heads
             )
         out[f"{dst}attn.wo.weight"] = take(f"{src}self_attn.o_proj.weight")
-        out[f"{dst}ffn.w13.weight"] = fuse_gate_up(take(f"{src}mlp.gate_proj.weight"), take(f"{src}mlp.up_proj.weight"))
-        out[f"{dst}ffn.w2.weight"] = take(f"{src}mlp.down_proj.weight")
+        if cfg.is_moe_layer(i):
+            out.update(moe_layer_from_hf(cfg, i, take, tensors.__contains__, where))
+        else:
+            gate, up = take(f"{src}mlp.gate_proj.weight"), take(f"{src}mlp.up_proj.weight")
+            out[f"{dst}ffn.w13.weight"] = fuse_gate_up(gate, up)
+            out[f"{dst}ffn.w2.weight"] = take(f"{src}mlp.down_proj.weight")
         out[f"{dst}attn_norm.weight"] = take(f"{src}input_layernorm.weight")
         out[f"{dst}ffn_norm.weight"] = take(f"{src}post_attention_layernorm.weight")
     # A tied checkpoint may still store lm_head; old ones store the RoPE frequencies. Anything else
@@ -111,6 +130,7 @@ def hf_to_kiln_state(cfg: ModelConfig, tensors: dict[str, torch.Tensor], where: 
 
 
 def _check_exportable(cfg: ModelConfig) -> None:
+    moe_model_type(cfg)  # refuses the MoE variants no HF class computes
     needs = {"pos": "rope", "norm": "rmsnorm", "ffn": "swiglu"}
     for key, value in needs.items():
         if getattr(cfg, key) != value:
@@ -177,7 +197,8 @@ def export_hf(
     dtype = tensors["model.embed_tokens.weight"].dtype
     special_ids = {} if tokenizer_path is None else _write_tokenizer(tokenizer_path, model_cfg, out, chat)
 
-    model_type = "qwen2" if model_cfg.qkv_bias else "llama"  # Llama's attention_bias would add an o_proj bias
+    # Llama's attention_bias would add an o_proj bias, hence Qwen2 for q/k/v biases.
+    model_type = moe_model_type(model_cfg) or ("qwen2" if model_cfg.qkv_bias else "llama")
     config = {
         "architectures": [ARCHITECTURES[model_type]],
         "model_type": model_type,
@@ -202,8 +223,9 @@ def export_hf(
     }
     if model_type == "llama":
         config.update(attention_bias=False, mlp_bias=False)
-    else:
+    elif model_type != "mixtral":
         config.update(use_sliding_window=False, sliding_window=None, max_window_layers=model_cfg.n_layers)
+    config.update(moe_config_fields(model_cfg))
     # Weights first, config.json last: a folder transformers can open has all of its files.
     write_safetensors(tensors, out / "model.safetensors")
     generation = {"_from_model_config": True, **special_ids}
@@ -216,7 +238,8 @@ def export_hf(
 
 
 def config_from_hf(hf: dict, where: str) -> ModelConfig:
-    """Map a Llama/Mistral/Qwen2 config.json to a ModelConfig, refusing what Kiln cannot represent."""
+    """Map a Llama/Mistral/Qwen2/Mixtral/Qwen2-MoE config.json to a ModelConfig, refusing what Kiln cannot
+    represent."""
     model_type = hf.get("model_type")
     if model_type not in ARCHITECTURES:
         raise DataError(f"{where}: model_type {model_type!r} is not supported; Kiln imports {', '.join(ARCHITECTURES)}")
@@ -241,7 +264,7 @@ def config_from_hf(hf: dict, where: str) -> ModelConfig:
     # Sliding-window attention equals full causal attention for sequences no longer than the window,
     # so the window caps the context instead of being an unsupported feature.
     window = hf.get("sliding_window")
-    if window and (model_type == "mistral" or hf.get("use_sliding_window")):
+    if window and (model_type in ("mistral", "mixtral") or hf.get("use_sliding_window")):
         max_seq_len = min(max_seq_len, window)
     cfg = ModelConfig(
         vocab_size=hf["vocab_size"],
@@ -257,6 +280,7 @@ def config_from_hf(hf: dict, where: str) -> ModelConfig:
         qkv_bias=model_type == "qwen2",
         init_std=hf.get("initializer_range", 0.02),
     )
+    cfg = replace(cfg, **moe_config_from_hf(hf, where))
     cfg.validate()
     return cfg
 
@@ -305,7 +329,8 @@ def _load_safetensors(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def import_hf(folder) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """(ModelConfig, Kiln state_dict) of a local Llama, Mistral or Qwen2 folder, in the checkpoint's dtype."""
+    """(ModelConfig, Kiln state_dict) of a local Llama, Mistral, Qwen2, Mixtral or Qwen2-MoE folder, in the
+    checkpoint's dtype."""
     folder = Path(folder)
     if not folder.is_dir():
         raise DataError(f"{folder}: not a folder")
@@ -368,7 +393,7 @@ def add_parser(subparsers) -> None:
 
     p = subparsers.add_parser("import", help="import a checkpoint from another format")
     fmt = p.add_subparsers(dest="format", required=True, metavar="FORMAT")
-    i = fmt.add_parser("hf", help="local Llama / Mistral / Qwen2 folder into a Kiln checkpoint")
+    i = fmt.add_parser("hf", help="local Llama / Mistral / Qwen2 / Mixtral / Qwen2-MoE folder into a Kiln checkpoint")
     i.add_argument("folder")
     i.add_argument("out")
 
