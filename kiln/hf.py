@@ -382,7 +382,9 @@ def export_checkpoint_to_hf(ckpt_path, tokenizer_path, out_dir, chat: bool | Non
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("export", help="export a checkpoint to another format")
     fmt = p.add_subparsers(dest="format", required=True, metavar="FORMAT")
-    e = fmt.add_parser("hf", help="Hugging Face folder (LlamaForCausalLM) that transformers and vLLM load")
+    e = fmt.add_parser(
+        "hf", help="Hugging Face folder (Llama, Qwen2, Mixtral or Qwen2-MoE) that transformers and vLLM load"
+    )
     e.add_argument("checkpoint")
     e.add_argument("out")
     e.add_argument("--tokenizer", help="tokenizer.json (default: found next to the checkpoint)")
