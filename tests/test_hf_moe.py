@@ -57,17 +57,15 @@ def test_export_matches_transformers_logits(tmp_path, overrides, hf_class):
 
 
 def hf_moe_model(kind, **extra):
-    common = dict(
-        vocab_size=320,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        rms_norm_eps=1e-6,
-        rope_theta=1000.0,
-        num_experts_per_tok=2,
+    # The sizes of BASE under HF's names; the eps and RoPE base differ from Kiln's defaults, so an
+    # import that ignored them would not match.
+    names = dict(
+        vocab_size="vocab_size", hidden_size="dim", num_hidden_layers="n_layers", num_attention_heads="n_heads"
     )
+    names.update(
+        num_key_value_heads="n_kv_heads", max_position_embeddings="max_seq_len", num_experts_per_tok="moe_top_k"
+    )
+    common = {hf_key: BASE[key] for hf_key, key in names.items()} | dict(rms_norm_eps=1e-6, rope_theta=1000.0)
     if kind == "mixtral":
         config = transformers.MixtralConfig(**{**common, "intermediate_size": 48, "num_local_experts": 4, **extra})
         model_cls = transformers.MixtralForCausalLM
