@@ -4,7 +4,7 @@ For a dense and an MoE model in fp32 and bf16, with and without activation check
 optimizer step of kiln.train.trainer.Trainer runs with gradient accumulation and
 kiln.train.memcheck measures the bytes of the tensors it holds (parameters, gradients at their peak,
 optimizer state, autocast's weight copies, the activations saved through one micro-batch's forward,
-the loss side); kiln.parallel.plan.trainer_memory predicts each term from the planner's formulas.
+the loss side); kiln.parallel.plan_check.trainer_memory predicts each term from the planner's formulas.
 
     python bench/plan_memory.py
     python bench/plan_memory.py --dim 512 --layers 4 --seq 256 --micro-batch 2 --accum 2
@@ -15,25 +15,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import platform
 import tempfile
 
 import torch
+from activation_memory import cpu_model  # bench/, beside this script
 
 from kiln.model import ModelConfig
 from kiln.train.config import TrainConfig
 from kiln.train.memcheck import check_config, format_rows
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def main() -> None:

@@ -244,10 +244,14 @@ class ActivationModel:
     flash: bool = True
     dropout: bool = False
     sp_gathered_inputs: bool = True
+    # Without FSDP (zero=0) the weights stay fp32 under autocast: a 16-bit copy of each matmul weight
+    # lives through the micro-batch and the residual stream, a checkpointed block's input, is fp32.
+    # (FSDP2 gathers bf16 weights and casts block inputs to bf16; Megatron keeps bf16 weights.)
+    fp32_weights_unsharded: bool = True
 
 
 KILN = ActivationModel()
-MEGATRON = ActivationModel(flash=False, dropout=True, sp_gathered_inputs=False)
+MEGATRON = ActivationModel(flash=False, dropout=True, sp_gathered_inputs=False, fp32_weights_unsharded=False)
 
 
 def layer_activation_bytes(
@@ -337,23 +341,11 @@ class Memory:
         return out | {"total": round(self.total / GB, 2), "pipeline_rank": self.rank}
 
 
-# Bytes per parameter of the model states, as Kiln's trainer holds them on one device (and per shard
-# under FSDP): fp32 weights and fp32 gradients (the optimizer steps the weights themselves, so they are
-# the ZeRO paper's fp32 master copy), and the optimizer's fp32 state (kiln.train.optim: AdamW's m and
-# v, Lion's m). The ZeRO split of model_state_bytes (2 + 2 + 12) totals the same 16 for AdamW.
-TRAINER_PARAM_BYTES, TRAINER_GRAD_BYTES = 4, 4
-OPTIMIZER_STATE_BYTES = {"adamw": 8, "lion": 4}
-# Bytes per value of each train.precision (kiln.train.precision.PRECISION_DTYPES): what autocast
-# computes, casts weights to and saves activations in. The residual stream stays float32 (the fp32
-# weights' dtype), so it is what a checkpointed block keeps.
-PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+# The residual stream under autocast stays in the fp32 weights' dtype (kiln.train.precision), so it
+# is what a checkpointed block keeps where the weights are fp32 (see ActivationModel).
 RESIDUAL_BYTES = 4
 # layer_activation_bytes and the logits term count 16-bit values.
 PLANNER_VALUE_BYTES = 2
-# Float32 statistics a stored block also keeps per token, which layer_activation_bytes leaves out
-# (under 1% of a block's bytes at h >= 1024): SDPA's logsumexp per head and each RMSNorm's
-# reciprocal RMS (kiln.model.activations counts both).
-STAT_BYTES = 4
 # Per logit: the 16-bit logits, the fp32 copy the loss takes its log-softmax of, and that copy's fp32
 # gradient. Only the log-softmax output (fp32, 4) is kept through the forward; the other two exist
 # while the loss backpropagates.
@@ -370,86 +362,11 @@ def logits_bytes(
     return tokens * (cfg.vocab_size * per_logit / tp + value_bytes * cfg.dim / tp + value_bytes * cfg.dim)
 
 
-def autocast_params(cfg: ModelConfig) -> int:
-    """Parameters autocast copies to 16 bit in each forward: the weights of every matmul, the output
-    head's included (a tied head is the embedding table). Embedding lookups, norm gains (Kiln's
-    RMSNorm computes in float32) and MoE routers (run with autocast off) use the fp32 weights."""
+def layer_autocast_params(cfg: ModelConfig, moe: bool = False) -> int:
+    """Parameters of one block that autocast copies to 16 bit: the weights of its matmuls. Norm gains
+    (Kiln's RMSNorm computes in float32) and MoE routers (run with autocast off) are used in fp32."""
     norms = 2 * (cfg.dim if cfg.norm == "rmsnorm" else 2 * cfg.dim)
-    n = 0
-    for layer in range(cfg.n_layers):
-        moe = is_moe(cfg, layer)
-        n += layer_params(cfg, moe) - norms - (cfg.dim * cfg.n_experts if moe else 0)
-    return n + cfg.vocab_size * cfg.dim
-
-
-@dataclass
-class TrainerMemory:
-    """Bytes a Kiln trainer step holds on one device without parallelism, term by term: fp32 weights,
-    their gradients at the peak of accumulation, optimizer state, autocast's 16-bit weight copies, the
-    activations the blocks keep through one micro-batch's forward, and what the embedding, final norm
-    and loss keep ("logits"). kiln.train.memcheck measures the same terms on a real step."""
-
-    params: float
-    grads: float
-    optimizer: float
-    autocast: float
-    activations: float
-    logits: float
-
-    @property
-    def total(self) -> float:
-        return sum(dataclasses.astuple(self))
-
-
-def trainer_memory(
-    cfg: ModelConfig,
-    precision: str,
-    micro_batch: int,
-    seq_len: int,
-    ac: str = "none",
-    optimizer: str = "adamw",
-) -> TrainerMemory:
-    """The planner's memory model for one device running Kiln's trainer as it is (fp32 weights under
-    autocast, micro-batches one after another): model_state_bytes' 16 bytes per parameter split as
-    the trainer holds them, layer_activation_bytes and logits_bytes at the trainer's value width.
-    No term depends on gradient accumulation: micro-batches run one after another and add their
-    gradients into the same fp32 tensors."""
-    if precision not in PRECISION_BYTES:
-        raise ConfigError("precision", f"must be one of {', '.join(PRECISION_BYTES)}, got {precision!r}")
-    if optimizer not in OPTIMIZER_STATE_BYTES:
-        raise ConfigError(
-            "optimizer", f"the planner models {', '.join(OPTIMIZER_STATE_BYTES)} state, not {optimizer!r}"
-        )
-    if ac not in ("none", "full"):
-        raise ConfigError("activation_checkpointing", f"the trainer runs ac none or full, not {ac!r}")
-    psi = total_params(cfg)
-    value = PRECISION_BYTES[precision]
-    cast = autocast_params(cfg)
-    if ac == "full":
-        # Autocast caches the copy of a whole parameter for its context; the routed experts are cast
-        # slice by slice (one expert's weights), uncached, so they live only as long as autograd saves
-        # them: inside a checkpointed block, during its forward or its recomputation alone.
-        cast -= moe_layer_count(cfg) * routed_expert_params(cfg)
-    tokens = micro_batch * seq_len
-    # A checkpointed block keeps the fp32 residual stream; stored blocks keep compute-dtype values.
-    scale = (RESIDUAL_BYTES if ac == "full" else value) / PLANNER_VALUE_BYTES
-    acts = sum(layer_activation_bytes(cfg, seq_len, tokens, 1, ac, KILN, is_moe(cfg, i)) for i in range(cfg.n_layers))
-    stats = 0 if ac == "full" else tokens * cfg.n_layers * STAT_BYTES * (cfg.n_heads + 2)
-    # Under autocast the model casts its RoPE cos and sin tables to the compute dtype once per
-    # forward and every block keeps them (in fp32 they are views of the model's buffers).
-    if cfg.pos == "rope" and precision != "fp32":
-        stats += 2 * seq_len * cfg.head_dim * value
-    # Besides the logits: the final norm's reciprocal RMS, and the int64 token ids and targets that
-    # the embedding and the loss keep.
-    loss_side = logits_bytes(cfg, tokens, forward_only=True, value_bytes=value) + tokens * (STAT_BYTES + 2 * 8)
-    return TrainerMemory(
-        params=TRAINER_PARAM_BYTES * psi,
-        grads=TRAINER_GRAD_BYTES * psi,
-        optimizer=OPTIMIZER_STATE_BYTES[optimizer] * psi,
-        autocast=value * cast if precision != "fp32" else 0.0,
-        activations=acts * scale + stats,
-        logits=loss_side,
-    )
+    return layer_params(cfg, moe) - norms - (cfg.dim * cfg.n_experts if moe else 0)
 
 
 def stage_counts(cfg: ModelConfig, lay: Layout) -> list[tuple[int, int]]:
@@ -476,9 +393,21 @@ def rank_params(cfg: ModelConfig, lay: Layout, layers: int, n_moe: int, rank: in
     dense = (layers - n_moe) * layer_params(cfg) + (n_moe * layer_params(cfg, True) - experts if n_moe else 0)
     if rank == 0:
         dense += embedding_params(cfg)
-    if rank == lay.pp - 1 and (not cfg.tie_embeddings or lay.pp > 1):
-        dense += cfg.vocab_size * cfg.dim  # with pipelining a tied head still needs its own copy
+    if rank == lay.pp - 1:
+        dense += cfg.dim if cfg.norm == "rmsnorm" else 2 * cfg.dim  # the final norm
+        if not cfg.tie_embeddings or lay.pp > 1:
+            dense += cfg.vocab_size * cfg.dim  # with pipelining a tied head still needs its own copy
     return dense / lay.tp, experts / lay.ep
+
+
+def rank_autocast_params(cfg: ModelConfig, lay: Layout, layers: int, n_moe: int, rank: int) -> float:
+    """Matmul weights autocast copies on a pipeline rank: its blocks' (routed experts split by EP,
+    the rest by TP) and, on the last rank, the output head's."""
+    experts = n_moe * routed_expert_params(cfg)
+    dense = (layers - n_moe) * layer_autocast_params(cfg) + n_moe * layer_autocast_params(cfg, True) - experts
+    if rank == lay.pp - 1:
+        dense += cfg.vocab_size * cfg.dim
+    return dense / lay.tp + experts / lay.ep
 
 
 def block_params(cfg: ModelConfig, lay: Layout, moe: bool) -> float:
@@ -514,6 +443,9 @@ def memory(
             )
         ]
         acts = in_flight(lay, r, m) * ((layers - n_moe) * per_layer[False] + n_moe * per_layer[True])
+        unsharded_fp32 = lay.zero == 0 and act.fp32_weights_unsharded
+        if lay.ac == "full" and unsharded_fp32:  # the checkpointed inputs are the fp32 residual stream
+            acts *= RESIDUAL_BYTES / PLANNER_VALUE_BYTES
         if lay.ac == "full":  # backward rematerialises one checkpointed block at a time
             acts += layer_activation_bytes(cfg, work.seq_len, tokens, lay.tp, "none", act, n_moe > 0)
         block = max(
@@ -522,6 +454,8 @@ def memory(
         # FSDP's unsharded working set: bf16 weights of the current and the prefetched block, and the
         # current block's fp32 gradients before their reduce-scatter (counted in grads when deferred).
         buffers = {3: block * 2 * 2, 2: 0.0}.get(lay.zero, 0.0) + (block * 4 if lay.zero >= 2 and not deferred else 0.0)
+        if unsharded_fp32:  # autocast's 16-bit copies of the rank's matmul weights (kiln.parallel.plan_check)
+            buffers += 2 * rank_autocast_params(cfg, lay, layers, n_moe, r)
         logits = 0.0
         if r == lay.pp - 1:
             # bf16 logits, their fp32 copy for the loss and its fp32 gradient (vocabulary-parallel

@@ -1,5 +1,5 @@
 """The planner's memory model checked against the trainer: bytes of the tensors a real training step
-holds, term by term, beside kiln.parallel.plan.trainer_memory's prediction for the same run.
+holds, term by term, beside kiln.parallel.plan_check.trainer_memory's prediction for the same run.
 
 One optimizer step of a built Trainer runs unchanged (its own train_step, loss and optimizer), watched:
 - parameters and optimizer state: the distinct storages of model.parameters() and optimizer.state
@@ -24,7 +24,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kiln.errors import ConfigError
-from kiln.parallel.plan import TrainerMemory, trainer_memory
+from kiln.parallel.plan_check import TrainerMemory, trainer_memory
 from kiln.train.trainer import Trainer
 
 TERMS = tuple(f.name for f in dataclasses.fields(TrainerMemory))
@@ -170,7 +170,7 @@ def check_config(model_cfg, train_cfg, out_dir) -> list[tuple[str, float, float,
 
 def predicted_step(trainer) -> TrainerMemory:
     """The planner's prediction for the trainer's model, precision, micro-batch, sequence length,
-    optimizer and activation checkpointing (kiln.parallel.plan.trainer_memory)."""
+    optimizer and activation checkpointing (kiln.parallel.plan_check.trainer_memory)."""
     cfg = trainer.cfg
     return trainer_memory(
         trainer.model_cfg,

@@ -2,7 +2,7 @@
 
 Each case builds a Trainer on CPU (the single-process layout: the trainer builds a one-rank mesh only
 for GPU offload, which CPU refuses), runs one optimizer step and compares every term of
-kiln.parallel.plan.trainer_memory with the bytes measured: within 10% for each term and the total,
+kiln.parallel.plan_check.trainer_memory with the bytes measured: within 10% for each term and the total,
 and for the dense model to the byte but for AdamW's per-tensor step counters (4 bytes each)."""
 
 from __future__ import annotations
@@ -11,9 +11,10 @@ import pytest
 
 from kiln.errors import ConfigError
 from kiln.model import ModelConfig
-from kiln.parallel.plan import trainer_memory
+from kiln.parallel.plan import MEGATRON, Layout, Workload, layer_activation_bytes, memory
+from kiln.parallel.plan_check import STAT_BYTES, trainer_memory
 from kiln.train.config import TrainConfig
-from kiln.train.memcheck import TERMS, check_rows, format_rows, measure_step, predicted_step
+from kiln.train.memcheck import TERMS, check_config, check_rows, format_rows, measure_step, predicted_step
 from kiln.train.trainer import Trainer
 
 DENSE = dict(vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64)
@@ -102,3 +103,33 @@ def test_refusals(pack, tmp_path):
         trainer_memory(cfg, "fp8", 1, SEQ)
     with pytest.raises(ConfigError, match="activation_checkpointing"):
         trainer_memory(cfg, "bf16", 1, SEQ, ac="selective")
+
+
+@pytest.mark.parametrize("ac", ["none", "full"])
+def test_gpu_planner_without_fsdp_counts_what_the_trainer_holds(ac):
+    """memory() for one GPU without FSDP (zero=0) counts the model states, autocast's weight copies
+    (in `buffers`) and the fp32 checkpointed inputs that trainer_memory, checked above against real
+    steps, counts; Megatron's bf16 weights have no copies."""
+    cfg, tokens = ModelConfig(**DENSE), SEQ * MICRO
+    mem = memory(cfg, Layout(ac=ac, micro_batch=MICRO), Workload(SEQ, tokens))
+    kiln = trainer_memory(cfg, "bf16", MICRO, SEQ, ac=ac)
+    assert mem.params + mem.grads + mem.optimizer == kiln.params + kiln.grads + kiln.optimizer
+    assert mem.buffers == kiln.autocast
+    # trainer_memory adds the bf16 RoPE tables and, for stored blocks, the fp32 statistics.
+    extra = 2 * SEQ * cfg.head_dim * 2
+    if ac == "full":  # memory() adds the block that backward recomputes, which is not held in forward
+        assert mem.activations - layer_activation_bytes(cfg, SEQ, tokens) + extra == kiln.activations
+    else:
+        extra += tokens * cfg.n_layers * STAT_BYTES * (cfg.n_heads + 2)
+        assert mem.activations + extra == kiln.activations
+    assert memory(cfg, Layout(ac=ac, micro_batch=MICRO), Workload(SEQ, tokens), MEGATRON).buffers == 0
+
+
+def test_check_config_runs_over_random_tokens(tmp_path):
+    """The bench's entry point: no pack, one measured step, rows for every term and the total."""
+    train = TrainConfig(seq_len=SEQ, micro_batch_size=MICRO, global_batch_tokens=2 * SEQ * MICRO, warmup_steps=1)
+    rows = check_config(ModelConfig(**DENSE), train, tmp_path / "run")
+    assert [r[0] for r in rows] == [*TERMS, "total"]
+    assert all(abs(err) < 0.001 for *_, err in rows)
+    with pytest.raises(ConfigError, match="vocab_size"):
+        check_config(ModelConfig(**{**DENSE, "vocab_size": 0}), train, tmp_path / "none")
