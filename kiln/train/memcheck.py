@@ -6,9 +6,9 @@ One optimizer step of a built Trainer runs unchanged (its own train_step, loss a
   (after the step, when the state exists);
 - gradients: the distinct grad storages at their peak, just before the optimizer step (accumulation
   adds into the same tensors, so that is also the most any micro-batch holds);
-- autocast copies: the 16-bit copies autocast makes of parameters, seen at the dispatcher as
-  `_to_copy` of a parameter's storage (autocast caches one copy per weight per micro-batch and holds
-  it until its context exits);
+- autocast copies: the 16-bit copies made of parameters, seen at the dispatcher as `_to_copy` of a
+  parameter's storage, that are still alive when the micro-batch's forward ends (autocast caches one
+  copy per whole weight until its context exits; copies of slices live as long as autograd keeps them);
 - saved activations: every storage autograd saves during one micro-batch's forward, each once at its
   full size (as kiln.model.activations does), less the parameters and autocast copies (their own
   terms); split into the blocks' ("activations") and what the embedding, final norm, head and loss
