@@ -244,10 +244,14 @@ class ActivationModel:
     flash: bool = True
     dropout: bool = False
     sp_gathered_inputs: bool = True
+    # Without FSDP (zero=0) the weights stay fp32 under autocast: a 16-bit copy of each matmul weight
+    # lives through the micro-batch and the residual stream, a checkpointed block's input, is fp32.
+    # (FSDP2 gathers bf16 weights and casts block inputs to bf16; Megatron keeps bf16 weights.)
+    fp32_weights_unsharded: bool = True
 
 
 KILN = ActivationModel()
-MEGATRON = ActivationModel(flash=False, dropout=True, sp_gathered_inputs=False)
+MEGATRON = ActivationModel(flash=False, dropout=True, sp_gathered_inputs=False, fp32_weights_unsharded=False)
 
 
 def layer_activation_bytes(
@@ -337,6 +341,34 @@ class Memory:
         return out | {"total": round(self.total / GB, 2), "pipeline_rank": self.rank}
 
 
+# The residual stream under autocast stays in the fp32 weights' dtype (kiln.train.precision), so it
+# is what a checkpointed block keeps where the weights are fp32 (see ActivationModel).
+RESIDUAL_BYTES = 4
+# layer_activation_bytes and the logits term count 16-bit values.
+PLANNER_VALUE_BYTES = 2
+# Per logit: the 16-bit logits, the fp32 copy the loss takes its log-softmax of, and that copy's fp32
+# gradient. Only the log-softmax output (fp32, 4) is kept through the forward; the other two exist
+# while the loss backpropagates.
+LOGIT_BYTES = {"logits": 2, "fp32_copy": 4, "fp32_grad": 4}
+
+
+def logits_bytes(
+    cfg: ModelConfig, tokens: float, tp: int = 1, forward_only: bool = False, value_bytes: int = PLANNER_VALUE_BYTES
+) -> float:
+    """Bytes of the last rank's loss-side tensors: the logits per LOGIT_BYTES (vocabulary-parallel
+    under TP), plus the final norm's input and the head's (gathered) input at `value_bytes` each.
+    `forward_only`: what is held at the end of the forward (of the logits, the fp32 log-softmax)."""
+    per_logit = LOGIT_BYTES["fp32_copy"] if forward_only else sum(LOGIT_BYTES.values())
+    return tokens * (cfg.vocab_size * per_logit / tp + value_bytes * cfg.dim / tp + value_bytes * cfg.dim)
+
+
+def layer_autocast_params(cfg: ModelConfig, moe: bool = False) -> int:
+    """Parameters of one block that autocast copies to 16 bit: the weights of its matmuls. Norm gains
+    (Kiln's RMSNorm computes in float32) and MoE routers (run with autocast off) are used in fp32."""
+    norms = 2 * (cfg.dim if cfg.norm == "rmsnorm" else 2 * cfg.dim)
+    return layer_params(cfg, moe) - norms - (cfg.dim * cfg.n_experts if moe else 0)
+
+
 def stage_counts(cfg: ModelConfig, lay: Layout) -> list[tuple[int, int]]:
     """(layers, of which MoE layers) on each pipeline rank."""
     moe = [is_moe(cfg, i) for i in range(cfg.n_layers)]
@@ -361,9 +393,21 @@ def rank_params(cfg: ModelConfig, lay: Layout, layers: int, n_moe: int, rank: in
     dense = (layers - n_moe) * layer_params(cfg) + (n_moe * layer_params(cfg, True) - experts if n_moe else 0)
     if rank == 0:
         dense += embedding_params(cfg)
-    if rank == lay.pp - 1 and (not cfg.tie_embeddings or lay.pp > 1):
-        dense += cfg.vocab_size * cfg.dim  # with pipelining a tied head still needs its own copy
+    if rank == lay.pp - 1:
+        dense += cfg.dim if cfg.norm == "rmsnorm" else 2 * cfg.dim  # the final norm
+        if not cfg.tie_embeddings or lay.pp > 1:
+            dense += cfg.vocab_size * cfg.dim  # with pipelining a tied head still needs its own copy
     return dense / lay.tp, experts / lay.ep
+
+
+def rank_autocast_params(cfg: ModelConfig, lay: Layout, layers: int, n_moe: int, rank: int) -> float:
+    """Matmul weights autocast copies on a pipeline rank: its blocks' (routed experts split by EP,
+    the rest by TP) and, on the last rank, the output head's."""
+    experts = n_moe * routed_expert_params(cfg)
+    dense = (layers - n_moe) * layer_autocast_params(cfg) + n_moe * layer_autocast_params(cfg, True) - experts
+    if rank == lay.pp - 1:
+        dense += cfg.vocab_size * cfg.dim
+    return dense / lay.tp + experts / lay.ep
 
 
 def block_params(cfg: ModelConfig, lay: Layout, moe: bool) -> float:
@@ -399,6 +443,9 @@ def memory(
             )
         ]
         acts = in_flight(lay, r, m) * ((layers - n_moe) * per_layer[False] + n_moe * per_layer[True])
+        unsharded_fp32 = lay.zero == 0 and act.fp32_weights_unsharded
+        if lay.ac == "full" and unsharded_fp32:  # the checkpointed inputs are the fp32 residual stream
+            acts *= RESIDUAL_BYTES / PLANNER_VALUE_BYTES
         if lay.ac == "full":  # backward rematerialises one checkpointed block at a time
             acts += layer_activation_bytes(cfg, work.seq_len, tokens, lay.tp, "none", act, n_moe > 0)
         block = max(
@@ -407,11 +454,13 @@ def memory(
         # FSDP's unsharded working set: bf16 weights of the current and the prefetched block, and the
         # current block's fp32 gradients before their reduce-scatter (counted in grads when deferred).
         buffers = {3: block * 2 * 2, 2: 0.0}.get(lay.zero, 0.0) + (block * 4 if lay.zero >= 2 and not deferred else 0.0)
+        if unsharded_fp32:  # autocast's 16-bit copies of the rank's matmul weights (kiln.parallel.plan_check)
+            buffers += 2 * rank_autocast_params(cfg, lay, layers, n_moe, r)
         logits = 0.0
         if r == lay.pp - 1:
             # bf16 logits, their fp32 copy for the loss and its fp32 gradient (vocabulary-parallel
             # under TP), plus the final norm's input and the head's gathered input.
-            logits = tokens * (cfg.vocab_size * 10 / lay.tp + 2 * cfg.dim / lay.tp + 2 * cfg.dim)
+            logits = logits_bytes(cfg, tokens, lay.tp)
         mem = Memory(*states, acts, logits, buffers, r)
         if worst is None or mem.total > worst.total:
             worst = mem

@@ -151,7 +151,7 @@ MEMORY_TERMS = {
     "optimizer": "optimizer states (fp32 master weights, Adam m and v)",
     "activations": "activations autograd keeps, times the micro-batches in flight",
     "logits": "logits, their fp32 copy and gradient (last pipeline rank)",
-    "buffers": "FSDP working set: gathered blocks and unreduced gradients",
+    "buffers": "FSDP working set (gathered blocks, unreduced gradients); zero=0: autocast's 16-bit weight copies",
 }
 
 
