@@ -396,7 +396,8 @@ def cpu_cluster(ranks: int, device: dict, allreduce: dict | None):
 
 
 def predict(name: str, device: dict, allreduce: dict | None) -> dict:
-    from kiln.parallel.plan import Layout, Workload, estimate, layout_problems
+    from kiln.parallel.plan import Layout, Workload, layout_problems
+    from kiln.parallel.plan_time import estimate
 
     ranks, _, _, fields = MODES[name]
     cfg = tiny_model()

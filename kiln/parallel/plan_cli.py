@@ -18,14 +18,16 @@ from kiln.parallel.hardware import GB, GPUS, ClusterConfig
 from kiln.parallel.plan import (
     KILN,
     MEGATRON,
-    Estimate,
     Layout,
-    Plan,
     Workload,
+    total_params,
+)
+from kiln.parallel.plan_time import (
+    Estimate,
+    Plan,
     budget,
     plan,
     step_bucket,
-    total_params,
 )
 
 # Shapes the planner is checked against (docs/plan.md); planning-only, so not training presets.

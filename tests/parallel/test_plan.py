@@ -18,19 +18,21 @@ from kiln.parallel.plan import (
     ActivationModel,
     Layout,
     Workload,
-    budget,
-    estimate,
     in_flight,
     layer_activation_bytes,
     layout_problems,
     memory,
     model_flops_per_token,
     model_state_bytes,
-    plan,
     stage_layer_ids,
     total_params,
 )
 from kiln.parallel.plan_cli import DEFAULT_VOCAB, REFERENCE_MODELS, add_plan_parser
+from kiln.parallel.plan_time import (
+    budget,
+    estimate,
+    plan,
+)
 from kiln.pipeline import run as run_plan  # the plan verb: its recipe is read in the top layer
 
 # Published MFU must fall within this many points of the planner's estimate (absolute, e.g. 0.41 +- 0.10).

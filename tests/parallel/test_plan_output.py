@@ -13,8 +13,18 @@ import pytest
 from kiln.cli import build_parser
 from kiln.config import tomllib  # the standard library's, or tomli before Python 3.11
 from kiln.parallel.hardware import GB, ClusterConfig
-from kiln.parallel.plan import KILN, Layout, Workload, candidates, estimate, plan, total_params
+from kiln.parallel.plan import (
+    KILN,
+    Layout,
+    Workload,
+    candidates,
+    total_params,
+)
 from kiln.parallel.plan_cli import add_plan_parser, model_and_workload, parse_layout, pruned_lines, run_plan
+from kiln.parallel.plan_time import (
+    estimate,
+    plan,
+)
 from kiln.pipeline import run
 from kiln.recipe import load_recipe
 
