@@ -79,7 +79,12 @@ def add_plan_parser(verbs) -> None:
     p.add_argument("--price", type=finite_float, default=0.0, help="USD per GPU-hour (default: the GPU table's)")
     p.add_argument("--intra-bw", type=finite_float, default=0.0, help="GB/s per GPU within a node (default: the GPU's)")
     p.add_argument("--inter-bw", type=finite_float, default=0.0, help="GB/s per GPU across nodes (default: the GPU's)")
-    p.add_argument("--matmul-efficiency", type=finite_float, default=0.75, help="share of the bf16 peak matmuls reach")
+    p.add_argument(
+        "--matmul-efficiency",
+        type=finite_float,
+        default=0.0,
+        help="share of the bf16 peak matmuls reach (0: the GPU's)",
+    )
     p.add_argument("--attention-efficiency", type=finite_float, default=0.5, help="share of the peak attention reaches")
     p.add_argument(
         "--activations",
@@ -265,18 +270,20 @@ def pruned_lines(result: Plan) -> list[str]:
 def caveat_lines(e: Estimate, cluster: ClusterConfig) -> list[str]:
     out = [
         f"caveats: MFU assumes matmuls at {cluster.matmul_efficiency:.0%} and attention at "
-        f"{cluster.attention_efficiency:.0%} of peak (stated, not measured: pass measured values with "
-        "--matmul-efficiency / --attention-efficiency); small models lose more to launch overheads than modelled."
+        f"{cluster.attention_efficiency:.0%} of peak (calibrated on published runs, docs/plan.md; pass measured "
+        "values with --matmul-efficiency / --attention-efficiency); small models lose more to launch overheads "
+        "than modelled."
     ]
     whole, exposed = comm_seconds(e)
     lay = e.layout
     if whole > exposed:
         out.append(
             f"  {whole - exposed:.2f} s of data-/context-parallel traffic per step is assumed to overlap compute "
-            "(FSDP prefetch, DDP buckets, ring attention); if it does not, add it to the step."
+            f"(FSDP prefetch, DDP buckets, ring attention) at overlap_efficiency {cluster.overlap_efficiency}; "
+            "if it does not, add it to the step."
         )
     out.append(
-        "  not modelled: per-collective latency, the loss and gradient-norm all-reduces"
+        "  not modelled: the loss and gradient-norm all-reduces"
         + (", loss parallelism's reductions over the vocabulary" if lay.tp > 1 else "")
         + "."
     )

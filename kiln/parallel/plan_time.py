@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass
 
 from kiln.model.config import ModelConfig
-from kiln.parallel.hardware import ClusterConfig
+from kiln.parallel.hardware import NCCL_BASE_LATENCY, NCCL_STEP_LATENCY, ClusterConfig
 from kiln.parallel.plan import (
     KILN,
     ActivationModel,
@@ -37,17 +37,36 @@ from kiln.parallel.plan import (
 
 
 # ----------------------------------------------------------------------------- time
-def _group_bw(cluster: ClusterConfig, stride: int, size: int) -> float:
-    """Bandwidth of a ring of `size` ranks `stride` apart. The mesh is laid out like torchtitan's
+@dataclass(frozen=True)
+class Link:
+    """What a collective's ring steps cross: bandwidth (after comm_efficiency) and latency per step."""
+
+    bw: float
+    step_latency: float
+
+
+def _group_link(cluster: ClusterConfig, stride: int, size: int) -> Link:
+    """The link of a ring of `size` ranks `stride` apart. The mesh is laid out like torchtitan's
     (pp, dp_replicate, dp_shard, cp, tp) with tp innermost, so a group stays in one node exactly when
     stride * size <= gpus_per_node; otherwise each GPU's own NIC carries its part of the ring."""
-    return cluster.intra if stride * size <= cluster.gpus_per_node else cluster.inter
+    if stride * size <= cluster.gpus_per_node:
+        return Link(cluster.intra, NCCL_STEP_LATENCY["intra"])
+    return Link(cluster.inter, NCCL_STEP_LATENCY["inter"])
 
 
-def _ring(n: int, nbytes: float, bw: float, allreduce: bool = False) -> float:
-    """All-gather or reduce-scatter of an `nbytes` tensor over n ranks, (n-1)/n * bytes / bw; an
-    all-reduce is both. An all-to-all moves the same (n-1)/n share."""
-    return 0.0 if n <= 1 else (2 if allreduce else 1) * (n - 1) / n * nbytes / bw
+def _ring(n: int, nbytes: float, link: Link, allreduce: bool = False) -> float:
+    """All-gather or reduce-scatter of an `nbytes` tensor over n ranks in the alpha-beta model: a
+    launch latency, n - 1 ring steps of latency each, and (n - 1)/n * bytes / bandwidth; an
+    all-reduce is both halves. An all-to-all moves the same (n - 1)/n share in as many steps."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    steps = (2 if allreduce else 1) * (n - 1)
+    return NCCL_BASE_LATENCY + steps * link.step_latency + steps / n * nbytes / link.bw
+
+
+def _send(nbytes: float, link: Link) -> float:
+    """One point-to-point transfer (pipeline stages, ring attention's K/V blocks)."""
+    return NCCL_BASE_LATENCY + link.step_latency + nbytes / link.bw
 
 
 @dataclass
@@ -72,22 +91,34 @@ class Estimate:
     cp_unoverlapped: float = 0.0
 
 
+# HBM bytes per attention-score element for unfused (non-flash) attention, bf16 scores and a 1-byte
+# dropout mask. Forward: QK^T written (2), fused scale-mask-softmax read and written (4), dropout
+# read, written and its mask (5), read by the AV matmul (2). Backward: the probabilities' gradient
+# written (2), dropout backward (5), softmax backward reading gradient and output and writing (6),
+# read by the two matmuls (4) and the probabilities read for V's gradient (2).
+SCORE_BYTES = {True: (13, 19), False: (8, 14)}  # dropout: (forward, backward)
+
+
 def layer_seconds_per_token(
     cfg: ModelConfig, seq_len: int, cluster: ClusterConfig, ac: str, act: ActivationModel = KILN, moe: bool = False
 ) -> float:
     """One layer, one token, one GPU (before tensor-parallel division): matmuls and attention kernels
     at their efficiencies, and the memory-bound rest (norms, RoPE, activation functions, residuals,
-    casts) as HBM traffic of ~3x the bytes the layer saves (written in forward, read twice in backward)."""
-    t_attn = attention_flops_per_token(cfg, seq_len) / (cluster.peak_flops * cluster.attention_efficiency)
-    t = (
-        6.0 * layer_params(cfg, moe, active=True) / (cluster.peak_flops * cluster.matmul_efficiency)
-        + t_attn
-        + 3 * layer_activation_bytes(cfg, seq_len, 1, 1, "none", act, moe) / cluster.spec.hbm_bw
-    )
+    casts) as HBM traffic of ~3x the bytes the layer saves (written in forward, read twice in
+    backward); without flash attention, the score matrix's passes through HBM (SCORE_BYTES)."""
+    peak, hbm = cluster.peak_flops, cluster.spec.hbm_bw
+    t_mm = 6.0 * layer_params(cfg, moe, active=True) / (peak * cluster.matmul_efficiency)
+    t_attn = attention_flops_per_token(cfg, seq_len) / (peak * cluster.attention_efficiency)
+    no_scores = dataclasses.replace(act, flash=True)
+    t_mem = 3 * layer_activation_bytes(cfg, seq_len, 1, 1, "none", no_scores, moe) / hbm
+    fwd, bwd = (0, 0) if act.flash else SCORE_BYTES[act.dropout]
+    t_score_fwd = cfg.n_heads * seq_len * fwd / hbm
+    t = t_mm + t_attn + t_mem + cfg.n_heads * seq_len * bwd / hbm + t_score_fwd
     # Recomputation costs time that MFU does not credit: a whole block forward under full
     # checkpointing; under selective, the attention core (nothing with flash attention, whose
     # backward recomputes the scores inside the kernel in any case).
-    return t + {"full": t / 3, "selective": 0.0 if act.flash else t_attn / 3}.get(ac, 0.0)
+    recompute = {"full": (t_mm + t_attn + t_mem) / 3 + t_score_fwd, "selective": t_attn / 3 + t_score_fwd}
+    return t + (recompute.get(ac, 0.0) if ac != "selective" or not act.flash else 0.0)
 
 
 def estimate(
@@ -111,10 +142,12 @@ def estimate(
     act_bytes = tokens * h * 2  # one [tokens, h] bf16 activation, before sequence sharding
     redo = lay.ac == "full"
     kv_bytes = tokens * 2 * cfg.kv_heads * cfg.head_dim * 2 / lay.tp
-    cp_bw = _group_bw(cluster, lay.tp, lay.cp)
-    ep_bw = _group_bw(cluster, lay.tp, lay.ep)
-    pp_bw = _group_bw(cluster, lay.tp * lay.cp * lay.dp, p)
-    cp_ring = 3 * (lay.cp - 1) * kv_bytes / cp_bw  # one layer's K/V ring traffic, before overlap
+    intra = _group_link(cluster, 1, 1)
+    cp_link = _group_link(cluster, lay.tp, lay.cp)
+    ep_link = _group_link(cluster, lay.tp, lay.ep)
+    pp_link = _group_link(cluster, lay.tp * lay.cp * lay.dp, p)
+    cp_ring = 3 * (lay.cp - 1) * _send(kv_bytes, cp_link)  # one layer's K/V ring traffic, before overlap
+    eta = cluster.overlap_efficiency
     slots = {}
     for r in representative_ranks(counts):
         layers, n_moe = counts[r]
@@ -126,36 +159,37 @@ def estimate(
         # TP collectives sit between dependent matmuls and are counted in full (no async-TP
         # overlap): sequence parallelism all-gathers and reduce-scatters around attention and MLP,
         # in forward and backward (and again in a recomputed forward).
-        comm = layers * (8 + 4 * redo) * _ring(lay.tp, act_bytes, cluster.intra)
+        comm = layers * (8 + 4 * redo) * _ring(lay.tp, act_bytes, intra)
         # Expert parallelism: dispatch and combine all-to-alls of the k routed copies, fwd and bwd.
         if n_moe and lay.ep > 1:
-            comm += n_moe * (4 + 2 * redo) * _ring(lay.ep, act_bytes / lay.tp * cfg.moe_top_k, ep_bw)
+            comm += n_moe * (4 + 2 * redo) * _ring(lay.ep, act_bytes / lay.tp * cfg.moe_top_k, ep_link)
         # Ring attention passes K/V around the cp ring (fwd) and K/V plus their gradients (bwd),
-        # hidden behind the layer's attention kernels when those take longer.
-        cp_t = 0.0 if lay.cp == 1 else layers * max(0.0, cp_ring - tokens * t_attn / lay.tp)
-        pp_t = 2 * act_bytes / lay.tp / pp_bw if p > 1 else 0.0
+        # overlapping the layer's attention kernels (at overlap_efficiency) and exposed beyond them.
+        cp_t = 0.0 if lay.cp == 1 else layers * (cp_ring - eta * min(cp_ring, tokens * t_attn / lay.tp))
+        pp_t = 2 * _send(act_bytes / lay.tp, pp_link) if p > 1 else 0.0
         slots[r] = (compute, comm, cp_t, pp_t)
     busiest = max(slots, key=lambda r: sum(slots[r]))
     compute, tp_t, cp_t, pp_t = slots[busiest]
 
     dense, experts = rank_params(cfg, lay, *counts[busiest], busiest)
     d, rep = lay.shard_degree, lay.dp_replicate
-    shard_bw = _group_bw(cluster, lay.tp, lay.dp_shard * lay.cp)
-    rep_bw = _group_bw(cluster, lay.tp * lay.cp * lay.dp_shard, rep)
+    shard_bw = _group_link(cluster, lay.tp, lay.dp_shard * lay.cp)
+    rep_bw = _group_link(cluster, lay.tp * lay.cp * lay.dp_shard, rep)
     fwd, bwd = compute / 3, compute * 2 / 3
     local = dense / d + experts / max(d // lay.ep, 1) if lay.zero else dense + experts  # after sharding
 
     def gather(nbytes: float) -> float:  # FSDP traffic: dense over dp_shard*cp, experts over that / ep
         return _ring(d, nbytes * dense, shard_bw) + _ring(d // lay.ep, nbytes * experts, shard_bw)
 
-    # Data-parallel traffic overlaps compute (FSDP prefetch, DDP buckets): only what outlasts the
-    # compute it can hide behind is exposed. Gradients are reduced in fp32 (Kiln's reduce_dtype).
+    # Data-parallel traffic overlaps compute (FSDP prefetch, DDP buckets): what outlasts the compute
+    # it can hide behind is exposed, and the overlapped part at 1 - overlap_efficiency. Gradients are reduced in fp32 (Kiln's reduce_dtype).
     per_mb = per_step = 0.0
     unoverlapped = {"mb": 0.0, "step": 0.0}
 
     def hide(cost: float, behind: float, per: str) -> float:  # the exposed part; the whole is kept
         unoverlapped[per] += cost
-        return max(0.0, cost - behind)
+        # What outlasts the compute is exposed, and what overlaps it still costs 1 - overlap_efficiency.
+        return cost - eta * min(cost, behind)
 
     if lay.zero == 0:
         ring_bw = rep_bw if rep > 1 else shard_bw
