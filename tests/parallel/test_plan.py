@@ -212,6 +212,7 @@ def test_overlapped_collectives_are_never_free():
         assert e.dp_unoverlapped > 0
         exposed[eta] = e.dp_time
     assert exposed[1.0] == 0.0 < exposed[0.8] < exposed[0.5]
+    assert estimate(cfg, lay, ClusterConfig("h100", 8, 4), work).dp_time == pytest.approx(exposed[0.8])  # the default
 
 
 # ----------------------------------------------------------------------------- rejections
