@@ -85,136 +85,91 @@ TORCHTITAN_RANK = (
 )
 A100 = 312e12
 H100 = 989.4e12
-RUNS = [
-    Run(
-        "Llama 3 405B, 8K seq, 8,192 H100",
-        "Llama 3 paper, Table 4",
-        REFERENCE_MODELS["405b"],
-        ClusterConfig("h100", 8, 1024),
-        Workload(8192, 16 * 1024 * 1024),
-        {"tp": 8, "pp": 16, "cp": 1, "dp": 64},
-        0.43,
-        settings=NO_AC,
-        why_not_top3=LLAMA_RANK,
-    ),
-    Run(
-        "Llama 3 405B, 8K seq, 16,384 H100",
-        "Llama 3 paper, Table 4",
-        REFERENCE_MODELS["405b"],
-        ClusterConfig("h100", 8, 2048),
-        Workload(8192, 16 * 1024 * 1024),
-        {"tp": 8, "pp": 16, "cp": 1, "dp": 128},
-        0.41,
-        settings=NO_AC,
-        why_not_top3=LLAMA_RANK,
-    ),
-    Run(
-        "Llama 3 405B, 128K seq, 16,384 H100",
-        "Llama 3 paper, Table 4",
-        REFERENCE_MODELS["405b"],
-        ClusterConfig("h100", 8, 2048),
-        Workload(131072, 16 * 1024 * 1024),
-        {"tp": 8, "pp": 16, "cp": 16, "dp": 8},
-        0.38,
-        settings=NO_AC,
-        why_not_top3=LLAMA_RANK,
-    ),
-    Run(
-        "GPT 22B, 8 A100",
-        "Korthikanti et al. 2022 / Megatron-LM README",
-        gpt(6144, 48, 64),
-        ClusterConfig("a100", 8, 1),
-        Workload(2048, 4 * 2048),
-        {"tp": 8, "pp": 1, "cp": 1, "dp": 1},
-        0.415,
-        MEGATRON,
-        MEGATRON_1F1B,
-        why_not_top3="Korthikanti measured one TP-8 model-parallel group (data-parallel size 1), not the fastest "
-        "layout of 8 GPUs: 22B also fits as TP 4 x DP 2 or TP 4 x PP 2, whose TP collectives move half the ranks' "
-        "share, and the planner ranks those first",
-    ),
-    Run(
-        "GPT-3 175B, 64 A100",
-        "Korthikanti et al. 2022 / Megatron-LM README",
-        REFERENCE_MODELS["gpt3-175b"],
-        ClusterConfig("a100", 8, 8),
-        Workload(2048, 64 * 2048),
-        {"tp": 8, "pp": 8, "cp": 1, "dp": 1},
-        0.514,
-        MEGATRON,
-        MEGATRON_1F1B,
-    ),
-    Run(
-        "GPT 530B, 280 A100",
-        "Korthikanti et al. 2022 / Megatron-LM README",
-        gpt(20480, 105, 128),
-        ClusterConfig("a100", 8, 35),
-        Workload(2048, 280 * 2048),
-        {"tp": 8, "pp": 35, "cp": 1, "dp": 1},
-        0.560,
-        MEGATRON,
-        MEGATRON_1F1B,
-    ),
-    Run(
-        "GPT 1T, 512 A100",
-        "Korthikanti et al. 2022 / Megatron-LM README",
-        gpt(25600, 128, 160),
-        ClusterConfig("a100", 8, 64),
-        Workload(2048, 512 * 2048),
-        {"tp": 8, "pp": 64, "cp": 1, "dp": 1},
-        0.563,
-        MEGATRON,
-        MEGATRON_1F1B,
-    ),
-    Run(
-        "GPT 145.6B, 1,536 A100",
-        "Narayanan et al. 2021, Table 1 (148 TFLOP/s with recomputation)",
-        gpt(12288, 80, 96),
-        ClusterConfig("a100", 8, 192),
-        Workload(2048, 2304 * 2048),
-        {"tp": 8, "pp": 8, "cp": 1, "dp": 24},
-        narayanan_model_mfu(gpt(12288, 80, 96), 148, A100),
-        MEGATRON,
-        NARAYANAN,
-    ),
-    Run(
-        "GPT 1T, 3,072 A100",
-        "Narayanan et al. 2021, Table 1 (163 TFLOP/s with recomputation)",
-        gpt(25600, 128, 160),
-        ClusterConfig("a100", 8, 384),
-        Workload(2048, 3072 * 2048),
-        {"tp": 8, "pp": 64, "cp": 1, "dp": 6},
-        narayanan_model_mfu(gpt(25600, 128, 160), 163, A100),
-        MEGATRON,
-        NARAYANAN,
-    ),
-    Run(
-        "Llama 3.1 8B, 8 H100",
-        "torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Table 1 (5,762 tokens/s/GPU)",
-        LLAMA3_8B,
-        ClusterConfig("h100", 8, 1),
-        Workload(8192, 16 * 8192),
-        {"tp": 1, "pp": 1, "cp": 1, "dp": 8},
-        tokens_mfu(LLAMA3_8B, 8192, 5762, H100),
-        KILN,
-        {"micro_batch": 2},
-        outside_band=TORCHTITAN_H100,
-        why_not_top3=TORCHTITAN_RANK,
-    ),
-    Run(
-        "Llama 3.1 8B, 128 H100",
-        "torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Table 3 (5,605 tokens/s/GPU)",
-        LLAMA3_8B,
-        ClusterConfig("h100", 8, 16),
-        Workload(8192, 256 * 8192),
-        {"tp": 1, "pp": 1, "cp": 1, "dp": 128},
-        tokens_mfu(LLAMA3_8B, 8192, 5605, H100),
-        KILN,
-        {"micro_batch": 2},
-        outside_band=TORCHTITAN_H100,
-        why_not_top3=TORCHTITAN_RANK,
-    ),
+KORTHIKANTI_22B = (
+    "Korthikanti measured one TP-8 model-parallel group (data-parallel size 1), not the fastest layout of 8 "
+    "GPUs: 22B also fits as TP 4 x DP 2 or TP 4 x PP 2, whose TP collectives move half the ranks' share, and "
+    "the planner ranks those first"
+)
+# Llama 3 paper, Table 4: (GPUs, seq_len, cp, dp, MFU); TP 8, PP 16, 16M tokens per batch.
+LLAMA3 = [(8192, 8192, 1, 64, 0.43), (16384, 8192, 1, 128, 0.41), (16384, 131072, 16, 8, 0.38)]
+# Korthikanti et al. 2022 (the Megatron-LM README's MFU table): (name, model, pp, batch, MFU); TP 8,
+# sequences of 2048 tokens, GPUs = 8 * pp.
+KORTHIKANTI = [
+    ("GPT 22B", gpt(6144, 48, 64), 1, 4, 0.415),
+    ("GPT-3 175B", REFERENCE_MODELS["gpt3-175b"], 8, 64, 0.514),
+    ("GPT 530B", gpt(20480, 105, 128), 35, 280, 0.560),
+    ("GPT 1T", gpt(25600, 128, 160), 64, 512, 0.563),
 ]
+# Narayanan et al. 2021, Table 1: (name, model, GPUs, batch, pp, TFLOP/s with recomputation); TP 8.
+NARAYANAN_T1 = [
+    ("GPT 145.6B", gpt(12288, 80, 96), 1536, 2304, 8, 148),
+    ("GPT 1T", gpt(25600, 128, 160), 3072, 3072, 64, 163),
+]
+# torchtitan benchmarks/llama3_h100_202412_torchtitan.md: (table, GPUs, tokens/s per GPU); FSDP,
+# local batch 2, seq 8192, selective activation checkpointing.
+TORCHTITAN = [(1, 8, 5762), (3, 128, 5605)]
+
+RUNS = (
+    [
+        Run(
+            f"Llama 3 405B, {seq // 1024}K seq, {gpus:,} H100",
+            "Llama 3 paper, Table 4",
+            REFERENCE_MODELS["405b"],
+            ClusterConfig("h100", 8, gpus // 8),
+            Workload(seq, 16 * 1024 * 1024),
+            {"tp": 8, "pp": 16, "cp": cp, "dp": dp},
+            mfu,
+            settings=NO_AC,
+            why_not_top3=LLAMA_RANK,
+        )
+        for gpus, seq, cp, dp, mfu in LLAMA3
+    ]
+    + [
+        Run(
+            f"{name}, {8 * pp} A100",
+            "Korthikanti et al. 2022 / Megatron-LM README",
+            cfg,
+            ClusterConfig("a100", 8, pp),
+            Workload(2048, batch * 2048),
+            {"tp": 8, "pp": pp, "cp": 1, "dp": 1},
+            mfu,
+            MEGATRON,
+            MEGATRON_1F1B,
+            why_not_top3=KORTHIKANTI_22B if pp == 1 else "",
+        )
+        for name, cfg, pp, batch, mfu in KORTHIKANTI
+    ]
+    + [
+        Run(
+            f"{name}, {gpus:,} A100",
+            f"Narayanan et al. 2021, Table 1 ({tflops} TFLOP/s with recomputation)",
+            cfg,
+            ClusterConfig("a100", 8, gpus // 8),
+            Workload(2048, batch * 2048),
+            {"tp": 8, "pp": pp, "cp": 1, "dp": gpus // (8 * pp)},
+            narayanan_model_mfu(cfg, tflops, A100),
+            MEGATRON,
+            NARAYANAN,
+        )
+        for name, cfg, gpus, batch, pp, tflops in NARAYANAN_T1
+    ]
+    + [
+        Run(
+            f"Llama 3.1 8B, {gpus} H100",
+            f"torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Table {table} ({tps:,} tokens/s/GPU)",
+            LLAMA3_8B,
+            ClusterConfig("h100", 8, gpus // 8),
+            Workload(8192, 2 * gpus * 8192),
+            {"tp": 1, "pp": 1, "cp": 1, "dp": gpus},
+            tokens_mfu(LLAMA3_8B, 8192, tps, H100),
+            KILN,
+            {"micro_batch": 2},
+            why_not_top3=TORCHTITAN_RANK,
+            outside_band=TORCHTITAN_H100,
+        )
+        for table, gpus, tps in TORCHTITAN
+    ]
+)
 
 
 def mesh(lay) -> tuple:

@@ -181,7 +181,7 @@ def test_calibration_predicts_published_mfu_within_5_points(run):
         assert r.estimate.mfu > run.mfu + 0.05
 
 
-@pytest.mark.slow  # the full searches over 16K-GPU clusters take ~15 s together
+@pytest.mark.slow  # the full searches over 16K-GPU clusters take 15 s or more together
 def test_calibration_ranks_the_published_mesh_in_the_top_3_or_says_why():
     results = [calibrate(run) for run in RUNS]
     assert [band_problem(r) for r in results] == [""] * len(RUNS)
