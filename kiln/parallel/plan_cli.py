@@ -201,8 +201,8 @@ def memory_terms_gb(e: Estimate) -> tuple[dict[str, float], float]:
 
 def comm_seconds(e: Estimate) -> tuple[float, float]:
     """(all collective time per step with no overlap, the exposed part that the step time includes).
-    TP, EP and pipeline transfers are counted in full; data- and context-parallel traffic hides
-    behind compute up to what it can overlap."""
+    TP, EP and pipeline transfers are counted in full; data- and context-parallel traffic overlaps
+    compute up to what it can, and the overlapped part still costs 1 - overlap_efficiency."""
     whole = e.tp_time + e.pp_time + e.cp_unoverlapped + e.dp_unoverlapped
     return whole, e.tp_time + e.pp_time + e.cp_time + e.dp_time
 

@@ -27,7 +27,7 @@ from kiln.parallel.plan import (
     stage_layer_ids,
     total_params,
 )
-from kiln.parallel.plan_calibration import RUNS, band_problem, calibrate
+from kiln.parallel.plan_calibration import RUNS, band_problem, calibrate, table
 from kiln.parallel.plan_cli import DEFAULT_VOCAB, REFERENCE_MODELS, add_plan_parser
 from kiln.parallel.plan_time import (
     Link,
@@ -150,10 +150,11 @@ def test_llama3_405b_published_layouts(gpus, cp, dp, seq, published_mfu):
     assert result.ranked, "the published layout must fit in 80 GB"
     best = result.ranked[0]
     assert best.memory.total <= 80 * GB
-    assert abs(best.mfu - published_mfu) <= MFU_BAND, best.layout.label()
     # The published run trained without activation checkpointing; Kiln's activations (PyTorch
-    # sequence parallelism keeps gathered matmul inputs) need it for this mesh.
+    # sequence parallelism keeps gathered matmul inputs) need it for this mesh, and the recomputation
+    # costs MFU: below the published figure, which the calibration test matches (+-5 points) without it.
     assert best.layout.ac == "full"
+    assert published_mfu - MFU_BAND <= best.mfu < published_mfu, best.layout.label()
 
 
 def test_megatron_gpt3_175b_on_64_a100():
@@ -188,6 +189,8 @@ def test_calibration_ranks_the_published_mesh_in_the_top_3_or_says_why():
     for r in results:
         assert r.rank >= 1, r.run.name  # every published mesh fits in some form and is ranked
         assert (r.rank <= 3) != bool(r.run.why_not_top3), r.run.name  # a reason only where it is needed
+    # docs/plan.md records exactly this table.
+    assert table(results) in (Path(__file__).parents[2] / "docs" / "plan.md").read_text()
 
 
 def test_collectives_cost_latency_and_bandwidth():
