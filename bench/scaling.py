@@ -390,13 +390,14 @@ def cpu_cluster(ranks: int, device: dict, allreduce: dict | None):
         gpus_per_node=ranks,
     )
     # comm_efficiency 1: the measured bus bandwidth already is what the collective achieves.
-    cluster = ClusterConfig(gpu="h100", gpus_per_node=ranks, comm_efficiency=1.0)
+    cluster = ClusterConfig(gpu="h100", gpus_per_node=ranks, comm_efficiency=1.0, matmul_efficiency=0.75)
     cluster.spec = spec
     return cluster
 
 
 def predict(name: str, device: dict, allreduce: dict | None) -> dict:
-    from kiln.parallel.plan import Layout, Workload, estimate, layout_problems
+    from kiln.parallel.plan import Layout, Workload, layout_problems
+    from kiln.parallel.plan_time import estimate
 
     ranks, _, _, fields = MODES[name]
     cfg = tiny_model()

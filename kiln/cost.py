@@ -3,7 +3,7 @@
 The measured part bills the stage's wall time (devices are held through evaluation, checkpoints
 and compilation too) on every rank. The projection prices a token budget at the stage's measured
 training throughput on the same number of devices, the way `kiln plan --tokens` prices one at a
-predicted throughput (kiln.parallel.plan.budget): the same formula, with a PUE on top.
+predicted throughput (kiln.parallel.plan_time.budget): the same formula, with a PUE on top.
 
 GPU power and price come from the planner's table (kiln.parallel.hardware). CPUs are not in that
 table: they are billed per core-hour with the CPU_* defaults below, and every CPU figure says so.

@@ -7,7 +7,9 @@ import pytest
 from kiln.cost import CPU_PRICE_PER_CORE_HOUR, CPU_WATTS_PER_CORE, DEFAULT_PUE, run_cost
 from kiln.errors import ConfigError, DataError
 from kiln.parallel.hardware import GPUS, ClusterConfig
-from kiln.parallel.plan import budget
+from kiln.parallel.plan_time import (
+    budget,
+)
 
 
 def gpu_summary(**extra) -> dict:

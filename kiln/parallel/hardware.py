@@ -12,6 +12,13 @@ from dataclasses import dataclass, field
 
 from kiln.errors import ConfigError
 
+# Matmul efficiency: the share of the datasheet peak that the calibration runs' matmuls reached
+# (docs/plan.md, "Calibration"). Hopper-class parts run further from their peak than A100 (their
+# peak assumes boost clocks the power limit does not sustain under dense bf16 GEMMs); B200 and MI300X
+# take the Hopper figure for want of published runs to calibrate on.
+A100_MATMUL = 0.75
+H100_MATMUL = 0.66
+
 
 @dataclass(frozen=True)
 class GPU:
@@ -23,20 +30,26 @@ class GPU:
     inter_bw: float  # between nodes (one 400G-class NIC per GPU unless noted), bytes/s
     price: float  # default USD per GPU-hour (rough 2025 cloud on-demand level; override it)
     power: float  # board power (TDP), watts
+    # Share of the bf16 peak that large training matmuls reach on this part (calibrated, docs/plan.md).
+    matmul_efficiency: float = H100_MATMUL
     gpus_per_node: int = 8
 
 
 GB = 1e9
+# Alpha-beta cost of a ring collective (NCCL's own model, src/graph/tuning.cc, Ring/Simple protocol):
+# a fixed launch latency per collective plus one per ring step, by the link the step crosses.
+NCCL_BASE_LATENCY = 8.4e-6  # seconds per collective
+NCCL_STEP_LATENCY = {"intra": 3.4e-6, "inter": 14e-6}  # seconds per ring step: NVLink, network
 # Sources: NVIDIA H100/H200/A100/B200 and AMD MI300X datasheets. NVLink numbers are the advertised
 # bidirectional totals halved (H100/H200 NVLink4 900 GB/s, A100 NVLink3 600 GB/s, B200 NVLink5
 # 1.8 TB/s); MI300X: 7 Infinity Fabric links of 64 GB/s each way. Inter-node: 400 Gb/s (50 GB/s)
 # per GPU (NDR InfiniBand / 400G RoCE), 200 Gb/s (HDR) for A100 systems.
 GPUS: dict[str, GPU] = {
-    "h100": GPU("H100 SXM 80GB", 989.4e12, 80 * GB, 3.35e12, 450 * GB, 50 * GB, 2.50, 700),
-    "h200": GPU("H200 SXM 141GB", 989.4e12, 141 * GB, 4.8e12, 450 * GB, 50 * GB, 3.50, 700),
-    "a100": GPU("A100 SXM 80GB", 312e12, 80 * GB, 2.039e12, 300 * GB, 25 * GB, 1.50, 400),
-    "b200": GPU("B200 180GB", 2.25e15, 180 * GB, 7.7e12, 900 * GB, 50 * GB, 5.00, 1000),
-    "mi300x": GPU("MI300X 192GB", 1307.4e12, 192 * GB, 5.3e12, 448 * GB, 50 * GB, 2.50, 750),
+    "h100": GPU("H100 SXM 80GB", 989.4e12, 80 * GB, 3.35e12, 450 * GB, 50 * GB, 2.50, 700, H100_MATMUL),
+    "h200": GPU("H200 SXM 141GB", 989.4e12, 141 * GB, 4.8e12, 450 * GB, 50 * GB, 3.50, 700, H100_MATMUL),
+    "a100": GPU("A100 SXM 80GB", 312e12, 80 * GB, 2.039e12, 300 * GB, 25 * GB, 1.50, 400, A100_MATMUL),
+    "b200": GPU("B200 180GB", 2.25e15, 180 * GB, 7.7e12, 900 * GB, 50 * GB, 5.00, 1000, H100_MATMUL),
+    "mi300x": GPU("MI300X 192GB", 1307.4e12, 192 * GB, 5.3e12, 448 * GB, 50 * GB, 2.50, 750, H100_MATMUL),
 }
 ALIASES = {"h100-sxm": "h100", "h100sxm": "h100", "a100-80gb": "a100", "a100-80g": "a100", "mi300": "mi300x"}
 
@@ -61,11 +74,15 @@ class ClusterConfig:
     price: float = 0.0  # USD per GPU-hour; 0: the GPU's default
     # Share of link peak that NCCL-class ring collectives reach (bus bandwidth / link bandwidth).
     comm_efficiency: float = 0.8
-    # Share of the dense bf16 peak that the model's large matmuls reach. MFU can never exceed it;
-    # everything else (bubbles, exposed communication, recomputation) is modelled on top.
-    matmul_efficiency: float = 0.75
+    # Share of the dense bf16 peak that the model's large matmuls reach; 0: the GPU's calibrated
+    # figure. MFU can never exceed it; everything else (bubbles, exposed communication,
+    # recomputation) is modelled on top.
+    matmul_efficiency: float = 0.0
     # The same for the attention kernels (flash attention runs further from peak than plain GEMMs).
     attention_efficiency: float = 0.5
+    # Share of a data- or context-parallel collective's time that overlapping compute hides: the
+    # rest slows the compute it runs beside (NCCL kernels take SMs and HBM bandwidth from it).
+    overlap_efficiency: float = 0.8
     # Share of HBM the planner lets a candidate use: the rest is the CUDA context, NCCL buffers and
     # the caching allocator's fragmentation.
     memory_fraction: float = 0.92
@@ -82,7 +99,10 @@ class ClusterConfig:
         for key in ("intra_bw", "inter_bw", "price"):
             if getattr(self, key) < 0:
                 raise ConfigError(key, f"must be >= 0 (0 takes the GPU default), got {getattr(self, key)}")
-        for key in ("comm_efficiency", "matmul_efficiency", "attention_efficiency", "memory_fraction"):
+        if self.matmul_efficiency == 0:
+            self.matmul_efficiency = self.spec.matmul_efficiency
+        keys = ("comm_efficiency", "matmul_efficiency", "attention_efficiency", "overlap_efficiency", "memory_fraction")
+        for key in keys:
             if not 0 < getattr(self, key) <= 1:
                 raise ConfigError(key, f"must be in (0, 1], got {getattr(self, key)}")
 

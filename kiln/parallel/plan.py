@@ -1,22 +1,18 @@
 """The training-cluster planner behind `kiln plan`: for a model, a cluster, a sequence length and a
-global batch, estimate each parallel layout's per-GPU memory, step time and MFU, and rank the
-layouts that fit.
+global batch, the parallel layouts to consider, why a layout cannot run, and each layout's per-GPU
+memory. Step time, MFU and the ranking are kiln.parallel.plan_time.
 
 Pure arithmetic (no torch). Formulas, sources and the checks against published training runs are in
 docs/plan.md; in short:
 - model states follow the ZeRO paper (Rajbhandari et al. 2019): mixed-precision Adam keeps
   2 + 2 + 12 = 16 bytes per parameter, partitioned over the data-parallel shards stage by stage;
 - activations are counted tensor by tensor as Korthikanti et al. 2022 do; for a GPT-3 layer with
-  dropout and materialised attention scores the count is their s*b*h*(34 + 5*a*s/h);
-- time is compute (matmuls and attention at stated fractions of peak, the rest at HBM speed), plus
-  the pipeline bubble, the tensor- and expert-parallel collectives, and whatever data- and
-  context-parallel traffic outlasts the compute it overlaps.
+  dropout and materialised attention scores the count is their s*b*h*(34 + 5*a*s/h).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 from dataclasses import dataclass
 
@@ -467,170 +463,6 @@ def memory(
     return worst
 
 
-# ----------------------------------------------------------------------------- time
-def _group_bw(cluster: ClusterConfig, stride: int, size: int) -> float:
-    """Bandwidth of a ring of `size` ranks `stride` apart. The mesh is laid out like torchtitan's
-    (pp, dp_replicate, dp_shard, cp, tp) with tp innermost, so a group stays in one node exactly when
-    stride * size <= gpus_per_node; otherwise each GPU's own NIC carries its part of the ring."""
-    return cluster.intra if stride * size <= cluster.gpus_per_node else cluster.inter
-
-
-def _ring(n: int, nbytes: float, bw: float, allreduce: bool = False) -> float:
-    """All-gather or reduce-scatter of an `nbytes` tensor over n ranks, (n-1)/n * bytes / bw; an
-    all-reduce is both. An all-to-all moves the same (n-1)/n share."""
-    return 0.0 if n <= 1 else (2 if allreduce else 1) * (n - 1) / n * nbytes / bw
-
-
-@dataclass
-class Estimate:
-    layout: Layout
-    memory: Memory
-    fits: bool
-    microbatches: int
-    step_time: float
-    compute_time: float  # busiest pipeline rank: kernels, over the step's micro-batches
-    bubble_time: float
-    tp_time: float  # tensor- and expert-parallel collectives (exposed)
-    cp_time: float  # exposed part only
-    pp_time: float
-    dp_time: float  # exposed part only
-    optimizer_time: float
-    mfu: float
-    tokens_per_s: float
-    # What the data- and context-parallel collectives would take with no overlap at all (dp_time and
-    # cp_time are the exposed remainder), so a report never calls a running collective free.
-    dp_unoverlapped: float = 0.0
-    cp_unoverlapped: float = 0.0
-
-
-def layer_seconds_per_token(
-    cfg: ModelConfig, seq_len: int, cluster: ClusterConfig, ac: str, act: ActivationModel = KILN, moe: bool = False
-) -> float:
-    """One layer, one token, one GPU (before tensor-parallel division): matmuls and attention kernels
-    at their efficiencies, and the memory-bound rest (norms, RoPE, activation functions, residuals,
-    casts) as HBM traffic of ~3x the bytes the layer saves (written in forward, read twice in backward)."""
-    t_attn = attention_flops_per_token(cfg, seq_len) / (cluster.peak_flops * cluster.attention_efficiency)
-    t = (
-        6.0 * layer_params(cfg, moe, active=True) / (cluster.peak_flops * cluster.matmul_efficiency)
-        + t_attn
-        + 3 * layer_activation_bytes(cfg, seq_len, 1, 1, "none", act, moe) / cluster.spec.hbm_bw
-    )
-    # Recomputation costs time that MFU does not credit: a whole block forward under full
-    # checkpointing; under selective, the attention core (nothing with flash attention, whose
-    # backward recomputes the scores inside the kernel in any case).
-    return t + {"full": t / 3, "selective": 0.0 if act.flash else t_attn / 3}.get(ac, 0.0)
-
-
-def estimate(
-    cfg: ModelConfig, lay: Layout, cluster: ClusterConfig, work: Workload, act: ActivationModel = KILN
-) -> Estimate:
-    """Memory and step time of a layout that layout_problems accepts."""
-    counts = stage_counts(cfg, lay)
-    mem = memory(cfg, lay, work, act, counts)
-    m = work.global_seqs // lay.dp // lay.micro_batch
-    p, v, s, h = lay.pp, lay.pp_stages_per_rank, work.seq_len, cfg.dim
-    tokens = lay.micro_batch * s // lay.cp
-    kinds = (False, True) if any(n_moe for _, n_moe in counts) else (False,)
-    per_layer = {moe: layer_seconds_per_token(cfg, s, cluster, lay.ac, act, moe) for moe in kinds}
-    per_layer.setdefault(True, 0.0)
-    # Output head, and the loss's softmax over ~10 bytes per logit, read and written three times.
-    t_head = (
-        6.0 * cfg.vocab_size * h / (cluster.peak_flops * cluster.matmul_efficiency)
-        + 30.0 * cfg.vocab_size / cluster.spec.hbm_bw
-    )
-    t_attn = attention_flops_per_token(cfg, s) / (cluster.peak_flops * cluster.attention_efficiency)
-    act_bytes = tokens * h * 2  # one [tokens, h] bf16 activation, before sequence sharding
-    redo = lay.ac == "full"
-    kv_bytes = tokens * 2 * cfg.kv_heads * cfg.head_dim * 2 / lay.tp
-    cp_bw = _group_bw(cluster, lay.tp, lay.cp)
-    ep_bw = _group_bw(cluster, lay.tp, lay.ep)
-    pp_bw = _group_bw(cluster, lay.tp * lay.cp * lay.dp, p)
-    cp_ring = 3 * (lay.cp - 1) * kv_bytes / cp_bw  # one layer's K/V ring traffic, before overlap
-    slots = {}
-    for r in representative_ranks(counts):
-        layers, n_moe = counts[r]
-        compute = (
-            tokens
-            * ((layers - n_moe) * per_layer[False] + n_moe * per_layer[True] + (t_head if r == p - 1 else 0.0))
-            / lay.tp
-        )
-        # TP collectives sit between dependent matmuls and are counted in full (no async-TP
-        # overlap): sequence parallelism all-gathers and reduce-scatters around attention and MLP,
-        # in forward and backward (and again in a recomputed forward).
-        comm = layers * (8 + 4 * redo) * _ring(lay.tp, act_bytes, cluster.intra)
-        # Expert parallelism: dispatch and combine all-to-alls of the k routed copies, fwd and bwd.
-        if n_moe and lay.ep > 1:
-            comm += n_moe * (4 + 2 * redo) * _ring(lay.ep, act_bytes / lay.tp * cfg.moe_top_k, ep_bw)
-        # Ring attention passes K/V around the cp ring (fwd) and K/V plus their gradients (bwd),
-        # hidden behind the layer's attention kernels when those take longer.
-        cp_t = 0.0 if lay.cp == 1 else layers * max(0.0, cp_ring - tokens * t_attn / lay.tp)
-        pp_t = 2 * act_bytes / lay.tp / pp_bw if p > 1 else 0.0
-        slots[r] = (compute, comm, cp_t, pp_t)
-    busiest = max(slots, key=lambda r: sum(slots[r]))
-    compute, tp_t, cp_t, pp_t = slots[busiest]
-
-    dense, experts = rank_params(cfg, lay, *counts[busiest], busiest)
-    d, rep = lay.shard_degree, lay.dp_replicate
-    shard_bw = _group_bw(cluster, lay.tp, lay.dp_shard * lay.cp)
-    rep_bw = _group_bw(cluster, lay.tp * lay.cp * lay.dp_shard, rep)
-    fwd, bwd = compute / 3, compute * 2 / 3
-    local = dense / d + experts / max(d // lay.ep, 1) if lay.zero else dense + experts  # after sharding
-
-    def gather(nbytes: float) -> float:  # FSDP traffic: dense over dp_shard*cp, experts over that / ep
-        return _ring(d, nbytes * dense, shard_bw) + _ring(d // lay.ep, nbytes * experts, shard_bw)
-
-    # Data-parallel traffic overlaps compute (FSDP prefetch, DDP buckets): only what outlasts the
-    # compute it can hide behind is exposed. Gradients are reduced in fp32 (Kiln's reduce_dtype).
-    per_mb = per_step = 0.0
-    unoverlapped = {"mb": 0.0, "step": 0.0}
-
-    def hide(cost: float, behind: float, per: str) -> float:  # the exposed part; the whole is kept
-        unoverlapped[per] += cost
-        return max(0.0, cost - behind)
-
-    if lay.zero == 0:
-        ring_bw = rep_bw if rep > 1 else shard_bw
-        per_step += hide(_ring(lay.dp * lay.cp, 4 * (dense + experts), ring_bw, True), bwd, "step")
-    else:
-        rs, ag = gather(4), gather(2)
-        # Gradients reduce-scattered every micro-batch, or accumulated unsharded and reduced once.
-        rs_mb, rs_step = (0.0, rs) if deferred_grad_sync(lay) else (rs, 0.0)
-        if lay.zero == 3:  # gathered for forward and again for backward
-            per_mb += hide(ag, fwd, "mb") + hide(ag + rs_mb, bwd, "mb")
-            per_step += hide(rs_step, bwd, "step")
-        else:  # ZeRO-1/2: gathered once per step
-            per_mb += hide(rs_mb, bwd, "mb")
-            per_step += hide(rs_step, bwd, "step") + hide(ag, fwd, "step")
-        if rep > 1:  # HSDP: all-reduce the gradient shard across the replicas once per step
-            per_step += hide(_ring(rep, 4 * local, rep_bw, True), bwd, "step")
-    slot = compute + tp_t + cp_t + pp_t + per_mb
-    # 1F1B/GPipe idle (p-1) slots per step, a (p-1)/(m+p-1) share; interleaving divides that by v.
-    bubble = (p - 1) / v * slot
-    # Adam touches ~32 bytes per local parameter (fp32 weight, gradient, m and v, read and written).
-    opt = 32 * local / cluster.spec.hbm_bw
-    step = m * slot + bubble + per_step + opt
-    tokens_step = work.global_seqs * s
-    mfu = model_flops_per_token(cfg, s) * tokens_step / (cluster.world * cluster.peak_flops * step)
-    return Estimate(
-        lay,
-        mem,
-        mem.total <= cluster.usable_memory,
-        m,
-        step,
-        m * compute,
-        bubble,
-        m * tp_t,
-        m * cp_t,
-        m * pp_t,
-        m * per_mb + per_step,
-        opt,
-        mfu,
-        tokens_step / step,
-        m * unoverlapped["mb"] + unoverlapped["step"],
-        m * counts[busiest][0] * cp_ring,
-    )
-
-
 # ----------------------------------------------------------------------------- search
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
@@ -675,67 +507,3 @@ def candidates(cfg: ModelConfig, cluster: ClusterConfig, work: Workload, act: Ac
                                         "1f1b" if v == 1 else "interleaved_1f1b",
                                         v,
                                     )
-
-
-@dataclass
-class Plan:
-    model: ModelConfig
-    cluster: ClusterConfig
-    work: Workload
-    ranked: list[Estimate]  # layouts that fit, fastest first
-    too_big: list[Estimate]  # valid layouts that do not fit, smallest first
-    rejected: dict[str, int]  # kind of problem -> layouts excluded for it
-    # Each excluded layout once, under its first problem, so the counts add up to the layouts excluded.
-    invalid: dict[str, int] = dataclasses.field(default_factory=dict)
-
-
-def plan(
-    cfg: ModelConfig, cluster: ClusterConfig, work: Workload, act: ActivationModel = KILN, fixed: dict | None = None
-) -> Plan:
-    """Estimate every candidate; `fixed` holds Layout fields to keep, e.g. {"tp": 8, "pp": 16}."""
-    pool = list(candidates(cfg, cluster, work, act))
-    if fixed:
-        # Values the search generates select among its candidates; values it never generates (tp
-        # beyond a node, ep on a dense model, an odd micro-batch) are forced on, to say why they fail.
-        chosen = [lay for lay in pool if all(getattr(lay, k) == v for k, v in fixed.items())]
-        pool = chosen or list(dict.fromkeys(dataclasses.replace(lay, **fixed) for lay in pool))
-    ranked, too_big, rejected, invalid = [], [], {}, {}
-    for lay in pool:
-        problems = layout_problems(cfg, lay, cluster, work)
-        for i, reason in enumerate(problems):
-            key = re.sub(r"\d+", "N", reason)  # count kinds of problem, not each number
-            rejected[key] = rejected.get(key, 0) + 1
-            if i == 0:
-                invalid[key] = invalid.get(key, 0) + 1
-        if not problems:
-            est = estimate(cfg, lay, cluster, work, act)
-            (ranked if est.fits else too_big).append(est)
-    # Estimates within 0.5% tie; fewer parallel dimensions win, then the larger micro-batch (bigger
-    # matmuls run closer to peak, which the model does not credit), then less memory.
-    ranked.sort(key=lambda e: (step_bucket(e), _dims(e.layout), -e.layout.micro_batch, e.memory.total))
-    too_big.sort(key=lambda e: e.memory.total)
-    return Plan(cfg, cluster, work, ranked, too_big, rejected, invalid)
-
-
-def step_bucket(est: Estimate) -> int:
-    """Estimates in one bucket tie on step time (within 0.5%): the ranking orders them otherwise."""
-    return round(math.log(est.step_time) / 0.005)
-
-
-def _dims(lay: Layout) -> int:
-    return sum(d > 1 for d in (lay.dp_replicate, lay.dp_shard, lay.tp, lay.pp, lay.cp, lay.ep, lay.pp_stages_per_rank))
-
-
-def budget(est: Estimate, cluster: ClusterConfig, tokens: float) -> dict:
-    """Wall time, GPU-hours, cost and energy to train on `tokens` tokens with this layout. Energy is
-    GPU board power at TDP only: no host, network or cooling overhead."""
-    seconds = tokens / est.tokens_per_s
-    gpu_hours = seconds / 3600 * cluster.world
-    return {
-        "tokens": tokens,
-        "days": seconds / 86400,
-        "gpu_hours": gpu_hours,
-        "cost_usd": gpu_hours * cluster.gpu_hour_price,
-        "energy_mwh": gpu_hours * cluster.spec.power / 1e6,
-        "price_per_gpu_hour": cluster.gpu_hour_price,
-    }

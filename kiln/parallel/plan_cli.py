@@ -18,14 +18,16 @@ from kiln.parallel.hardware import GB, GPUS, ClusterConfig
 from kiln.parallel.plan import (
     KILN,
     MEGATRON,
-    Estimate,
     Layout,
-    Plan,
     Workload,
+    total_params,
+)
+from kiln.parallel.plan_time import (
+    Estimate,
+    Plan,
     budget,
     plan,
     step_bucket,
-    total_params,
 )
 
 # Shapes the planner is checked against (docs/plan.md); planning-only, so not training presets.
@@ -77,7 +79,12 @@ def add_plan_parser(verbs) -> None:
     p.add_argument("--price", type=finite_float, default=0.0, help="USD per GPU-hour (default: the GPU table's)")
     p.add_argument("--intra-bw", type=finite_float, default=0.0, help="GB/s per GPU within a node (default: the GPU's)")
     p.add_argument("--inter-bw", type=finite_float, default=0.0, help="GB/s per GPU across nodes (default: the GPU's)")
-    p.add_argument("--matmul-efficiency", type=finite_float, default=0.75, help="share of the bf16 peak matmuls reach")
+    p.add_argument(
+        "--matmul-efficiency",
+        type=finite_float,
+        default=0.0,
+        help="share of the bf16 peak matmuls reach (0: the GPU's)",
+    )
     p.add_argument("--attention-efficiency", type=finite_float, default=0.5, help="share of the peak attention reaches")
     p.add_argument(
         "--activations",
@@ -194,8 +201,8 @@ def memory_terms_gb(e: Estimate) -> tuple[dict[str, float], float]:
 
 def comm_seconds(e: Estimate) -> tuple[float, float]:
     """(all collective time per step with no overlap, the exposed part that the step time includes).
-    TP, EP and pipeline transfers are counted in full; data- and context-parallel traffic hides
-    behind compute up to what it can overlap."""
+    TP, EP and pipeline transfers are counted in full; data- and context-parallel traffic overlaps
+    compute up to what it can, and the overlapped part still costs 1 - overlap_efficiency."""
     whole = e.tp_time + e.pp_time + e.cp_unoverlapped + e.dp_unoverlapped
     return whole, e.tp_time + e.pp_time + e.cp_time + e.dp_time
 
@@ -263,18 +270,20 @@ def pruned_lines(result: Plan) -> list[str]:
 def caveat_lines(e: Estimate, cluster: ClusterConfig) -> list[str]:
     out = [
         f"caveats: MFU assumes matmuls at {cluster.matmul_efficiency:.0%} and attention at "
-        f"{cluster.attention_efficiency:.0%} of peak (stated, not measured: pass measured values with "
-        "--matmul-efficiency / --attention-efficiency); small models lose more to launch overheads than modelled."
+        f"{cluster.attention_efficiency:.0%} of peak (calibrated on published runs, docs/plan.md; pass measured "
+        "values with --matmul-efficiency / --attention-efficiency); small models lose more to launch overheads "
+        "than modelled."
     ]
     whole, exposed = comm_seconds(e)
     lay = e.layout
     if whole > exposed:
         out.append(
             f"  {whole - exposed:.2f} s of data-/context-parallel traffic per step is assumed to overlap compute "
-            "(FSDP prefetch, DDP buckets, ring attention); if it does not, add it to the step."
+            f"(FSDP prefetch, DDP buckets, ring attention) at overlap_efficiency {cluster.overlap_efficiency}; "
+            "if it does not, add it to the step."
         )
     out.append(
-        "  not modelled: per-collective latency, the loss and gradient-norm all-reduces"
+        "  not modelled: the loss and gradient-norm all-reduces"
         + (", loss parallelism's reductions over the vocabulary" if lay.tp > 1 else "")
         + "."
     )

@@ -12,25 +12,30 @@ import pytest
 
 from kiln.errors import ConfigError
 from kiln.model.config import PRESETS, preset
-from kiln.parallel.hardware import GB, ClusterConfig
+from kiln.parallel.hardware import GB, NCCL_BASE_LATENCY, ClusterConfig
 from kiln.parallel.plan import (
     MEGATRON,
     ActivationModel,
     Layout,
     Workload,
-    budget,
-    estimate,
     in_flight,
     layer_activation_bytes,
     layout_problems,
     memory,
     model_flops_per_token,
     model_state_bytes,
-    plan,
     stage_layer_ids,
     total_params,
 )
+from kiln.parallel.plan_calibration import RUNS, band_problem, calibrate, table
 from kiln.parallel.plan_cli import DEFAULT_VOCAB, REFERENCE_MODELS, add_plan_parser
+from kiln.parallel.plan_time import (
+    Link,
+    _ring,
+    budget,
+    estimate,
+    plan,
+)
 from kiln.pipeline import run as run_plan  # the plan verb: its recipe is read in the top layer
 
 # Published MFU must fall within this many points of the planner's estimate (absolute, e.g. 0.41 +- 0.10).
@@ -145,10 +150,11 @@ def test_llama3_405b_published_layouts(gpus, cp, dp, seq, published_mfu):
     assert result.ranked, "the published layout must fit in 80 GB"
     best = result.ranked[0]
     assert best.memory.total <= 80 * GB
-    assert abs(best.mfu - published_mfu) <= MFU_BAND, best.layout.label()
     # The published run trained without activation checkpointing; Kiln's activations (PyTorch
-    # sequence parallelism keeps gathered matmul inputs) need it for this mesh.
+    # sequence parallelism keeps gathered matmul inputs) need it for this mesh, and the recomputation
+    # costs MFU: below the published figure, which the calibration test matches (+-5 points) without it.
     assert best.layout.ac == "full"
+    assert published_mfu - MFU_BAND <= best.mfu < published_mfu, best.layout.label()
 
 
 def test_megatron_gpt3_175b_on_64_a100():
@@ -163,6 +169,53 @@ def test_megatron_gpt3_175b_on_64_a100():
     assert e.fits and abs(e.mfu - 0.514) <= MFU_BAND
     # Keeping the attention scores instead (no recomputation) does not fit next to the 16 bytes/param.
     assert not estimate(cfg, dataclasses.replace(lay, ac="none"), cluster, work, MEGATRON).fits
+
+
+# ----------------------------------------------------------------------------- calibration
+@pytest.mark.parametrize("run", RUNS, ids=[r.name for r in RUNS])
+def test_calibration_predicts_published_mfu_within_5_points(run):
+    # docs/plan.md, "Calibration against published runs": one set of constants for every row.
+    r = calibrate(run, rank=False)
+    assert r.estimate is not None, "the published layout must be valid in the planner"
+    assert band_problem(r) == ""
+    if run.outside_band:  # a part the planner does not model, and it errs the way the reason says
+        assert r.estimate.mfu > run.mfu + 0.05
+
+
+@pytest.mark.slow  # the full searches over 16K-GPU clusters take 15 s or more together
+def test_calibration_ranks_the_published_mesh_in_the_top_3_or_says_why():
+    results = [calibrate(run) for run in RUNS]
+    assert [band_problem(r) for r in results] == [""] * len(RUNS)
+    for r in results:
+        assert r.rank >= 1, r.run.name  # every published mesh fits in some form and is ranked
+        assert (r.rank <= 3) != bool(r.run.why_not_top3), r.run.name  # a reason only where it is needed
+    # docs/plan.md records exactly this table.
+    assert table(results) in (Path(__file__).parents[2] / "docs" / "plan.md").read_text()
+
+
+def test_collectives_cost_latency_and_bandwidth():
+    link = Link(100e9, 5e-6)
+    # Alpha-beta: launch + (n - 1) steps of latency + (n - 1)/n of the bytes; an all-reduce doubles the steps.
+    assert _ring(8, 8e9, link) == pytest.approx(NCCL_BASE_LATENCY + 7 * 5e-6 + 7 / 8 * 8e9 / 100e9)
+    assert _ring(8, 8e9, link, True) == pytest.approx(NCCL_BASE_LATENCY + 14 * 5e-6 + 14 / 8 * 8e9 / 100e9)
+    assert _ring(1, 8e9, link) == 0.0 and _ring(8, 0.0, link) == 0.0
+    # A one-byte all-gather over 8 NVLink ranks costs its latency, not nothing.
+    assert _ring(8, 1.0, link) > 7 * 5e-6
+
+
+def test_overlapped_collectives_are_never_free():
+    # 8B on 4 nodes: the FSDP traffic overlaps compute, yet 1 - overlap_efficiency of it is exposed,
+    # and more as overlap_efficiency drops.
+    cfg = _with_vocab("8b")
+    work = Workload(8192, 4 * 1024 * 1024)
+    lay = Layout(dp_replicate=4, dp_shard=8, zero=3, micro_batch=1)
+    exposed = {}
+    for eta in (1.0, 0.8, 0.5):
+        e = estimate(cfg, lay, ClusterConfig("h100", 8, 4, overlap_efficiency=eta), work)
+        assert e.dp_unoverlapped > 0
+        exposed[eta] = e.dp_time
+    assert exposed[1.0] == 0.0 < exposed[0.8] < exposed[0.5]
+    assert estimate(cfg, lay, ClusterConfig("h100", 8, 4), work).dp_time == pytest.approx(exposed[0.8])  # the default
 
 
 # ----------------------------------------------------------------------------- rejections
