@@ -49,3 +49,25 @@ def test_selective_keeps_between_none_and_full_and_megatron_is_unchanged():
         cfg, 2048, 1, 1, "selective", MEGATRON
     )
     assert scores == pytest.approx(cfg.n_heads * 2048 * 5)
+
+
+def test_planner_selective_moe_layer_is_what_the_model_keeps():
+    # In an MoE block the every-other-matmul rule keeps the float32 router logits and each expert's
+    # down-projection output; the planner's count of that is checked against the measurement.
+    from kiln.model import build_model
+    from kiln.model.activations import measured_layer_activation_bytes_per_token
+    from kiln.parallel.parallelize import apply_activation_checkpointing
+    from kiln.train.precision import autocast
+
+    cfg = ModelConfig(
+        vocab_size=61, dim=64, n_layers=1, n_heads=4, n_kv_heads=2, max_seq_len=16,
+        moe_every=1, n_experts=4, moe_top_k=2, moe_hidden=32, moe_shared_expert=True,
+    )  # fmt: skip
+
+    def build(n_layers):
+        model = build_model(dataclasses.replace(cfg, n_layers=n_layers))
+        apply_activation_checkpointing(model, "selective")
+        return model
+
+    measured = measured_layer_activation_bytes_per_token(build, 16, cfg.vocab_size, lambda: autocast("bf16"))
+    assert layer_activation_bytes(cfg, 16, 1, 1, "selective", KILN, moe=True) == pytest.approx(measured, rel=1e-6)
