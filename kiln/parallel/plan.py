@@ -284,7 +284,8 @@ def layer_activation_bytes(
     4f, GELU 2f) and under TP the two reduce-scattered branch outputs 2h each; in an MoE layer, where
     the every-other-matmul rule falls on the router and the experts' down projections, the float32
     router logits 4E and per routed copy (and shared expert) the down projection's output 2h. This is
-    kiln.model.activations.layer_activation_bytes_per_token's count, there measured on dense blocks.
+    kiln.model.activations.layer_activation_bytes_per_token's count, measured on one process; the
+    tensor-parallel division and the reduce-scatter outputs are read off the policy, not measured.
     """
     h, a = cfg.dim, cfg.n_heads
     residual = (act.residual_bytes if residual_bytes is None else residual_bytes) * h

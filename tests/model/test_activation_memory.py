@@ -1,5 +1,7 @@
-"""Saved activations per token per layer, measured with saved_tensors_hooks, against the formula in
-kiln.model.activations (Korthikanti et al. 2022, term by term for Kiln's block)."""
+"""Kept activations per token per layer, measured (saved_tensors_hooks, plus the storages the forward
+still holds: selective checkpointing's cache) against the formula in kiln.model.activations
+(Korthikanti et al. 2022, term by term for Kiln's block), without, with selective and with full
+activation checkpointing."""
 
 import dataclasses
 
