@@ -1,8 +1,9 @@
 """Activation memory: bytes one Transformer block keeps for backward, per token, measured vs predicted.
 
 Measured with torch.autograd.graph.saved_tensors_hooks (kiln.model.activations: every saved storage
-counted once, at its full size), in fp32 and under bf16 autocast, with activations stored and with
-full activation checkpointing (kiln.parallel.parallelize.apply_activation_checkpointing). Predicted
+counted once, at its full size, plus what selective checkpointing caches), in fp32 and under bf16
+autocast, without activation checkpointing, with the op-level selective policy and with full
+checkpointing (kiln.parallel.parallelize.apply_activation_checkpointing). Predicted
 by kiln.model.activations.layer_activation_bytes_per_token, and by the planner's
 kiln.parallel.plan.layer_activation_bytes (16-bit only), both printed in units of h (the model width).
 
@@ -22,11 +23,12 @@ import torch
 
 from kiln.model import ModelConfig, build_model
 from kiln.model.activations import layer_activation_bytes_per_token, measured_layer_activation_bytes_per_token
+from kiln.model.config import AC_MODES
 from kiln.parallel.parallelize import apply_activation_checkpointing
 from kiln.parallel.plan import layer_activation_bytes
 from kiln.train.precision import autocast
 
-MODES = [("fp32", 4, False), ("bf16", 2, False), ("fp32", 4, True), ("bf16", 2, True)]
+MODES = [(precision, value_bytes, ac) for ac in AC_MODES for precision, value_bytes in (("fp32", 4), ("bf16", 2))]
 
 
 def cpu_model() -> str:
@@ -64,26 +66,20 @@ def main() -> None:
         f"ffn_hidden={cfg.ffn_hidden_size} seq={args.seq} device={args.device}"
     )
     h = cfg.dim
-    print(f"{'mode':<12} {'measured/h':>11} {'formula/h':>10} {'planner/h':>10}")
-    for precision, value_bytes, checkpointed in MODES:
+    print(f"{'mode':<17} {'measured/h':>11} {'formula/h':>10} {'planner/h':>10}")
+    for precision, value_bytes, ac in MODES:
 
-        def build(n_layers: int, checkpointed=checkpointed):
+        def build(n_layers: int, ac=ac):
             model = build_model(dataclasses.replace(cfg, n_layers=n_layers), device=args.device)
-            if checkpointed:
-                apply_activation_checkpointing(model)
+            apply_activation_checkpointing(model, ac)
             return model
 
         measured = measured_layer_activation_bytes_per_token(
             build, args.seq, cfg.vocab_size, lambda precision=precision: autocast(precision, args.device)
         )
-        formula = layer_activation_bytes_per_token(cfg, value_bytes, checkpointed)
-        planner = (
-            f"{layer_activation_bytes(cfg, args.seq, 1, ac='full' if checkpointed else 'none') / h:10.3f}"
-            if value_bytes == 2
-            else f"{'-':>10}"
-        )
-        mode = precision + (" + AC" if checkpointed else "")
-        print(f"{mode:<12} {measured / h:11.3f} {formula / h:10.3f} {planner}")
+        formula = layer_activation_bytes_per_token(cfg, value_bytes, ac)
+        planner = f"{layer_activation_bytes(cfg, args.seq, 1, ac=ac) / h:10.3f}" if value_bytes == 2 else f"{'-':>10}"
+        print(f"{precision + ' ' + ac:<17} {measured / h:11.3f} {formula / h:10.3f} {planner}")
 
 
 if __name__ == "__main__":

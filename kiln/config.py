@@ -99,10 +99,16 @@ def build(cls: type, table: dict[str, Any], section: str, base=None):
                 base = from_preset(preset_name)
             except ConfigError as err:
                 raise err.within(section) from None
+    # A field may name values it refuses with its own message before the type check (e.g. a key that
+    # changed type, whose old spelling deserves more than "expected a string").
+    refusers = {f.name: f.metadata["refuse"] for f in dataclasses.fields(cls) if "refuse" in f.metadata}
     values = {}
     for key, value in table.items():
         if key not in hints:
             raise ConfigError(f"{section}.{show_key(key)}", f"unknown key; known: {', '.join(hints)}")
+        refused = refusers[key](value) if key in refusers else None
+        if refused:
+            raise ConfigError(f"{section}.{key}", refused)
         if dataclasses.is_dataclass(hints[key]) and isinstance(value, dict):
             # A nested table overrides the enclosing default's values (e.g. [dpo.train] keeps DPO's
             # fine-tuning defaults for every key it does not set), not the nested class's own.

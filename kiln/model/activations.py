@@ -24,33 +24,78 @@ autocast), a heads, kv key/value heads, f the FFN hidden size:
 Sum: b*(6h + 2h*kv/a + 4f) + 4a + 8 for SwiGLU, b*(6h + 2h*kv/a + 2f) + 4a + 8 for GELU. With MHA,
 b = 2 and a GELU f = 4h this is 32h: Korthikanti's 34h without the two dropout masks, plus the
 logsumexp and the RMS statistics. With full activation checkpointing a block keeps only its input,
-the residual stream, which stays float32 under autocast: 4h.
+the residual stream, which stays float32 under autocast over float32 weights: 4h (2h where FSDP's bf16
+parameters make the stream bf16). Selective checkpointing (kiln.parallel.parallelize.selective_policy)
+keeps that input and the outputs of the ops its policy saves, and recomputes the rest:
+  block input     the residual stream (4h, as under full checkpointing)
+  qkv projection  its fused output b*(h + 2h*kv/a) (an odd matmul, kept)
+  SDPA            its output (b*h) and logsumexp (4*a)
+  output proj.    nothing: an even matmul, recomputed from the kept SDPA output
+  FFN up          SwiGLU's fused gate|up output (2*b*f), GELU's w1 output (b*f) (odd, kept)
+  FFN down        nothing: even, and backward never reads its output, so it is not even recomputed
+Sum: 4h + b*(2h + 2h*kv/a + 2f) + 4a for SwiGLU (b*f for GELU's up projection instead of 2*b*f).
+
+Measuring selective checkpointing needs more than saved_tensors_hooks: the outputs its policy keeps
+live in checkpointing's own cache, which no hook sees (inside a checkpointed region autograd's saved
+tensors go to checkpointing's hooks, not the caller's). kept_tensor_bytes therefore counts, besides
+every storage autograd saves, every storage an op created during the forward that is still alive when
+the forward returns; without checkpointing and with full checkpointing both counts agree.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
-from kiln.model.config import ModelConfig
+from kiln.model.config import AC_MODES, ModelConfig
 
 
-def layer_activation_bytes_per_token(cfg: ModelConfig, value_bytes: int, checkpointed: bool = False) -> int:
-    """Predicted bytes one dense RMSNorm block keeps for backward per token (see the module doc).
-    value_bytes: 4 in float32, 2 under bf16/fp16 autocast."""
+def layer_activation_bytes_per_token(
+    cfg: ModelConfig, value_bytes: int, mode: str = "none", residual_bytes: int = 4
+) -> int:
+    """Predicted bytes one dense RMSNorm block keeps for backward per token under activation
+    checkpointing `mode` (none | selective | full; see the module doc). value_bytes: 4 in float32, 2
+    under bf16/fp16 autocast; residual_bytes: those of the residual stream entering the block (4 under
+    autocast over float32 weights, 2 with bf16 weights)."""
     if cfg.norm != "rmsnorm" or any(cfg.is_moe_layer(layer) for layer in range(cfg.n_layers)):
         raise ValueError("the activation formula covers dense RMSNorm blocks only")
+    if mode not in AC_MODES:
+        raise ValueError(f"mode must be one of {', '.join(AC_MODES)}, got {mode!r}")
     h, a, f = cfg.dim, cfg.n_heads, cfg.ffn_hidden_size
-    if checkpointed:
-        return 4 * h  # the float32 residual stream entering the block
+    kv = 2 * h * cfg.kv_heads // a
+    if mode == "full":
+        return residual_bytes * h
+    if mode == "selective":
+        up = 2 * f if cfg.ffn == "swiglu" else f
+        return residual_bytes * h + value_bytes * (2 * h + kv + up) + 4 * a
     ffn = 4 * f if cfg.ffn == "swiglu" else 2 * f
-    return value_bytes * (6 * h + 2 * h * cfg.kv_heads // a + ffn) + 4 * a + 2 * 4
+    return value_bytes * (6 * h + kv + ffn) + 4 * a + 2 * 4
 
 
-def saved_tensor_bytes(run: Callable[[], object]) -> int:
-    """Bytes of the distinct storages autograd saves for backward while `run()` executes."""
+class _CreatedStorages(TorchDispatchMode):
+    """A weak reference to the storage of every tensor an op returns, with its size."""
+
+    def __init__(self):
+        super().__init__()
+        self.storages: dict[int, tuple[weakref.ref, int]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in tree_leaves(out):
+            if isinstance(tensor, torch.Tensor):
+                storage = tensor.untyped_storage()
+                self.storages[id(storage)] = (weakref.ref(storage), storage.nbytes())
+        return out
+
+
+def kept_tensor_bytes(run: Callable[[], object]) -> int:
+    """Bytes of the distinct storages kept for backward while `run()` executes: those autograd saves,
+    and those its ops create that are still alive once it returns (selective checkpointing's cache)."""
     storages: dict[int, int] = {}
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
@@ -58,11 +103,15 @@ def saved_tensor_bytes(run: Callable[[], object]) -> int:
         storages[storage.data_ptr()] = storage.nbytes()
         return tensor
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        out = run()  # held until counted, so no saved storage is freed and its address reused
-    total = sum(storages.values())
+    created = _CreatedStorages()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), created:
+        out = run()  # held until counted, so no kept storage is freed and its address reused
+    for ref, nbytes in created.storages.values():
+        storage = ref()
+        if storage is not None:
+            storages[storage.data_ptr()] = nbytes
     del out
-    return total
+    return sum(storages.values())
 
 
 def measured_layer_activation_bytes_per_token(
@@ -71,16 +120,16 @@ def measured_layer_activation_bytes_per_token(
     vocab_size: int,
     context: Callable[[], AbstractContextManager] = nullcontext,
 ) -> float:
-    """Bytes per token per layer that models from `build(n_layers)` save in a forward under `context()`
-    (e.g. an autocast), from four runs: one and two layers, batch one and two."""
+    """Bytes per token per layer that models from `build(n_layers)` keep for backward in a forward
+    under `context()` (e.g. an autocast), from four runs: one and two layers, batch one and two."""
     generator = torch.Generator().manual_seed(0)
-    saved = {}
+    kept = {}
     for layers in (1, 2):
         model = build(layers)
         for batch in (1, 2):
             tokens = torch.randint(0, vocab_size, (batch, seq_len), generator=generator)
             tokens = tokens.to(model.tok_embeddings.weight.device)
             with context():
-                saved[layers, batch] = saved_tensor_bytes(lambda: model(tokens))  # noqa: B023
-    per_layer_per_row = saved[2, 2] - saved[1, 2] - saved[2, 1] + saved[1, 1]
+                kept[layers, batch] = kept_tensor_bytes(lambda: model(tokens))  # noqa: B023
+    per_layer_per_row = kept[2, 2] - kept[1, 2] - kept[2, 1] + kept[1, 1]
     return per_layer_per_row / seq_len

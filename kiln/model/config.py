@@ -7,6 +7,11 @@ from dataclasses import dataclass, field, replace
 
 from kiln.errors import ConfigError
 
+# What a checkpointed block keeps for backward (train.activation_checkpointing): everything, what the
+# op-level policy keeps (kiln.parallel.parallelize.selective_policy), or only its input. Here, the
+# bottom layer, because the activation accounting (kiln.model.activations) and the planner share it.
+AC_MODES = ("none", "selective", "full")
+
 
 @dataclass
 class ModelConfig:

@@ -73,7 +73,7 @@ class Layout:
         """Ranks the data-parallel gradient reduction averages over (dp x cp)."""
         return self.dims.dp * self.dims.cp
 
-    def parallelize(self, model, compute_dtype: torch.dtype, activation_checkpointing: bool, compile_blocks: bool):
+    def parallelize(self, model, compute_dtype: torch.dtype, activation_checkpointing: str, compile_blocks: bool):
         """(module whose parameters and state dict are this rank's, module to call for training).
         Without pipelining both are the model (or the model and its DDP wrapper); with it, the first
         is the rank's stages under the unsplit names and training runs through `self.schedule`."""

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from kiln.model.config import AC_MODES
 from kiln.parallel.config import ParallelConfig
 from kiln.parallel.context import apply_context_parallel
 from kiln.parallel.dims import ParallelDims
@@ -91,17 +92,66 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh) -> None:
         parallelize_module(block, tp_mesh, plan)
 
 
-def apply_activation_checkpointing(model: torch.nn.Module) -> None:
-    """Recompute each block's activations in backward instead of storing them.
+# Op-level selective checkpointing (torchtitan's "op" policy): inside a checkpointed block these ops'
+# outputs are kept and everything else is recomputed in backward. Matmuls and attention are the
+# expensive ops to redo; norms, RoPE, SiLU and products are cheap elementwise work. The attention
+# entries cover every SDPA backend (CUDA flash / memory-efficient / cuDNN, the CPU flash kernel); the
+# math fallback decomposes above this level and is recomputed. A reduce-scatter (tensor parallelism's
+# row-parallel output) is kept so that backward does not repeat the collective.
+SAVED_OPS = {
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops._c10d_functional.reduce_scatter_tensor.default,
+}
+MATMUL_OPS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
+
+
+def selective_policy():
+    """A fresh policy for one checkpointed call: keep attention and every other matmul (the 1st, 3rd,
+    ...), as torchtitan does. In Kiln's fused block the odd matmuls are wqkv and w13 (the wide ones
+    whose outputs backward reads: q/k/v, gate|up) and the even ones wo and w2. wo is recomputed (one
+    h x h matmul); w2's output is read by nothing in backward (the residual add keeps nothing, w2's
+    own backward needs its input), so it is neither kept nor recomputed: recomputation stops at its
+    input. Keeping every matmul would keep two more width-h values per token (wo's and w2's outputs)
+    to spare the one wo matmul.
+    Forward and recomputation count separately: torch < 2.13 asks the policy again while recomputing
+    (ctx.is_recompute) and its answers must repeat the forward's."""
+    counts = {False: 0, True: 0}
+
+    def policy(ctx, func, *args, **kwargs):
+        if func in MATMUL_OPS:
+            counts[ctx.is_recompute] += 1
+            keep = counts[ctx.is_recompute] % 2 == 1
+        else:
+            keep = func in SAVED_OPS
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
+def _selective_contexts():
+    return create_selective_checkpoint_contexts(selective_policy())
+
+
+def apply_activation_checkpointing(model: torch.nn.Module, mode: str = "full") -> None:
+    """Recompute each block's activations in backward instead of storing them: all of them ("full",
+    only the block input is kept) or all but the outputs selective_policy keeps ("selective").
 
     Done by replacing each block's forward on the instance, so parameter names (and therefore
     checkpoints) stay the same as without it. Non-reentrant checkpointing supports keyword
     arguments and inputs that do not require grad.
     """
+    if mode not in AC_MODES:
+        raise ValueError(f"activation checkpointing mode must be one of {', '.join(AC_MODES)}, got {mode!r}")
+    if mode == "none":
+        return
+    extra = {"context_fn": _selective_contexts} if mode == "selective" else {}
     for block in model.layers:
 
         def forward(*args, _block_forward=block.forward, **kwargs):
-            return checkpoint(_block_forward, *args, use_reentrant=False, **kwargs)
+            return checkpoint(_block_forward, *args, use_reentrant=False, **extra, **kwargs)
 
         block.forward = forward
 
@@ -166,7 +216,7 @@ def parallelize(
     cfg: ParallelConfig,
     *,
     compute_dtype: torch.dtype,
-    activation_checkpointing: bool,
+    activation_checkpointing: str,
     compile_blocks: bool,
 ) -> nn.Module:
     """Apply every configured parallelism except pipelining to `model` (the whole model, or one
@@ -179,8 +229,7 @@ def parallelize(
         apply_context_parallel(
             model, dims.submesh(mesh, "cp"), load_balance=cfg.cp_load_balance, backend=cfg.cp_backend
         )
-    if activation_checkpointing:
-        apply_activation_checkpointing(model)
+    apply_activation_checkpointing(model, activation_checkpointing)
     if compile_blocks:
         apply_compile(model)
     # One process with offload shards over a one-rank mesh: FSDP2 then only moves parameters.

@@ -17,11 +17,9 @@ import re
 from dataclasses import dataclass
 
 from kiln.errors import ConfigError
-from kiln.model.config import ModelConfig
+from kiln.model.config import AC_MODES, ModelConfig
 from kiln.parallel.config import PP_SCHEDULES, ParallelConfig
 from kiln.parallel.hardware import GB, ClusterConfig
-
-AC_MODES = ("none", "selective", "full")
 
 
 # ----------------------------------------------------------------------------- model accounting
@@ -233,21 +231,34 @@ def stage_layer_ids(cfg: ModelConfig, pp: int, v: int = 1) -> list[list[int]]:
 @dataclass(frozen=True)
 class ActivationModel:
     """Which tensors autograd keeps per layer. KILN is Kiln's model under PyTorch: SDPA (flash)
-    attention, no dropout, and PyTorch sequence parallelism, whose column-parallel linears save their
-    all-gathered input. MEGATRON is Korthikanti et al.'s GPT-3: materialised attention scores,
-    dropout, and sequence-sharded saved inputs."""
+    attention, no dropout, PyTorch sequence parallelism, whose column-parallel linears save their
+    all-gathered input, float32 statistics (RMSNorm's 1/rms, SDPA's logsumexp), a float32 residual
+    stream (autocast over float32 weights; FSDP's bf16 weights make it bf16, see `memory`), and
+    op-level selective checkpointing (kiln.parallel.parallelize.selective_policy). MEGATRON is
+    Korthikanti et al.'s GPT-3: materialised attention scores, dropout, sequence-sharded saved inputs,
+    no statistics counted, a 16-bit residual stream, and selective recomputation of the attention core."""
 
     flash: bool = True
     dropout: bool = False
     sp_gathered_inputs: bool = True
     # Without FSDP (zero=0) the weights stay fp32 under autocast: a 16-bit copy of each matmul weight
-    # lives through the micro-batch and the residual stream, a checkpointed block's input, is fp32.
-    # (FSDP2 gathers bf16 weights and casts block inputs to bf16; Megatron keeps bf16 weights.)
+    # lives through the micro-batch. (FSDP2 gathers bf16 weights; Megatron keeps bf16 weights.)
     fp32_weights_unsharded: bool = True
+    statistics: bool = True
+    residual_bytes: int = 4
+    op_selective: bool = True
 
 
 KILN = ActivationModel()
-MEGATRON = ActivationModel(flash=False, dropout=True, sp_gathered_inputs=False, fp32_weights_unsharded=False)
+MEGATRON = ActivationModel(
+    flash=False,
+    dropout=True,
+    sp_gathered_inputs=False,
+    statistics=False,
+    residual_bytes=2,
+    op_selective=False,
+    fp32_weights_unsharded=False,
+)
 
 
 def layer_activation_bytes(
@@ -258,6 +269,7 @@ def layer_activation_bytes(
     ac: str = "none",
     act: ActivationModel = KILN,
     moe: bool = False,
+    residual_bytes: int | None = None,
 ) -> float:
     """Bytes one layer keeps for backward for `tokens` tokens (16-bit activations, 1-byte masks).
 
@@ -270,13 +282,30 @@ def layer_activation_bytes(
     inputs that PyTorch keeps (ActivationModel.sp_gathered_inputs). An MoE layer (Kiln's eager
     MoEFeedForward) keeps instead of the MLP: its input 2h and float32 copy 4h, router logits and
     probabilities 8E, per routed copy the gathered input 2h, the SwiGLU 8*hm and the output 2h, and
-    the shared expert's 8*hm; all sequence-sharded.
+    the shared expert's 8*hm; all sequence-sharded. With act.statistics, 4 bytes per norm (1/rms) and
+    4 per head (the logsumexp) more. Full checkpointing keeps the block input, residual_bytes*h
+    (act.residual_bytes unless given); Kiln's selective (act.op_selective) the block input, the qkv
+    output 2h + 4h*kv/a, the attention output 2h and logsumexp 4a, the up projection's output (SwiGLU
+    4f, GELU 2f) and under TP the two reduce-scattered branch outputs 2h each; in an MoE layer, where
+    the every-other-matmul rule falls on the router and the experts' down projections, the float32
+    router logits 4E and per routed copy (and shared expert) the down projection's output 2h. This is
+    kiln.model.activations.layer_activation_bytes_per_token's count, measured on one process; the
+    tensor-parallel division and the reduce-scatter outputs are read off the policy, not measured.
     """
     h, a = cfg.dim, cfg.n_heads
+    residual = (act.residual_bytes if residual_bytes is None else residual_bytes) * h
     if ac == "full":  # only the block input (sequence-sharded under SP) is kept
-        return tokens * 2 * h / tp
+        return tokens * residual / tp
+    if ac == "selective" and act.op_selective:
+        kept = residual + 2 * h + 4 * h * cfg.kv_heads / a + 2 * h + 4 * a + (4 * h if tp > 1 else 0)
+        if moe:
+            kept += 4 * cfg.n_experts + (cfg.moe_top_k + cfg.moe_shared_expert) * 2 * h
+        else:
+            kept += (4 if cfg.ffn == "swiglu" else 2) * cfg.ffn_hidden_size
+        return tokens * kept / tp
     mask = h if act.dropout else 0
     sharded = 2 * h + 2 * h + 4 * h * cfg.kv_heads / a + 2 * h + mask + 2 * h  # attention side, ffn norm
+    sharded += 4 * a + 2 * 4 if act.statistics else 0
     gathered = 2 * h
     if moe:
         hm = cfg.moe_hidden_size
@@ -337,9 +366,6 @@ class Memory:
         return out | {"total": round(self.total / GB, 2), "pipeline_rank": self.rank}
 
 
-# The residual stream under autocast stays in the fp32 weights' dtype (kiln.train.precision), so it
-# is what a checkpointed block keeps where the weights are fp32 (see ActivationModel).
-RESIDUAL_BYTES = 4
 # layer_activation_bytes and the logits term count 16-bit values.
 PLANNER_VALUE_BYTES = 2
 # Per logit: the 16-bit logits, the fp32 copy the loss takes its log-softmax of, and that copy's fp32
@@ -424,7 +450,11 @@ def memory(
     m = work.global_seqs // lay.dp // lay.micro_batch
     tokens = lay.micro_batch * work.seq_len // lay.cp
     kinds = (False, True) if any(n_moe for _, n_moe in counts) else (False,)
-    per_layer = {moe: layer_activation_bytes(cfg, work.seq_len, tokens, lay.tp, lay.ac, act, moe) for moe in kinds}
+    # FSDP's bf16 parameters (param_dtype) make the residual stream, which checkpointing keeps, bf16.
+    residual = 2 if lay.zero else None
+    per_layer = {
+        moe: layer_activation_bytes(cfg, work.seq_len, tokens, lay.tp, lay.ac, act, moe, residual) for moe in kinds
+    }
     per_layer.setdefault(True, 0.0)
     deferred = deferred_grad_sync(lay) and m > 1
     worst = None
@@ -439,16 +469,16 @@ def memory(
             )
         ]
         acts = in_flight(lay, r, m) * ((layers - n_moe) * per_layer[False] + n_moe * per_layer[True])
-        unsharded_fp32 = lay.zero == 0 and act.fp32_weights_unsharded
-        if lay.ac == "full" and unsharded_fp32:  # the checkpointed inputs are the fp32 residual stream
-            acts *= RESIDUAL_BYTES / PLANNER_VALUE_BYTES
-        if lay.ac == "full":  # backward rematerialises one checkpointed block at a time
+        # Backward rematerialises one checkpointed block at a time (under selective, all but what the
+        # policy kept; counted whole, at most one layer's kept bytes too many).
+        if lay.ac != "none":
             acts += layer_activation_bytes(cfg, work.seq_len, tokens, lay.tp, "none", act, n_moe > 0)
         block = max(
             block_params(cfg, lay, False) if layers > n_moe else 0.0, block_params(cfg, lay, True) if n_moe else 0.0
         )
         # FSDP's unsharded working set: bf16 weights of the current and the prefetched block, and the
         # current block's fp32 gradients before their reduce-scatter (counted in grads when deferred).
+        unsharded_fp32 = lay.zero == 0 and act.fp32_weights_unsharded
         buffers = {3: block * 2 * 2, 2: 0.0}.get(lay.zero, 0.0) + (block * 4 if lay.zero >= 2 and not deferred else 0.0)
         if unsharded_fp32:  # autocast's 16-bit copies of the rank's matmul weights (kiln.parallel.plan_check)
             buffers += 2 * rank_autocast_params(cfg, lay, layers, n_moe, r)

@@ -5,15 +5,13 @@ Torch-free, like the planner; docs/plan.md, "Checked against the trainer".
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass, replace
 
 from kiln.errors import ConfigError
 from kiln.model.config import ModelConfig
 from kiln.parallel.plan import (
     KILN,
     PLANNER_VALUE_BYTES,
-    RESIDUAL_BYTES,
     is_moe,
     layer_activation_bytes,
     layer_autocast_params,
@@ -31,9 +29,9 @@ TRAINER_PARAM_BYTES, TRAINER_GRAD_BYTES = 4, 4
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "lion": 4}
 # Bytes per value of each train.precision (kiln.train.precision.PRECISION_DTYPES): what autocast
 # computes, casts weights to and saves activations in. The residual stream stays float32 (the fp32
-# weights' dtype, RESIDUAL_BYTES), so it is what a checkpointed block keeps.
+# weights' dtype, KILN.residual_bytes), so it is what a checkpointed block keeps.
 PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-# Float32 statistics a stored block also keeps per token, which layer_activation_bytes leaves out
+# Float32 statistics a stored block also keeps per token, counted here rather than by layer_activation_bytes
 # (under 1% of a block's bytes at h >= 1024): SDPA's logsumexp per head and each RMSNorm's
 # reciprocal RMS (kiln.model.activations counts both).
 STAT_BYTES = 4
@@ -62,7 +60,7 @@ class TrainerMemory:
 
     @property
     def total(self) -> float:
-        return sum(dataclasses.astuple(self))
+        return sum(astuple(self))
 
 
 def trainer_memory(
@@ -95,9 +93,13 @@ def trainer_memory(
         # them: inside a checkpointed block, during its forward or its recomputation alone.
         cast -= moe_layer_count(cfg) * routed_expert_params(cfg)
     tokens = micro_batch * seq_len
-    # A checkpointed block keeps the fp32 residual stream; stored blocks keep compute-dtype values.
-    scale = (RESIDUAL_BYTES if ac == "full" else value) / PLANNER_VALUE_BYTES
-    acts = sum(layer_activation_bytes(cfg, seq_len, tokens, 1, ac, KILN, is_moe(cfg, i)) for i in range(cfg.n_layers))
+    # A checkpointed block keeps the fp32 residual stream (KILN.residual_bytes, already in bytes);
+    # stored blocks keep compute-dtype values. The float32 statistics are counted below, unscaled.
+    scale = 1 if ac == "full" else value / PLANNER_VALUE_BYTES
+    values_only = replace(KILN, statistics=False)
+    acts = sum(
+        layer_activation_bytes(cfg, seq_len, tokens, 1, ac, values_only, is_moe(cfg, i)) for i in range(cfg.n_layers)
+    )
     stats = 0 if ac == "full" else tokens * cfg.n_layers * STAT_BYTES * (cfg.n_heads + 2)
     # Under autocast the model casts its RoPE cos and sin tables to the compute dtype once per
     # forward and every block keeps them (in fp32 they are views of the model's buffers).

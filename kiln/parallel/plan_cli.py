@@ -175,7 +175,7 @@ def recipe_tables(e: Estimate, work: Workload) -> dict[str, dict]:
         if f.name in degrees or getattr(cfg, f.name) != getattr(default, f.name)
     }
     batch = e.layout.micro_batch * (e.microbatches if e.layout.pp > 1 else 1)
-    train = dict(zip(TRAIN_KEYS, (work.seq_len, work.global_batch_tokens, batch, e.layout.ac == "full")))
+    train = dict(zip(TRAIN_KEYS, (work.seq_len, work.global_batch_tokens, batch, e.layout.ac)))
     return {"parallel": parallel, "train": train}
 
 
@@ -289,7 +289,8 @@ def caveat_lines(e: Estimate, cluster: ClusterConfig) -> list[str]:
     )
     if lay.ac == "selective":
         out.append(
-            "  ac=selective (Megatron's recomputation) has no Kiln key: train.activation_checkpointing is all or nothing."
+            '  ac=selective runs as train.activation_checkpointing = "selective", Kiln\'s op-level policy (matmul and'
+            " attention outputs kept); --activations megatron counts Megatron's selective recomputation instead."
         )
     return out
 

@@ -6,11 +6,20 @@ import math
 from dataclasses import dataclass, field
 
 from kiln.errors import ConfigError
+from kiln.model.config import AC_MODES
 
 LOGGERS = ("tensorboard", "wandb", "mlflow")
 
 
 ACTIONS = ("off", "skip", "rollback")
+
+
+def refuse_bool_checkpointing(value) -> str | None:
+    """The message for a true/false `activation_checkpointing` (the key was a boolean before it
+    took a mode), or None: one spelling for each setting."""
+    if isinstance(value, bool):
+        return f'is a mode now: write "{"full" if value else "none"}" for {str(value).lower()} (modes: {", ".join(AC_MODES)})'
+    return None
 
 
 @dataclass
@@ -57,7 +66,8 @@ class TrainConfig:
     weight_decay: float = 0.1  # applied to matrices only
     grad_clip: float = 1.0  # 0: off
     precision: str = "bf16"  # fp32 | bf16 | fp16
-    activation_checkpointing: bool = False
+    # none | selective | full (kiln.parallel.parallelize.apply_activation_checkpointing)
+    activation_checkpointing: str = field(default="none", metadata={"refuse": refuse_bool_checkpointing})
     compile: bool = False
     seed: int = 1337
     log_every: int = 10
@@ -96,7 +106,11 @@ class TrainConfig:
                 f"must be a multiple of seq_len*micro_batch_size="
                 f"{self.seq_len * self.micro_batch_size}, got {self.global_batch_tokens}",
             )
+        refused = refuse_bool_checkpointing(self.activation_checkpointing)
+        if refused:
+            raise ConfigError("activation_checkpointing", refused)
         choices = {
+            "activation_checkpointing": AC_MODES,
             "optimizer": ("adamw", "lion", "adafactor"),
             "schedule": ("cosine", "wsd", "constant"),
             "precision": ("fp32", "bf16", "fp16"),

@@ -59,6 +59,21 @@ from kiln.train.watchdog import Watchdog
 # adds one more, so the hardware does 4/3 of the model FLOPs (Korthikanti et al. 2022, sec. 5). The
 # output head, which is not recomputed, makes the true factor slightly smaller.
 RECOMPUTE_FACTOR = 4 / 3
+
+
+def recompute_factor(cfg: ModelConfig, seq_len: int, mode: str) -> float:
+    """Hardware FLOPs over model FLOPs under activation checkpointing `mode`. Selective checkpointing
+    (kiln.parallel.parallelize.selective_policy) recomputes, of the matmuls and attention, only each
+    block's output projection wo: 2 * dim * n_heads * head_dim FLOPs per token per layer (the norms,
+    RoPE and SiLU it also recomputes are elementwise, which MFU does not count either)."""
+    if mode == "full":
+        return RECOMPUTE_FACTOR
+    if mode == "selective":
+        wo = 2.0 * cfg.dim * cfg.n_heads * cfg.head_dim * cfg.n_layers
+        return 1.0 + wo / flops_per_token(cfg, seq_len)
+    return 1.0
+
+
 # The first step of a session also compiles (torch.compile) and warms up allocators and
 # communicators: it gets this many times the watchdog's timeout.
 FIRST_STEP_WATCHDOG_FACTOR = 10
@@ -125,7 +140,7 @@ class Trainer:
         # Before seeding, and with its own generator: the measurement must not change the init.
         self.peak_flops = detect_peak_flops(self.device, self.compute_dtype, cfg.peak_flops)
         self.flops_per_token = flops_per_token(model_cfg, cfg.seq_len)
-        self.recompute_factor = RECOMPUTE_FACTOR if cfg.activation_checkpointing else 1.0
+        self.recompute_factor = recompute_factor(model_cfg, cfg.seq_len, cfg.activation_checkpointing)
 
         torch.manual_seed(cfg.seed)
         self.model = build_model(model_cfg, device=self.device)
@@ -170,8 +185,8 @@ class Trainer:
         # sharding hooks stay outside the graphs. Evaluation stays eager: it runs rarely.
         self._compile_loss = cfg.compile and self.layout.mesh is None
         self._compiled_loss = (None, None)  # (loss_fn it was compiled from, compiled function)
-        if cfg.activation_checkpointing and self.layout.mesh is None:
-            apply_activation_checkpointing(self.model)
+        if self.layout.mesh is None:
+            apply_activation_checkpointing(self.model, cfg.activation_checkpointing)
         # Training calls go through forward_model (the model, or its DDP wrapper); state is always
         # read from self.model, whose parameter names no wrapper prefixes.
         if self.layout.pipelined and loss_fn is not None:

@@ -1,5 +1,7 @@
-"""Saved activations per token per layer, measured with saved_tensors_hooks, against the formula in
-kiln.model.activations (Korthikanti et al. 2022, term by term for Kiln's block)."""
+"""Kept activations per token per layer, measured (saved_tensors_hooks, plus the storages the forward
+still holds: selective checkpointing's cache) against the formula in kiln.model.activations
+(Korthikanti et al. 2022, term by term for Kiln's block), without, with selective and with full
+activation checkpointing."""
 
 import dataclasses
 
@@ -21,23 +23,30 @@ def config(**overrides) -> ModelConfig:
     return ModelConfig(**{**base, **overrides})
 
 
-def measure(cfg: ModelConfig, precision: str, checkpointed: bool) -> float:
+def measure(cfg: ModelConfig, precision: str, mode: str) -> float:
     def build(n_layers: int):
         model = build_model(dataclasses.replace(cfg, n_layers=n_layers))
-        if checkpointed:
-            apply_activation_checkpointing(model)
+        apply_activation_checkpointing(model, mode)
         return model
 
     return measured_layer_activation_bytes_per_token(build, SEQ, cfg.vocab_size, lambda: autocast(precision))
 
 
-@pytest.mark.parametrize("checkpointed", [False, True], ids=["stored", "checkpointed"])
+@pytest.mark.parametrize("mode", ["none", "selective", "full"])
 @pytest.mark.parametrize("precision,value_bytes", [("fp32", 4), ("bf16", 2)])
-def test_saved_bytes_match_formula(precision, value_bytes, checkpointed):
+def test_saved_bytes_match_formula(precision, value_bytes, mode):
     cfg = config()
-    got = measure(cfg, precision, checkpointed)
-    want = layer_activation_bytes_per_token(cfg, value_bytes, checkpointed)
+    got = measure(cfg, precision, mode)
+    want = layer_activation_bytes_per_token(cfg, value_bytes, mode)
     assert got == pytest.approx(want, rel=0.01), (got / cfg.dim, want / cfg.dim)
+
+
+@pytest.mark.parametrize("overrides", [{"ffn": "gelu"}, {"qkv_bias": True}], ids=["gelu", "qkv_bias"])
+def test_selective_bytes_match_formula_across_blocks(overrides):
+    # GELU has one up-projection (w1) where SwiGLU has the fused w13; a qkv bias makes wqkv an addmm.
+    cfg = config(**overrides)
+    got = measure(cfg, "bf16", "selective")
+    assert got == pytest.approx(layer_activation_bytes_per_token(cfg, 2, "selective"), rel=0.01), got / cfg.dim
 
 
 @pytest.mark.parametrize(
@@ -47,7 +56,7 @@ def test_saved_bytes_match_formula(precision, value_bytes, checkpointed):
 )
 def test_saved_bytes_match_formula_across_blocks(overrides):
     cfg = config(**overrides)
-    assert measure(cfg, "bf16", False) == pytest.approx(layer_activation_bytes_per_token(cfg, 2), rel=0.01)
+    assert measure(cfg, "bf16", "none") == pytest.approx(layer_activation_bytes_per_token(cfg, 2), rel=0.01)
 
 
 def test_formula_worked_numbers():
@@ -59,7 +68,11 @@ def test_formula_worked_numbers():
     # dropout masks, plus the logsumexp (4 bytes per head) and the two RMS statistics.
     gpt = config(n_kv_heads=0, ffn="gelu", ffn_hidden=4 * 128)
     assert layer_activation_bytes_per_token(gpt, 2) == (34 - 2) * 128 + 4 * 8 + 8
-    assert layer_activation_bytes_per_token(gpt, 2, checkpointed=True) == 4 * 128
+    assert layer_activation_bytes_per_token(gpt, 2, "full") == 4 * 128
+    # Selective: the float32 block input 4h, wqkv's output 2*(h + 2h*kv/a), SDPA's output 2h and
+    # logsumexp 4a, w13's output 2*2f.
+    assert layer_activation_bytes_per_token(cfg, 2, "selective") == 512 + 2 * (128 + 64) + 256 + 32 + 4 * 384 == 2720
+    assert layer_activation_bytes_per_token(cfg, 2, "selective", residual_bytes=2) == 2720 - 256
 
 
 def test_formula_refuses_blocks_it_does_not_describe():

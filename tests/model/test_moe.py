@@ -310,14 +310,15 @@ def test_torch_compile_matches_eager():
     assert moe_stats(model)["dropped_frac"] > 0
 
 
-def test_activation_checkpointing_recomputes_the_same_routing():
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_activation_checkpointing_recomputes_the_same_routing(mode):
     from kiln.parallel.parallelize import apply_activation_checkpointing
 
     cfg = moe_cfg(moe_capacity_factor=1.0, moe_shared_expert=True)
     plain = build_model(cfg)
     checkpointed = build_model(cfg)
     checkpointed.load_state_dict(plain.state_dict())
-    apply_activation_checkpointing(checkpointed)
+    apply_activation_checkpointing(checkpointed, mode)
     tokens = torch.randint(0, 97, (2, 17))
     for model in (plain, checkpointed):
         logits = model(tokens[:, :-1])

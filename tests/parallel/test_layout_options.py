@@ -132,7 +132,7 @@ def _one_rank_fsdp(cfg: ParallelConfig, seed: int = 0):
         dims.build_mesh("cpu"),
         cfg,
         compute_dtype=torch.float32,
-        activation_checkpointing=False,
+        activation_checkpointing="none",
         compile_blocks=False,
     )
     return model

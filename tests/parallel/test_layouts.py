@@ -158,6 +158,17 @@ def test_layout_matches_single_process(case, pack, reference, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["fsdp", "tp_sp", "cp_ring", "pp_1f1b"])
+def test_selective_checkpointing_matches_single_process(case, pack, reference, tmp_path):
+    # Selective checkpointing under each parallelism (its policy keeps TP's reduce-scatters, CP's
+    # attention runs again in backward, each pipeline stage checkpoints its own blocks) trains like
+    # the single process without checkpointing.
+    nproc, parallel, dp = CASES[case]
+    launch(pack, tmp_path, nproc, parallel, train={"activation_checkpointing": "selective"})
+    assert_same_training(tmp_path, reference(dp))
+
+
 @pytest.mark.parametrize("case", ["fsdp", "pp_1f1b"])
 def test_whole_split_validation_under_a_layout(case, pack, tmp_path):
     """The default validation, every window once, on ranks that must all run the same forwards: the

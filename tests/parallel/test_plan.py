@@ -83,7 +83,8 @@ def test_activations_reproduce_korthikanti_formula():
     flash = dataclasses.replace(MEGATRON, flash=True)
     assert layer_activation_bytes(cfg, s, s * b, 8, "none", flash) == pytest.approx(34 * sbh / 8)
     # PyTorch's sequence parallelism keeps the all-gathered inputs of the qkv and first MLP matmuls.
-    gathered = ActivationModel(flash=True, dropout=True, sp_gathered_inputs=True)
+    # (statistics=False: Korthikanti's count leaves out the per-row norm and logsumexp statistics.)
+    gathered = ActivationModel(flash=True, dropout=True, sp_gathered_inputs=True, statistics=False)
     assert layer_activation_bytes(cfg, s, s * b, 8, "none", gathered) == pytest.approx(sbh * (30 / 8 + 4))
 
 

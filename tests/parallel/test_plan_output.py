@@ -38,6 +38,12 @@ CASES = {
     ),
     "8b-tp": (["--preset", "8b", "--layout", "tp=4,ac=full"], 'preset = "8b"\nvocab_size = 128256', (1, 8)),
     "tiny": (["--preset", "tiny", "--gpus-per-node", "2", "--seq-len", "256"], 'preset = "tiny"', (1, 2)),
+    # Kiln's op-level selective checkpointing has a key now: the table says "selective".
+    "tiny-selective": (
+        ["--preset", "tiny", "--gpus-per-node", "2", "--seq-len", "256", "--layout", "ac=selective"],
+        'preset = "tiny"',
+        (1, 2),
+    ),
 }
 
 
@@ -91,7 +97,7 @@ def test_printed_tables_load_as_a_recipe_and_launch(case, capsys, tmp_path):
         best.layout.pp,
         best.layout.cp,
     )
-    assert train.activation_checkpointing == (best.layout.ac == "full")
+    assert train.activation_checkpointing == best.layout.ac
     # The trainer's batch geometry (kiln/train/trainer.py) and the pipeline's split (kiln/parallel/pipeline.py).
     dp = par.dp_replicate * par.dp_shard
     per_micro_step = train.seq_len * train.micro_batch_size * dp

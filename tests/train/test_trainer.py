@@ -76,7 +76,7 @@ def test_group_grad_norms_add_up_to_the_global_norm(pack, tmp_path):
 
 def test_hfu_counts_the_recomputed_forward(pack, tmp_path):
     out = tmp_path / "run"
-    summary = Trainer(MODEL, tiny_train_config(max_steps=3, activation_checkpointing=True), pack, out).fit()
+    summary = Trainer(MODEL, tiny_train_config(max_steps=3, activation_checkpointing="full"), pack, out).fit()
     for r in _records(out, "train"):
         assert r["hfu"] == pytest.approx(r["mfu"] * 4 / 3) and r["mfu"] > 0
     assert summary["hfu"] == pytest.approx(summary["mfu"] * 4 / 3)
@@ -158,7 +158,7 @@ def test_accumulation_weights_uneven_micro_batches_by_tokens(pack, tmp_path):
 def test_activation_checkpointing_gives_same_step(pack, tmp_path):
     batch = _batch(4)
     _, plain = _one_step(pack, tmp_path / "a", tiny_train_config(), batch, 4)
-    _, recomputed = _one_step(pack, tmp_path / "b", tiny_train_config(activation_checkpointing=True), batch, 4)
+    _, recomputed = _one_step(pack, tmp_path / "b", tiny_train_config(activation_checkpointing="full"), batch, 4)
     for name in plain:
         assert torch.equal(plain[name], recomputed[name]), name
 
