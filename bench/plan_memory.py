@@ -51,7 +51,7 @@ def main() -> None:
     )
     for name, cfg in models.items():
         for precision in ("fp32", "bf16"):
-            for ac in (False, True):
+            for ac in ("none", "full"):
                 train = TrainConfig(
                     seq_len=args.seq,
                     micro_batch_size=args.micro_batch,
@@ -62,7 +62,7 @@ def main() -> None:
                 )
                 with tempfile.TemporaryDirectory() as out:
                     rows = check_config(cfg, train, out)
-                print(f"\n{name}, {precision}, ac={'full' if ac else 'none'}\n{format_rows(rows)}")
+                print(f"\n{name}, {precision}, ac={ac}\n{format_rows(rows)}")
 
 
 if __name__ == "__main__":

@@ -177,7 +177,7 @@ def predicted_step(trainer) -> TrainerMemory:
         precision=cfg.precision,
         micro_batch=cfg.micro_batch_size,
         seq_len=cfg.seq_len,
-        ac="full" if cfg.activation_checkpointing else "none",
+        ac=cfg.activation_checkpointing,
         optimizer=cfg.optimizer,
     )
 
