@@ -502,8 +502,8 @@ def candidates(cfg: ModelConfig, cluster: ClusterConfig, work: Workload, act: Ac
     """The layouts the search considers: tp over the divisors of a node, pp over the divisors of
     what is left (up to n_layers), cp where each rank keeps >= 2048 tokens, then DDP, FSDP (ZeRO 1, 2,
     3) or HSDP (a node-sized shard group) for the data-parallel rest, ep over the divisors of
-    n_experts that fit in dp_shard*cp, activation checkpointing off or full (and selective where
-    attention is not flash), micro-batches dividing each replica's batch, and 1F1B or interleaved
+    n_experts that fit in dp_shard*cp, activation checkpointing off, selective (Kiln's op-level policy, or
+    Megatron's where attention is not flash) or full, micro-batches dividing each replica's batch, and 1F1B or interleaved
     1F1B with 2, 4 or 8 stages per rank."""
     world, moe = cluster.world, moe_layer_count(cfg) > 0
     for tp in [t for t in _divisors(cluster.gpus_per_node) if world % t == 0]:
@@ -521,7 +521,7 @@ def candidates(cfg: ModelConfig, cluster: ClusterConfig, work: Workload, act: Ac
                 for rep, shard, zero in sorted(splits):
                     eps = [e for e in _divisors(cfg.n_experts) if (shard * cp) % e == 0] if moe else [1]
                     for ep in eps:
-                        for ac in ("none", "full") if act.flash else AC_MODES:
+                        for ac in AC_MODES if act.op_selective or not act.flash else ("none", "full"):
                             for mb in [b for b in (1, 2, 4, 8, 16, 32, 64) if per_replica % b == 0]:
                                 for v in stages:
                                     yield Layout(

@@ -14,10 +14,13 @@ from kiln.errors import ConfigError
 from kiln.model.config import PRESETS, preset
 from kiln.parallel.hardware import GB, NCCL_BASE_LATENCY, ClusterConfig
 from kiln.parallel.plan import (
+    AC_MODES,
+    KILN,
     MEGATRON,
     ActivationModel,
     Layout,
     Workload,
+    candidates,
     in_flight,
     layer_activation_bytes,
     layout_problems,
@@ -34,6 +37,7 @@ from kiln.parallel.plan_time import (
     _ring,
     budget,
     estimate,
+    layer_seconds_per_token,
     plan,
 )
 from kiln.pipeline import run as run_plan  # the plan verb: its recipe is read in the top layer
@@ -152,10 +156,12 @@ def test_llama3_405b_published_layouts(gpus, cp, dp, seq, published_mfu):
     best = result.ranked[0]
     assert best.memory.total <= 80 * GB
     # The published run trained without activation checkpointing; Kiln's activations (PyTorch
-    # sequence parallelism keeps gathered matmul inputs) need it for this mesh, and the recomputation
-    # costs MFU: below the published figure, which the calibration test matches (+-5 points) without it.
-    assert best.layout.ac == "full"
-    assert published_mfu - MFU_BAND <= best.mfu < published_mfu, best.layout.label()
+    # sequence parallelism keeps gathered matmul inputs) need some for this mesh: the cheapest is the
+    # op-level selective policy (one h x h matmul rerun per block), whose cost the calibration test
+    # (+-5 points, without checkpointing) does not see, so the band here is the wider one.
+    assert best.layout.ac == "selective"
+    assert abs(best.mfu - published_mfu) <= MFU_BAND, best.layout.label()
+    assert all(e.layout.ac != "none" for e in result.ranked)
 
 
 def test_megatron_gpt3_175b_on_64_a100():
@@ -366,3 +372,16 @@ def test_zero_levels_map_to_distinct_fsdp_configs_or_are_refused():
     assert Layout(dp_shard=8, pp=8, zero=1).to_parallel_config(8).grad_sync == "per_microbatch"
     full, sharded = (memory(cfg, Layout(dp_shard=8, pp=8, zero=z), Workload(8192, 64 * 8192)) for z in (1, 3))
     assert sharded.grads == pytest.approx(full.grads)  # both accumulate each stage's full gradients
+
+
+def test_kiln_selective_reruns_the_output_projection_and_the_memory_bound_ops():
+    # kiln.parallel.parallelize.selective_policy keeps wqkv's, w13's and SDPA's outputs: backward
+    # reruns wo (2 * h * h FLOPs per token) and the elementwise ops (a third of their HBM traffic).
+    cfg, cluster = preset("8b", vocab_size=128256), ClusterConfig("h100", 8, 1)
+    per = {ac: layer_seconds_per_token(cfg, 8192, cluster, ac) for ac in AC_MODES}
+    wo = 2.0 * cfg.n_heads * cfg.head_dim * cfg.dim / (cluster.peak_flops * cluster.matmul_efficiency)
+    assert per["none"] + wo < per["selective"] < per["full"]
+    t_mem = 3 * layer_activation_bytes(cfg, 8192, 1, 1, "none", KILN) / cluster.spec.hbm_bw
+    assert per["selective"] == pytest.approx(per["none"] + wo + t_mem / 3)
+    # The search tries it for Kiln's model (and Megatron's only where attention is not flash).
+    assert {lay.ac for lay in candidates(cfg, cluster, Workload(8192, 2**22))} == set(AC_MODES)
