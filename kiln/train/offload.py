@@ -207,10 +207,7 @@ class NVMeAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = torch.enable_grad()(closure)() if closure is not None else None
         todo = [c for c in self.chunks if any(s.param.grad is not None for s in c.slices)]
         reads = {}
 

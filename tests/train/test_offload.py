@@ -4,8 +4,8 @@ import copy
 
 import pytest
 import torch
+from kiln_testing.optim import Small
 from kiln_testing.train import tiny_train_config
-from torch import nn
 
 from kiln.errors import ConfigError
 from kiln.model import ModelConfig
@@ -18,22 +18,6 @@ from kiln.train.trainer import Trainer
 
 LRS = (1e-2, 5e-3, 2e-3, 1e-3, 1e-4, 3e-3, 7e-4)
 HYPER = dict(lr=1e-2, betas=(0.8, 0.9), eps=1e-6)
-
-
-class Small(nn.Module):
-    """Both parameter groups (matrices decayed; embedding, norm and biases not) and a parameter
-    that never receives a gradient, which AdamW must leave without state."""
-
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Embedding(11, 6)
-        self.norm = nn.LayerNorm(6)
-        self.proj = nn.Linear(6, 5)
-        self.head = nn.Linear(5, 11, bias=False)
-        self.unused = nn.Parameter(torch.randn(3, 4))
-
-    def forward(self, x):
-        return self.head(self.proj(self.norm(self.emb(x))))
 
 
 def _steps(model, opt, steps: range):
@@ -65,14 +49,14 @@ def _assert_same(model, reference, opt, ref_opt):
 # puts several small parameters in one chunk; 1 MiB keeps each parameter group in one chunk.
 @pytest.mark.parametrize("chunk_bytes", [200, 1 << 20])
 def test_matches_torch_adamw_bit_for_bit(tmp_path, chunk_bytes):
-    model = Small()
+    model = Small(unused=True)
     reference = copy.deepcopy(model)
     opt = _nvme(model, tmp_path, chunk_bytes)
     # torch's single-tensor reference loop, not the foreach path the offloaded update takes.
     ref_opt = torch.optim.AdamW(param_groups(reference, 0.3), **HYPER, foreach=False)
     _steps(model, opt, range(5))
     _steps(reference, ref_opt, range(5))
-    assert not torch.equal(model.proj.weight, Small().proj.weight)
+    assert not torch.equal(model.proj.weight, Small(unused=True).proj.weight)
     ref_opt.param_groups[0]["foreach"] = ref_opt.param_groups[1]["foreach"] = True  # only the path differs
     _assert_same(model, reference, opt, ref_opt)
     assert (len(opt.chunks) > 2) == (chunk_bytes == 200)
@@ -84,7 +68,7 @@ def test_matches_torch_adamw_bit_for_bit(tmp_path, chunk_bytes):
 
 
 def test_resume_through_a_checkpoint_equals_uninterrupted(tmp_path):
-    model = Small()
+    model = Small(unused=True)
     reference = copy.deepcopy(model)
     ref_opt = torch.optim.AdamW(param_groups(reference, 0.3), **HYPER, foreach=True)
     _steps(reference, ref_opt, range(7))
@@ -107,7 +91,7 @@ def test_resume_through_a_checkpoint_equals_uninterrupted(tmp_path):
 
 def test_close_removes_only_its_own_files(tmp_path):
     (tmp_path / "earlier.bin").write_bytes(b"kept")
-    model = Small()
+    model = Small(unused=True)
     opt = _nvme(model, tmp_path, 200)
     _steps(model, opt, range(1))
     assert opt.folder.parent == tmp_path and any(opt.folder.iterdir())
@@ -148,4 +132,4 @@ def test_refusals(tmp_path):
     blocker.write_text("")
     cfg = TrainConfig(optimizer_offload="nvme", optimizer_offload_dir=str(blocker / "swap"))
     with pytest.raises(ConfigError, match=rf"^optimizer_offload_dir: {blocker / 'swap'}: cannot write swap files"):
-        build_optimizer(Small(), cfg)
+        build_optimizer(Small(unused=True), cfg)
