@@ -106,10 +106,13 @@ def test_trainer_nvme_equals_in_memory_and_resumes(tmp_path, tiny_pack_factory):
     pack = tiny_pack_factory(tmp_path / "pack")
     nvme = dict(optimizer_offload="nvme", optimizer_offload_chunk_mb=1)
     Trainer(MODEL, tiny_train_config(weight_decay=0.1), pack, tmp_path / "mem").fit()
-    Trainer(MODEL, tiny_train_config(weight_decay=0.1, **nvme), pack, tmp_path / "nvme").fit()
+    # Held, so that fit() and not the optimizer's garbage collection must remove the swap folder.
+    offloaded = Trainer(MODEL, tiny_train_config(weight_decay=0.1, **nvme), pack, tmp_path / "nvme")
+    offloaded.fit()
     # Resumed from the offloaded run's step-4 checkpoint in a fresh folder: the state is in it.
     step4 = tmp_path / "nvme" / "checkpoints" / "step-00000004"
-    Trainer(MODEL, tiny_train_config(weight_decay=0.1, **nvme), pack, tmp_path / "resumed", resume=str(step4)).fit()
+    resumed = Trainer(MODEL, tiny_train_config(weight_decay=0.1, **nvme), pack, tmp_path / "resumed", resume=str(step4))
+    resumed.fit()
     _, want, _ = load_weights(tmp_path / "mem")
     for run in ("nvme", "resumed"):
         _, got, manifest = load_weights(tmp_path / run)
@@ -118,6 +121,7 @@ def test_trainer_nvme_equals_in_memory_and_resumes(tmp_path, tiny_pack_factory):
             assert torch.equal(got[name], tensor), (run, name)
         # The swap folder is gone once fit() returns; the offload folder itself stays.
         assert list((tmp_path / run / "optimizer_offload").iterdir()) == []
+    assert isinstance(offloaded.optimizer, NVMeAdamW) and isinstance(resumed.optimizer, NVMeAdamW)
 
 
 def test_refusals(tmp_path):
