@@ -158,8 +158,14 @@ class NVMeAdamW(torch.optim.Optimizer):
         return self._moments(chunk, buffer)
 
     def _write(self, chunk: _Chunk, buffer: torch.Tensor) -> None:
-        with open(chunk.path, "wb") as f:
-            f.write(memoryview(buffer[: chunk.nbytes].numpy()))
+        try:
+            with open(chunk.path, "wb") as f:
+                f.write(memoryview(buffer[: chunk.nbytes].numpy()))
+        except OSError as err:
+            # A full disk fails in write(), whose error names no file: name the swap file, so the
+            # CLI's one line (kiln.files.os_error_line) says where.
+            err.filename = err.filename or str(chunk.path)
+            raise
         chunk.written = True
 
     # ---- the step --------------------------------------------------------------------------------
