@@ -55,6 +55,10 @@ class TrainConfig:
     global_batch_tokens: int = 16384  # tokens per optimizer step, across ranks and accumulation
     max_steps: int = 300
     optimizer: str = "adamw"  # adamw | lion | adafactor
+    # nvme: AdamW's moments live in files and stream through memory a chunk at a time (docs/offload.md)
+    optimizer_offload: str = "none"  # none | nvme
+    optimizer_offload_dir: str = ""  # nvme: folder for the swap files; "": <stage folder>/optimizer_offload
+    optimizer_offload_chunk_mb: int = 0  # nvme: optimizer state per streamed chunk, MiB; 0: 64
     lr: float = 3e-3
     min_lr_ratio: float = 0.1  # final lr = lr * min_lr_ratio
     warmup_steps: int = 30
@@ -112,6 +116,7 @@ class TrainConfig:
         choices = {
             "activation_checkpointing": AC_MODES,
             "optimizer": ("adamw", "lion", "adafactor"),
+            "optimizer_offload": ("none", "nvme"),
             "schedule": ("cosine", "wsd", "constant"),
             "precision": ("fp32", "bf16", "fp16"),
         }
@@ -145,6 +150,7 @@ class TrainConfig:
         ):
             if not 0 <= getattr(self, key) < math.inf:  # also refuses NaN
                 raise ConfigError(key, f"must be a finite number >= 0, got {getattr(self, key)}")
+        self._validate_offload()
         for name in self.loggers:
             if name not in LOGGERS:
                 raise ConfigError(
@@ -170,3 +176,13 @@ class TrainConfig:
             self.guard.validate()
         except ConfigError as err:
             raise err.within("guard") from None
+
+    def _validate_offload(self) -> None:
+        if self.optimizer_offload == "nvme" and self.optimizer != "adamw":
+            raise ConfigError("optimizer_offload", f"nvme offloads AdamW's state only; optimizer is {self.optimizer!r}")
+        if self.optimizer_offload_chunk_mb < 0:
+            raise ConfigError("optimizer_offload_chunk_mb", f"must be >= 0, got {self.optimizer_offload_chunk_mb}")
+        if self.optimizer_offload == "none":
+            for key in ("optimizer_offload_dir", "optimizer_offload_chunk_mb"):
+                if getattr(self, key):
+                    raise ConfigError(key, "is set but optimizer_offload is 'none' (set it to 'nvme' to offload)")

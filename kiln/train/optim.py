@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from torch import nn
 
 from kiln.errors import ConfigError
 from kiln.train.config import TrainConfig
+from kiln.train.offload import DEFAULT_CHUNK_MB, NVMeAdamW
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -35,11 +38,12 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [g for g in groups if g["params"]]
 
 
-def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, cfg: TrainConfig, offload_dir=None) -> torch.optim.Optimizer:
     """The optimizer named by cfg.optimizer, over `param_groups(model, cfg.weight_decay)`.
 
     The learning rate set here is the peak; the trainer overwrites group["lr"] every step
-    from the schedule (kiln.train.schedule.lr_at).
+    from the schedule (kiln.train.schedule.lr_at). With cfg.optimizer_offload = "nvme", AdamW's
+    moments go to swap files under cfg.optimizer_offload_dir, or offload_dir when that is empty.
     """
     groups = param_groups(model, cfg.weight_decay)
     if not groups:
@@ -51,6 +55,8 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer
         # bit-equality with torch's reference), and the optimizer step is a small share of a step.
         devices = {p.device.type for g in groups for p in g["params"]}
         foreach = devices <= {"cpu", "cuda"}
+        if cfg.optimizer_offload == "nvme":
+            return _nvme_adamw(groups, cfg, offload_dir, foreach)
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=foreach)
     if cfg.optimizer == "lion":
         return Lion(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
@@ -59,6 +65,27 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer
         # lr caps its relative step size (min(lr, 1/sqrt(t)) times the parameter RMS).
         return torch.optim.Adafactor(groups, lr=cfg.lr)
     raise ConfigError("optimizer", f"must be one of adamw, lion, adafactor, got {cfg.optimizer!r}")
+
+
+def _nvme_adamw(groups: list[dict], cfg: TrainConfig, offload_dir, foreach: bool) -> NVMeAdamW:
+    target = cfg.optimizer_offload_dir or offload_dir
+    if not target:
+        raise ConfigError("optimizer_offload_dir", "nvme offload needs a folder for its swap files")
+    folder = Path(target)
+    try:
+        return NVMeAdamW(
+            groups,
+            folder,
+            lr=cfg.lr,
+            betas=(cfg.beta1, cfg.beta2),
+            eps=cfg.eps,
+            chunk_bytes=(cfg.optimizer_offload_chunk_mb or DEFAULT_CHUNK_MB) << 20,
+            foreach=foreach,
+        )
+    except OSError as err:
+        raise ConfigError(
+            "optimizer_offload_dir", f"{folder}: cannot write swap files there ({err.strerror or err})"
+        ) from None
 
 
 class Lion(torch.optim.Optimizer):

@@ -48,6 +48,7 @@ from kiln.train.metrics import (
     truncate_metrics,
 )
 from kiln.train.objective import LossFn, next_token_loss
+from kiln.train.offload import NVMeAdamW
 from kiln.train.optim import build_optimizer
 from kiln.train.precision import PRECISION_DTYPES, autocast
 from kiln.train.schedule import lr_at
@@ -120,6 +121,12 @@ class Trainer:
         self.layout = Layout(parallel, model_cfg, self.device)
         self.rank, self.world_size = self.layout.rank, self.layout.world_size
         self.is_main = self.rank == 0
+        if cfg.optimizer_offload == "nvme" and self.layout.sharded:
+            raise ConfigError(
+                "optimizer_offload",
+                "nvme streams the state of whole (unsharded) parameters; with FSDP or tensor "
+                "parallelism use parallel.offload (CPU offload) instead",
+            )
 
         self._batch_geometry()
         self.train_loader, self.val_loader = data if data is not None else self._pack_loaders()
@@ -194,7 +201,7 @@ class Trainer:
         self.model, self.forward_model = self.layout.parallelize(
             self.model, self.compute_dtype, cfg.activation_checkpointing, compile_blocks=cfg.compile
         )
-        self.optimizer = build_optimizer(self.model, cfg)
+        self.optimizer = build_optimizer(self.model, cfg, offload_dir=self.out_dir / "optimizer_offload")
         self.resumed_from = self._resume(found, init_from) if found is not None else None
         self.metrics = self._metrics_logger() if self.is_main else None
         for source in {id(s): s for s in (self.train_loader, self.val_loader)}.values():
@@ -522,6 +529,8 @@ class Trainer:
             return self._fit()
         finally:
             self.watchdog.close()
+            if isinstance(self.optimizer, NVMeAdamW):
+                self.optimizer.close()  # its swap files; the checkpoints hold the state
 
     def accum_at(self, step: int) -> int:
         """Micro-batches of optimizer step `step` (0-based): during the batch ramp the global batch

@@ -2,23 +2,12 @@ import copy
 
 import pytest
 import torch
+from kiln_testing.optim import Small
 from torch import nn
 
 from kiln.model import ModelConfig, build_model
 from kiln.train.config import TrainConfig
 from kiln.train.optim import Lion, build_optimizer, param_groups
-
-
-class Small(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Embedding(11, 6)
-        self.norm = nn.LayerNorm(6)
-        self.proj = nn.Linear(6, 5)
-        self.head = nn.Linear(5, 11, bias=False)
-
-    def forward(self, x):
-        return self.head(self.proj(self.norm(self.emb(x))))
 
 
 def _loss(model, step):

@@ -42,7 +42,9 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def _launch(pack: Path, out: Path, precision: str, kill_at: int = 0, compile: bool = False) -> subprocess.Popen:
+def _launch(
+    pack: Path, out: Path, precision: str, kill_at: int = 0, compile: bool = False, offload: str = "none"
+) -> subprocess.Popen:
     args = {
         "model": {"dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 16},
         # Accumulation (2 micro-batches) and warmup+cosine so that every piece of state matters.
@@ -62,6 +64,7 @@ def _launch(pack: Path, out: Path, precision: str, kill_at: int = 0, compile: bo
             "peak_flops": 1e12,
             "threads": 1,
             "compile": compile,
+            "optimizer_offload": offload,
         },
         "pack": str(pack),
         "out": str(out),
@@ -90,21 +93,24 @@ def _log(out: Path) -> list[dict]:
 
 
 @pytest.mark.parametrize(
-    "precision, compile",
+    "precision, compile, offload",
     [
-        ("fp32", False),
-        ("bf16", False),
+        ("fp32", False, "none"),
+        ("bf16", False, "none"),
         # torch.compile (of the loss function with the model inside) must not break exactness either.
-        pytest.param("bf16", True, marks=pytest.mark.slow),
+        pytest.param("bf16", True, "none", marks=pytest.mark.slow),
+        # AdamW's moments in swap files: the killed run's swap folder is stale, the checkpoint holds
+        # the state, and the uninterrupted run it is compared with keeps its state in memory.
+        pytest.param("fp32", False, "nvme", marks=pytest.mark.slow),
     ],
 )
-def test_killed_and_resumed_run_equals_uninterrupted(tmp_path, precision, compile, tiny_pack_factory):
+def test_killed_and_resumed_run_equals_uninterrupted(tmp_path, precision, compile, offload, tiny_pack_factory):
     pack = tiny_pack_factory(tmp_path / "pack")
     straight, crashed = tmp_path / "straight", tmp_path / "crashed"
     # The two first runs are independent: run them side by side.
     procs = [
         _launch(pack, straight, precision, compile=compile),
-        _launch(pack, crashed, precision, kill_at=8, compile=compile),
+        _launch(pack, crashed, precision, kill_at=8, compile=compile, offload=offload),
     ]
     assert [_finish(p) for p in procs] == [0, -signal.SIGKILL]
 
@@ -117,7 +123,11 @@ def test_killed_and_resumed_run_equals_uninterrupted(tmp_path, precision, compil
     assert max(r["step"] for r in killed_log) == 8  # it trained past the checkpoint it resumes from
     assert not (crashed / "summary.json").exists()
 
-    assert _finish(_launch(pack, crashed, precision, compile=compile)) == 0
+    stale = sorted((crashed / "optimizer_offload").glob("kiln-optim-*"))
+    assert len(stale) == (offload == "nvme")
+    assert _finish(_launch(pack, crashed, precision, compile=compile, offload=offload)) == 0
+    if offload == "nvme":  # the resumed run removed its own swap folder, and only that
+        assert sorted((crashed / "optimizer_offload").iterdir()) == stale
     summary = json.loads((crashed / "summary.json").read_text())
     assert summary["resumed_from"].endswith("step-00000006")
     assert not (root / ".tmp-step-00000008").exists()
