@@ -1,5 +1,8 @@
 """Tokens/s and MFU of Kiln's ~1B preset trained with FSDP2 + torch.compile + bf16 (and fp8 where
 torchao and an fp8-capable GPU are present), printed next to torchtitan's published per-GPU numbers.
+The fp8 run converts the model with the trainer's own kiln.train.precision.convert_to_fp8
+(train.precision = "fp8": block linears to torchao's Float8Linear, head in bf16) under the
+trainer's autocast, with --fp8-recipe as train.fp8_recipe.
 
 Prepared for a short GPU lease (one H200, ~5 minutes of wall time): synthetic tokens (nothing is
 downloaded or read from disk), PRESETS["1b"] (Llama 3.2 1B's shape) with Llama 3's 128,256-token
@@ -220,7 +223,7 @@ def main() -> None:
         "--fp8",
         choices=("auto", "on", "off"),
         default="auto",
-        help="auto: also run fp8 where torchao and the GPU allow it",
+        help="auto: also run fp8 where torchao and the device allow it (an fp8 GPU, or CPU under --smoke)",
     )
     parser.add_argument(
         "--fp8-recipe", choices=FP8_RECIPES, default="tensorwise", help="torchao's float8 scaling (train.fp8_recipe)"
