@@ -1,5 +1,8 @@
 """Tokens/s and MFU of Kiln's ~1B preset trained with FSDP2 + torch.compile + bf16 (and fp8 where
 torchao and an fp8-capable GPU are present), printed next to torchtitan's published per-GPU numbers.
+The fp8 run converts the model with the trainer's own kiln.train.precision.convert_to_fp8
+(train.precision = "fp8": block linears to torchao's Float8Linear, head in bf16) under the
+trainer's autocast, with --fp8-recipe as train.fp8_recipe.
 
 Prepared for a short GPU lease (one H200, ~5 minutes of wall time): synthetic tokens (nothing is
 downloaded or read from disk), PRESETS["1b"] (Llama 3.2 1B's shape) with Llama 3's 128,256-token
@@ -44,10 +47,11 @@ from kiln.model import build_model, count_params, flops_per_token, preset  # noq
 from kiln.parallel.config import ParallelConfig  # noqa: E402
 from kiln.parallel.grad import clip_grad_norm  # noqa: E402
 from kiln.parallel.parallelize import apply_compile, apply_fsdp  # noqa: E402
-from kiln.train.config import TrainConfig  # noqa: E402
+from kiln.train.config import FP8_RECIPES, TrainConfig  # noqa: E402
 from kiln.train.metrics import detect_peak_flops  # noqa: E402
 from kiln.train.objective import next_token_loss  # noqa: E402
 from kiln.train.optim import build_optimizer  # noqa: E402
+from kiln.train.precision import autocast, convert_to_fp8, fp8_device_problem  # noqa: E402
 
 LLAMA3_VOCAB = 128256
 GiB = 2**30
@@ -84,35 +88,17 @@ def setup(smoke: bool):
 
 
 def fp8_status(device: torch.device) -> str | None:
-    """None when fp8 training can run here, else why not."""
-    if device.type != "cuda":
-        return "fp8 needs a CUDA GPU"
-    if torch.cuda.get_device_capability(device) < (8, 9):
-        return f"fp8 needs compute capability >= 8.9, this GPU has {torch.cuda.get_device_capability(device)}"
+    """None when fp8 training can run here, else why not: Kiln's own device check (CUDA capability
+    8.9+, or CPU) and whether torchao imports."""
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    problem = fp8_device_problem(device.type, capability)
+    if problem:
+        return problem
     try:
         importlib.import_module("torchao.float8")
     except ImportError as err:
-        return f"torchao is not importable ({err})"
+        return f"torchao is not importable ({err}); pip install 'kiln[fp8]'"
     return None
-
-
-def convert_fp8(model: torch.nn.Module) -> int:
-    """torchao's dynamic-scaling Float8Linear for every block linear (not the output head, as
-    torchtitan filters it out); returns how many were converted."""
-    from torchao.float8 import convert_to_float8_training
-
-    def wanted(module, fqn: str) -> bool:
-        return (
-            isinstance(module, torch.nn.Linear)
-            and fqn.startswith("layers.")
-            and module.in_features % 16 == 0
-            and module.out_features % 16 == 0
-        )
-
-    convert_to_float8_training(model, module_filter_fn=wanted)
-    from torchao.float8.float8_linear import Float8Linear
-
-    return sum(isinstance(m, Float8Linear) for m in model.modules())
 
 
 def sync(device: torch.device) -> None:
@@ -125,7 +111,8 @@ def run(name: str, cfg, args, device, rank: int, world: int, fp8: bool, peak: fl
 
     torch.manual_seed(0)
     model = build_model(cfg, device=device)
-    converted = convert_fp8(model) if fp8 else 0
+    # The trainer's conversion (kiln.train.precision): block linears to Float8Linear, head in bf16.
+    converted = convert_to_fp8(model, args.fp8_recipe)[0] if fp8 else 0
     if args.compile:
         apply_compile(model)  # before FSDP, as kiln.parallel.parallelize orders them
     mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp_shard",))
@@ -136,7 +123,7 @@ def run(name: str, cfg, args, device, rank: int, world: int, fp8: bool, peak: fl
 
     def step() -> torch.Tensor:
         tokens = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), device=device, generator=generator)
-        with torch.autocast(device.type, dtype=torch.bfloat16):
+        with autocast("fp8" if fp8 else "bf16", device):
             loss, _ = next_token_loss(model, (tokens[:, :-1], tokens[:, 1:]))
         loss.backward()
         clip_grad_norm(params, 1.0)
@@ -165,6 +152,7 @@ def run(name: str, cfg, args, device, rank: int, world: int, fp8: bool, peak: fl
     result = {
         "name": name,
         "fp8_linears": converted,
+        "fp8_recipe": args.fp8_recipe if fp8 else None,
         "compile": args.compile,
         "world": world,
         "batch": args.batch,
@@ -235,7 +223,10 @@ def main() -> None:
         "--fp8",
         choices=("auto", "on", "off"),
         default="auto",
-        help="auto: also run fp8 where torchao and the GPU allow it",
+        help="auto: also run fp8 where torchao and the device allow it (an fp8 GPU, or CPU under --smoke)",
+    )
+    parser.add_argument(
+        "--fp8-recipe", choices=FP8_RECIPES, default="tensorwise", help="torchao's float8 scaling (train.fp8_recipe)"
     )
     parser.add_argument(
         "--budget-s",
@@ -272,7 +263,8 @@ def main() -> None:
     if args.fp8 != "off" and why_not is None:
         spent = time.perf_counter() - start
         if args.fp8 == "on" or spent * 2 < args.budget_s:
-            results.append(run("FSDP2 + compile + fp8 (torchao)", cfg, args, device, rank, world, True, peak))
+            name = f"FSDP2{' + compile' if args.compile else ''} + fp8 {args.fp8_recipe} (torchao)"
+            results.append(run(name, cfg, args, device, rank, world, True, peak))
             log(json.dumps(results[-1]), flush=True)
         else:
             log(f"fp8 skipped: the bf16 run took {spent:.0f} s of the {args.budget_s:.0f} s budget", flush=True)

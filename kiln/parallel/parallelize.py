@@ -1,5 +1,8 @@
 """Apply parallelism to a plain Kiln Transformer from outside, in torchtitan's order:
 tensor (+ sequence) parallel -> activation checkpointing -> compile -> FSDP2 or DDP.
+With train.precision = "fp8" the trainer has already swapped the block linears for torchao's
+Float8Linear (kiln.train.precision.convert_to_fp8), as torchtitan converts before all of these;
+FSDP2 then all-gathers their bf16 weights and each matmul casts to float8 itself.
 
 The model file knows nothing of this: every function here rewrites modules in place (DTensor
 parameters, hooks, wrappers) while keeping parameter names, so a checkpoint saved under one layout

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from kiln.errors import ConfigError
 from kiln.model.config import AC_MODES
 
+FP8_RECIPES = ("tensorwise", "rowwise")  # torchao's float8 training recipes Kiln offers
+
 LOGGERS = ("tensorboard", "wandb", "mlflow")
 
 
@@ -69,7 +71,8 @@ class TrainConfig:
     eps: float = 1e-8
     weight_decay: float = 0.1  # applied to matrices only
     grad_clip: float = 1.0  # 0: off
-    precision: str = "bf16"  # fp32 | bf16 | fp16
+    precision: str = "bf16"  # fp32 | bf16 | fp16 | fp8 (torchao float8 block linears, bf16 elsewhere)
+    fp8_recipe: str = ""  # precision = "fp8" only: tensorwise | rowwise; "": tensorwise
     # none | selective | full (kiln.parallel.parallelize.apply_activation_checkpointing)
     activation_checkpointing: str = field(default="none", metadata={"refuse": refuse_bool_checkpointing})
     compile: bool = False
@@ -118,11 +121,15 @@ class TrainConfig:
             "optimizer": ("adamw", "lion", "adafactor"),
             "optimizer_offload": ("none", "nvme"),
             "schedule": ("cosine", "wsd", "constant"),
-            "precision": ("fp32", "bf16", "fp16"),
+            "precision": ("fp32", "bf16", "fp16", "fp8"),
         }
         for key, allowed in choices.items():
             if getattr(self, key) not in allowed:
                 raise ConfigError(key, f"must be one of {', '.join(allowed)}, got {getattr(self, key)!r}")
+        if self.fp8_recipe and self.precision != "fp8":
+            raise ConfigError("fp8_recipe", f'applies only with precision = "fp8", got precision = {self.precision!r}')
+        if self.fp8_recipe not in ("", *FP8_RECIPES):
+            raise ConfigError("fp8_recipe", f"must be one of {', '.join(FP8_RECIPES)}, got {self.fp8_recipe!r}")
         # Written as `not low < x < high` so that NaN (every comparison false) is refused as well: a
         # TrainConfig built in Python skips the recipe's refusal of non-finite numbers.
         for key in ("lr", "eps"):

@@ -50,7 +50,7 @@ from kiln.train.metrics import (
 from kiln.train.objective import LossFn, next_token_loss
 from kiln.train.offload import NVMeAdamW
 from kiln.train.optim import build_optimizer
-from kiln.train.precision import PRECISION_DTYPES, autocast
+from kiln.train.precision import PRECISION_DTYPES, autocast, check_fp8_device, convert_to_fp8
 from kiln.train.schedule import lr_at
 from kiln.train.system import system_metrics
 from kiln.train.watchdog import Watchdog
@@ -144,6 +144,8 @@ class Trainer:
         self.model_cfg = model_cfg
 
         self.compute_dtype = PRECISION_DTYPES[cfg.precision]
+        if cfg.precision == "fp8":
+            self._check_fp8_layout()
         # Before seeding, and with its own generator: the measurement must not change the init.
         self.peak_flops = detect_peak_flops(self.device, self.compute_dtype, cfg.peak_flops)
         self.flops_per_token = flops_per_token(model_cfg, cfg.seq_len)
@@ -180,6 +182,15 @@ class Trainer:
             prepare_model(self.model)
         if found is not None and found[2] is not None:
             self.model.load_state_dict(found[2])
+        # fp8 swaps block linears for Float8Linear before checkpointing, compile and sharding wrap
+        # them (torchtitan's order); the swap keeps parameter names, so it may follow the loads.
+        self.fp8_linears = 0
+        if cfg.precision == "fp8":
+            self.fp8_linears, left_out = convert_to_fp8(self.model, cfg.fp8_recipe)
+            if left_out and self.is_main:
+                print(
+                    f"fp8: {len(left_out)} block linears keep bf16 (a dim not divisible by 16): {', '.join(left_out)}"
+                )
         # Layer groups of the trained parameters, from the whole model (a pipeline rank later holds
         # only its stages), so every rank computes the same groups' norms.
         present = {grad_group(n) for n, p in self.model.named_parameters() if p.requires_grad}
@@ -209,6 +220,14 @@ class Trainer:
                 source.bind(self)
 
     # ---- setup -----------------------------------------------------------------------------------
+
+    def _check_fp8_layout(self) -> None:
+        """fp8's refusals that the device and the layout decide, before anything is built."""
+        check_fp8_device(self.device)
+        if self.layout.dims.tp > 1:
+            # Kiln's tensor-parallel plan shards nn.Linear weights; Float8Linear would need torchao's
+            # float8 TP styles in its place, which Kiln does not apply.
+            raise ConfigError("parallel.tp", 'tensor parallelism is not combined with precision = "fp8"; use tp = 1')
 
     def _batch_geometry(self) -> None:
         """Micro-batches per optimizer step (accum_steps) and at the start of the batch ramp.
@@ -658,6 +677,7 @@ class Trainer:
             "accum_steps": self.accum_steps,
             "pipeline_bubble": self.layout.bubble_fraction(),
             "precision": self.cfg.precision,
+            "fp8_linears": self.fp8_linears,
             "device": str(self.device),
             "guard_events": self.guard.events,
             "lr_scale": self.lr_scale,
