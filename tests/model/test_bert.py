@@ -128,3 +128,21 @@ def test_config_refuses_by_name(bad, key):
     with pytest.raises(ConfigError) as err:
         Bert(BertConfig(**{**SHAPE, **bad}))
     assert err.value.key == key
+
+
+def test_recipe_arch_picks_the_family():
+    from pathlib import Path
+
+    from kiln.recipe import load_recipe
+
+    recipe = Path(__file__).resolve().parents[2] / "recipes" / "tiny-bert.toml"
+    assert isinstance(load_recipe(recipe).model, BertConfig)
+    assert type(load_recipe(None, ["model.arch=decoder"]).model).__name__ == "ModelConfig"
+    for override, key in [
+        ("model.arch=gpt", "model.arch"),
+        ("model.n_kv_heads=2", "model.n_kv_heads"),  # a decoder key is no BERT key
+        ('run.stages=["pretrain","sample"]', "run.stages"),  # a BERT does not generate
+    ]:
+        with pytest.raises(ConfigError) as err:
+            load_recipe(recipe, [override])
+        assert err.value.key == key
