@@ -23,10 +23,11 @@ from pathlib import Path
 
 import torch
 
+from kiln import hf_bert
 from kiln.checkpoint import read_safetensors, save_weights, write_safetensors
 from kiln.data.chat import ChatTokens, has_kiln_chat_tokens, hf_tokenizer_config_extra
 from kiln.data.readers import read_json
-from kiln.data.tokenizer import HF_TOKENIZER_FILES, Tokenizer, find_tokenizer
+from kiln.data.tokenizer import HF_TOKENIZER_FILES, MASK, Tokenizer, find_tokenizer
 from kiln.errors import ConfigError, DataError
 from kiln.files import copy_file_atomic, write_text_atomic
 from kiln.hf_moe import (
@@ -38,7 +39,7 @@ from kiln.hf_moe import (
     moe_layer_to_hf,
     moe_model_type,
 )
-from kiln.model.config import ModelConfig
+from kiln.model.config import ModelConfig, arch_of
 from kiln.model.transformer import fuse_gate_up, fuse_qkv, split_gate_up, split_qkv
 from kiln.peft.load import plain_weights
 
@@ -151,6 +152,8 @@ def _kiln_tokenizer_config(tok: Tokenizer, model_cfg: ModelConfig, chat: bool) -
         "model_max_length": model_cfg.max_seq_len,
         "clean_up_tokenization_spaces": False,
     }
+    if tok.hf.token_to_id(MASK) is not None:  # what a masked-LM pipeline (fill-mask) predicts at
+        tok_config["mask_token"] = MASK
     if has_kiln_chat_tokens(tok):
         # The chat template travels with every export, so apply_chat_template gives Kiln's ids; a
         # chat model (chat=True) also stops generating at the end of its turn.
@@ -190,8 +193,11 @@ def export_hf(
 ) -> Path:
     """Write a transformers-loadable folder. tokenizer_path (tokenizer.json or a folder holding it)
     may be None to export weights only. Tensors keep the dtype they have in state_dict."""
-    _check_exportable(model_cfg)
     out = Path(out_dir)
+    if arch_of(model_cfg) == "bert":
+        out.mkdir(parents=True, exist_ok=True)
+        return _export_bert(model_cfg, state_dict, tokenizer_path, out)
+    _check_exportable(model_cfg)
     out.mkdir(parents=True, exist_ok=True)
     tensors = kiln_to_hf_state(model_cfg, state_dict)
     dtype = tensors["model.embed_tokens.weight"].dtype
@@ -226,12 +232,28 @@ def export_hf(
     elif model_type != "mixtral":
         config.update(use_sliding_window=False, sliding_window=None, max_window_layers=model_cfg.n_layers)
     config.update(moe_config_fields(model_cfg))
+    return _write_folder(out, tensors, config, special_ids)
+
+
+def _write_folder(out: Path, tensors: dict, config: dict, special_ids: dict) -> Path:
     # Weights first, config.json last: a folder transformers can open has all of its files.
     write_safetensors(tensors, out / "model.safetensors")
     generation = {"_from_model_config": True, **special_ids}
     write_text_atomic(out / "generation_config.json", json.dumps(generation, indent=2) + "\n")
     write_text_atomic(out / "config.json", json.dumps(config, indent=2) + "\n")
     return out
+
+
+def _export_bert(cfg, state_dict: dict, tokenizer_path, out: Path) -> Path:
+    """A Kiln BERT as a BertForMaskedLM (or BertForSequenceClassification) folder."""
+    tensors = hf_bert.kiln_to_hf_state(cfg, state_dict)
+    special_ids = {} if tokenizer_path is None else _write_tokenizer(tokenizer_path, cfg, out, chat=False)
+    pad = Tokenizer.load(tokenizer_path).pad_id if tokenizer_path is not None else None
+    config = hf_bert.hf_config(cfg, pad)
+    dtype = tensors["bert.embeddings.word_embeddings.weight"].dtype
+    config["torch_dtype"] = DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
+    config.update({k: v for k, v in special_ids.items() if k != "pad_token_id"})
+    return _write_folder(out, tensors, config, special_ids)
 
 
 # ---- import -------------------------------------------------------------------------------------
@@ -242,7 +264,9 @@ def config_from_hf(hf: dict, where: str) -> ModelConfig:
     represent."""
     model_type = hf.get("model_type")
     if model_type not in ARCHITECTURES:
-        raise DataError(f"{where}: model_type {model_type!r} is not supported; Kiln imports {', '.join(ARCHITECTURES)}")
+        raise DataError(
+            f"{where}: model_type {model_type!r} is not supported; Kiln imports {', '.join(ARCHITECTURES)} and bert"
+        )
 
     def refuse(key: str, why: str):
         raise DataError(f"{where}: {key}={hf.get(key)!r}: {why}")
@@ -329,20 +353,21 @@ def _load_safetensors(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def import_hf(folder) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """(ModelConfig, Kiln state_dict) of a local Llama, Mistral, Qwen2, Mixtral or Qwen2-MoE folder, in the
-    checkpoint's dtype."""
+    """(model config, Kiln state_dict) of a local Llama, Mistral, Qwen2, Mixtral, Qwen2-MoE or BERT
+    folder (a BertConfig for BERT), in the checkpoint's dtype."""
     folder = Path(folder)
     if not folder.is_dir():
         raise DataError(f"{folder}: not a folder")
     config_path = folder / "config.json"
     hf = read_json(config_path)
+    bert = hf.get("model_type") == "bert"
     try:
-        cfg = config_from_hf(hf, str(config_path))
+        cfg = (hf_bert.config_from_hf if bert else config_from_hf)(hf, str(config_path))
     except KeyError as err:
         raise DataError(f"{config_path}: missing key {err.args[0]!r}") from None
     except ConfigError as err:
         raise DataError(f"{config_path}: {err}") from None
-    state = hf_to_kiln_state(cfg, _load_safetensors(folder), str(folder))
+    state = (hf_bert.hf_to_kiln_state if bert else hf_to_kiln_state)(cfg, _load_safetensors(folder), str(folder))
     return cfg, state
 
 
@@ -395,7 +420,9 @@ def add_parser(subparsers) -> None:
 
     p = subparsers.add_parser("import", help="import a checkpoint from another format")
     fmt = p.add_subparsers(dest="format", required=True, metavar="FORMAT")
-    i = fmt.add_parser("hf", help="local Llama / Mistral / Qwen2 / Mixtral / Qwen2-MoE folder into a Kiln checkpoint")
+    i = fmt.add_parser(
+        "hf", help="local Llama / Mistral / Qwen2 / Mixtral / Qwen2-MoE / BERT folder into a Kiln checkpoint"
+    )
     i.add_argument("folder")
     i.add_argument("out")
 

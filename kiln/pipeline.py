@@ -26,6 +26,7 @@ from kiln.data.pack import pack
 from kiln.data.tokenizer import Tokenizer, train_tokenizer_from_corpus
 from kiln.errors import ConfigError, DataError
 from kiln.files import write_text_atomic
+from kiln.model.config import arch_of
 from kiln.parallel.dims import check_job_options, init_distributed
 from kiln.parallel.launch import add_launch_parser, run_launch
 from kiln.parallel.plan import Workload
@@ -279,8 +280,12 @@ def resolved_model_config(recipe: Recipe):
 
 
 def _pretrain(recipe: Recipe, out: Path, resume: str = "auto", init_from: str | None = None, **_) -> dict:
+    from kiln.train.objective import masked_lm_objective  # lazy: torch, for model stages only
     from kiln.train.trainer import Trainer  # lazy: torch, for model stages only
 
+    objective = {}
+    if arch_of(recipe.model) == "bert":
+        objective = masked_lm_objective(Tokenizer.load(stage_dir(recipe, "tokenizer")), recipe.train.seed)
     trainer = Trainer(
         resolved_model_config(recipe),
         recipe.train,
@@ -290,6 +295,7 @@ def _pretrain(recipe: Recipe, out: Path, resume: str = "auto", init_from: str | 
         resume=resume,
         init_from=init_from,
         parallel=recipe.parallel,
+        **objective,
     )
     return trainer.fit()
 

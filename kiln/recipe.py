@@ -18,7 +18,7 @@ from kiln.config import build, parse_override, read_toml, set_dotted, show_key
 from kiln.data.config import CorpusConfig, CurateConfig, PackConfig, TokenizerConfig
 from kiln.errors import ConfigError
 from kiln.infer.config import SampleConfig
-from kiln.model.config import ModelConfig
+from kiln.model.config import ModelConfig, arch_of, model_family
 from kiln.parallel.config import ParallelConfig
 from kiln.peft.config import PeftConfig
 from kiln.post.config import DistillConfig, DPOConfig, GRPOConfig, PPOConfig, RMConfig, SFTConfig, TaskConfig
@@ -49,7 +49,7 @@ class Recipe:
     data: CurateConfig = field(default_factory=CurateConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     pack: PackConfig = field(default_factory=PackConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)  # or BertConfig: [model] arch picks
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)
@@ -74,6 +74,14 @@ class Recipe:
                 raise err.within(f.name) from None
         if self.model.pos == "learned" and self.train.seq_len > self.model.max_seq_len:
             raise ConfigError("train.seq_len", f"exceeds model.max_seq_len={self.model.max_seq_len}")
+        if arch_of(self.model) != "decoder":
+            generative = [s for s in self.run.stages if s == "sample" or s in POST_STAGES]
+            if generative:
+                raise ConfigError(
+                    "run.stages",
+                    f"{', '.join(generative)} need a decoder; model.arch = {arch_of(self.model)!r} runs "
+                    f"corpus, data, tokenizer, pack and pretrain",
+                )
 
 
 def load_recipe(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
@@ -100,6 +108,11 @@ def recipe_from_dict(raw: dict[str, Any]) -> Recipe:
         if not isinstance(table, dict):
             raise ConfigError(name, "must be a table")
         cls = typing.get_type_hints(Recipe)[name]
+        if name == "model":  # `arch` picks the family's config class (the decoder's by default)
+            try:
+                cls, table = model_family(table)
+            except ConfigError as err:
+                raise err.within(name) from None
         sections[name] = build(cls, table, name)
     return Recipe(**sections)
 

@@ -36,9 +36,13 @@ SPECIAL_TOKENS: list[str] = [
     "<|user|>",
     "<|assistant|>",
     "<|end|>",  # ... and ends with this one
-    *[f"<|reserved_{k}|>" for k in range(10)],  # for later stages (tools, images, FIM) without a new vocab
+    # What masked-language modelling puts in place of a token to predict (BERT's [MASK]). It took the
+    # first reserved slot: every other id stays where it was.
+    "<|mask|>",
+    *[f"<|reserved_{k}|>" for k in range(9)],  # for later stages (tools, images, FIM) without a new vocab
 ]
 EOT = "<|endoftext|>"
+MASK = "<|mask|>"
 
 # The GPT-4 (cl100k) pre-split: contractions, letter runs with one leading non-letter, numbers in
 # groups of at most three digits, punctuation runs, and whitespace kept apart from words except a

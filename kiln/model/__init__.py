@@ -11,9 +11,10 @@ _MODEL_NAMES = ("Transformer", "build_model", "count_params", "flops_per_token")
 
 def __getattr__(name: str):
     if name in _MODEL_NAMES:
-        from kiln.model import transformer  # torch loads on first use, not when a recipe is parsed
+        # Building and counting go through the family dispatch: they take a config of any arch.
+        from kiln.model import families, transformer  # torch: on first use, not when a recipe is parsed
 
-        return getattr(transformer, name)
+        return getattr(families if hasattr(families, name) else transformer, name)
     raise AttributeError(f"module 'kiln.model' has no attribute {name!r}")
 
 

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from kiln.errors import ConfigError
+from kiln.model.bert_config import BertConfig
 
 # What a checkpointed block keeps for backward (train.activation_checkpointing): everything, what the
 # op-level policy keeps (kiln.parallel.parallelize.selective_policy), or only its input. Here, the
@@ -184,3 +185,25 @@ def preset(name: str, **overrides) -> ModelConfig:
     if name not in PRESETS:
         raise ConfigError("preset", f"unknown preset {name!r}; known: {', '.join(PRESETS)}")
     return replace(PRESETS[name], preset=name, **overrides)
+
+
+# ---- model families: `[model] arch` -------------------------------------------------------------
+
+# The decoder's ModelConfig has no `arch` field, so its recipes and checkpoints read as before; every
+# other family's config stores its name in `arch`.
+FAMILIES: dict[str, type] = {"decoder": ModelConfig, "bert": BertConfig}
+
+
+def model_family(table: dict) -> tuple[type, dict]:
+    """(config class, the table without `arch` for the decoder) of a [model] table or a checkpoint's
+    model_config: `arch` names the family, "decoder" when absent."""
+    arch = table.get("arch", "decoder")
+    if not isinstance(arch, str) or arch not in FAMILIES:
+        raise ConfigError("arch", f"unknown model family {arch!r}; known: {', '.join(FAMILIES)}")
+    cls = FAMILIES[arch]
+    return cls, ({k: v for k, v in table.items() if k != "arch"} if cls is ModelConfig else table)
+
+
+def arch_of(cfg) -> str:
+    """The family name of a model config (a ModelConfig is the decoder)."""
+    return getattr(cfg, "arch", "decoder")

@@ -155,14 +155,14 @@ GRAD_GROUPS = ("embed", "attn", "mlp", "norm", "head", "other")
 
 
 def grad_group(name: str) -> str:
-    """The layer group of a parameter, from its name in kiln.model.Transformer (also under LoRA or
-    a wrapper's prefix): token/position embeddings, attention, feed-forward (MoE included), norms
+    """The layer group of a parameter, from its name in kiln.model.Transformer or Bert (also under
+    LoRA or a wrapper's prefix): token/position/type embeddings, attention, feed-forward (MoE), norms
     (q/k norms inside attention too), the output head (a reward model's scalar head too), the rest."""
     parts = name.split(".")
     modules = parts[:-1]
     if any(p == "norm" or p.endswith("_norm") for p in modules):
         return "norm"
-    if any(p in ("tok_embeddings", "pos_embeddings") for p in modules):
+    if any(p in ("tok_embeddings", "pos_embeddings", "type_embeddings") for p in modules):
         return "embed"
     if "attn" in modules:
         return "attn"

@@ -9,6 +9,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from kiln.data.mlm import IGNORE_INDEX, MaskedLMSource, Masker
+from kiln.data.tokenizer import Tokenizer
 from kiln.model.moe import moe_aux_loss
 
 LossFn = Callable[[torch.nn.Module, tuple], tuple[torch.Tensor, int]]
@@ -27,3 +29,32 @@ def next_token_loss(model: torch.nn.Module, batch: tuple) -> tuple[torch.Tensor,
         if aux is not None:
             loss = loss + aux
     return loss, targets.numel()
+
+
+# ---- encoder objectives (kiln/model/bert.py) --------------------------------------------------
+
+
+def masked_lm_loss(model: torch.nn.Module, batch: tuple) -> tuple[torch.Tensor, int]:
+    """batch: (masked inputs, labels) from kiln.data.mlm.MaskedLMSource; the mean cross entropy over
+    the selected tokens (labels other than IGNORE_INDEX), and their number."""
+    inputs, labels = batch
+    logits = model(inputs)
+    counted = int((labels != IGNORE_INDEX).sum())
+    # Summed and divided by the count, so a batch where no token was selected gives 0, not NaN.
+    total = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+    return total / max(counted, 1), counted
+
+
+def classification_loss(model: torch.nn.Module, batch: tuple) -> tuple[torch.Tensor, int]:
+    """batch: (tokens, attention_mask, labels) rows of kiln.data.mlm.classification_rows; the mean
+    cross entropy over the sequences, and their number."""
+    tokens, attention_mask, labels = batch
+    logits = model(tokens, attention_mask)
+    return F.cross_entropy(logits.float(), labels), labels.numel()
+
+
+def masked_lm_objective(tokenizer: Tokenizer, seed: int) -> dict:
+    """The Trainer arguments that pretrain a BERT on a pack: the masked-LM loss, and the pack's
+    sources masked with the tokenizer's <|mask|> (refused when it has none) under `seed`."""
+    masker = Masker.for_tokenizer(tokenizer, seed)
+    return {"loss_fn": masked_lm_loss, "wrap_data": lambda source: MaskedLMSource(source, masker)}

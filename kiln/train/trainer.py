@@ -32,6 +32,7 @@ from kiln.data.loader import TokenLoader
 from kiln.errors import ConfigError
 from kiln.files import write_text_atomic
 from kiln.model import ModelConfig, build_model, count_params, flops_per_token
+from kiln.model.config import arch_of
 from kiln.model.weights import model_config_from_dict, upgrade_layout
 from kiln.parallel.config import ParallelConfig
 from kiln.parallel.layout import Layout
@@ -102,12 +103,18 @@ class Trainer:
         prepare_model: Callable[[torch.nn.Module], object] | None = None,
         eval_loss_fn: LossFn | None = None,
         after_fit: Callable[[Trainer], object] | None = None,
+        wrap_data: Callable[[object], object] | None = None,
     ):
         """`data`: a stage's own (train, val) batch sources instead of the pack's; a source with a
         `bind(trainer)` method is bound to this trainer once it is built (online sources sample
         from the live model). `after_fit(trainer)` runs at the end of fit(), while the metrics
-        logger is still open."""
+        logger is still open. `wrap_data(source)`: the pack's train and val sources as the
+        objective reads them (masked-LM masking for BERT: kiln.train.objective.masked_lm_objective).
+        A model_cfg of another family than the decoder ([model] arch) needs its loss_fn."""
         train_cfg.validate()
+        arch = arch_of(model_cfg)
+        if arch != "decoder" and loss_fn is None:
+            raise ConfigError("model.arch", f"{arch!r} has no next-token objective; pass its loss_fn")
         cfg = self.cfg = train_cfg
         self.pack_dir = Path(pack_dir) if pack_dir is not None else None
         self.out_dir = Path(out_dir)
@@ -119,6 +126,11 @@ class Trainer:
         if cfg.threads > 0:
             torch.set_num_threads(cfg.threads)
         self.layout = Layout(parallel, model_cfg, self.device)
+        if arch != "decoder" and (self.layout.world_size > 1 or self.layout.one_rank_fsdp):
+            # The parallel layouts (kiln.parallel) split the decoder's modules.
+            raise ConfigError(
+                "parallel", f"model.arch = {arch!r} trains on one process; parallel layouts are decoder-only"
+            )
         self.rank, self.world_size = self.layout.rank, self.layout.world_size
         self.is_main = self.rank == 0
         if cfg.optimizer_offload == "nvme" and self.layout.sharded:
@@ -130,6 +142,8 @@ class Trainer:
 
         self._batch_geometry()
         self.train_loader, self.val_loader = data if data is not None else self._pack_loaders()
+        if wrap_data is not None:
+            self.train_loader, self.val_loader = wrap_data(self.train_loader), wrap_data(self.val_loader)
 
         if model_cfg.vocab_size == 0:
             model_cfg = dataclasses.replace(model_cfg, vocab_size=self.train_loader.vocab_size)

@@ -53,7 +53,7 @@ def test_special_tokens_come_first_and_vocab_is_exact(trained):
     tok = Tokenizer.load(out)
     assert [tok.token_id(s) for s in SPECIAL_TOKENS] == list(range(len(SPECIAL_TOKENS)))
     assert tok.eot_id == tok.token_id("<|endoftext|>") == 0
-    for name in ("<|pad|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>", "<|reserved_0|>"):
+    for name in ("<|pad|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>", "<|mask|>", "<|reserved_0|>"):
         assert name in SPECIAL_TOKENS
     assert tok.vocab_size == stats["vocab_size"] == 600
     assert tok.sha256 == hashlib.sha256((out / "tokenizer.json").read_bytes()).hexdigest() == stats["tokenizer_sha256"]

@@ -8,9 +8,13 @@ from pathlib import Path
 import numpy as np
 
 
-def make_tiny_pack(root: Path, vocab: int = 64, train_docs: int = 200, val_docs: int = 40) -> Path:
+def make_tiny_pack(
+    root: Path, vocab: int = 64, train_docs: int = 200, val_docs: int = 40, step: int = 5, offset: int = 3
+) -> Path:
     """A pack in the contract's layout whose documents follow a fixed successor rule
-    (t -> 5t+3 mod vocab), so a model can learn it and the loss must fall."""
+    (t -> (step*t + offset) mod (vocab-1) + 1), so a model can learn it and the loss must fall.
+    step=1, offset=-1 repeats one token through each document: its whole context says what a
+    masked token is."""
     rng = np.random.default_rng(0)
     for split, docs in (("train", train_docs), ("val", val_docs)):
         tokens = []
@@ -18,7 +22,7 @@ def make_tiny_pack(root: Path, vocab: int = 64, train_docs: int = 200, val_docs:
             t = int(rng.integers(1, vocab))
             for _ in range(int(rng.integers(10, 60))):
                 tokens.append(t)
-                t = (5 * t + 3) % (vocab - 1) + 1
+                t = (step * t + offset) % (vocab - 1) + 1
             tokens.append(0)  # end of document
         (root / split).mkdir(parents=True)
         np.asarray(tokens, dtype="<u2").tofile(root / split / "synthetic-00000.bin")

@@ -1,0 +1,22 @@
+"""build_model, count_params and flops_per_token for a config of any model family ([model] arch):
+each family's module (kiln/model/transformer.py, kiln/model/bert.py) defines the three."""
+
+from __future__ import annotations
+
+from kiln.model import bert, transformer
+from kiln.model.config import arch_of
+
+MODULES = {"decoder": transformer, "bert": bert}
+
+
+def build_model(cfg, device="cpu"):
+    return MODULES[arch_of(cfg)].build_model(cfg, device=device)
+
+
+def count_params(model_or_cfg, non_embedding: bool = False, active: bool = False) -> int:
+    cfg = getattr(model_or_cfg, "cfg", model_or_cfg)
+    return MODULES[arch_of(cfg)].count_params(model_or_cfg, non_embedding=non_embedding, active=active)
+
+
+def flops_per_token(cfg, seq_len: int) -> float:
+    return MODULES[arch_of(cfg)].flops_per_token(cfg, seq_len)
