@@ -26,6 +26,7 @@ from kiln.data.pack import pack
 from kiln.data.tokenizer import Tokenizer, train_tokenizer_from_corpus
 from kiln.errors import ConfigError, DataError
 from kiln.files import write_text_atomic
+from kiln.model.t5_config import T5Config
 from kiln.parallel.dims import check_job_options, init_distributed
 from kiln.parallel.launch import add_launch_parser, run_launch
 from kiln.parallel.plan import Workload
@@ -279,10 +280,16 @@ def resolved_model_config(recipe: Recipe):
 
 
 def _pretrain(recipe: Recipe, out: Path, resume: str = "auto", init_from: str | None = None, **_) -> dict:
+    from kiln.train.seq2seq import t5_trainer_kwargs  # lazy: torch, for model stages only
     from kiln.train.trainer import Trainer  # lazy: torch, for model stages only
 
+    model_cfg = resolved_model_config(recipe)
+    family = {}
+    if isinstance(model_cfg, T5Config):  # span corruption and the seq2seq loss instead of next-token
+        tokenizer = stage_dir(recipe, "tokenizer") / "tokenizer.json"
+        family = t5_trainer_kwargs(stage_dir(recipe, "pack"), tokenizer, recipe.train, model_cfg, _rank_and_world()[1])
     trainer = Trainer(
-        resolved_model_config(recipe),
+        model_cfg,
         recipe.train,
         stage_dir(recipe, "pack"),
         out,
@@ -290,6 +297,7 @@ def _pretrain(recipe: Recipe, out: Path, resume: str = "auto", init_from: str | 
         resume=resume,
         init_from=init_from,
         parallel=recipe.parallel,
+        **family,
     )
     return trainer.fit()
 

@@ -18,6 +18,7 @@ from kiln.config import build, parse_override, read_toml, set_dotted, show_key
 from kiln.data.config import CorpusConfig, CurateConfig, PackConfig, TokenizerConfig
 from kiln.errors import ConfigError
 from kiln.infer.config import SampleConfig
+from kiln.model.arch import config_class
 from kiln.model.config import ModelConfig
 from kiln.parallel.config import ParallelConfig
 from kiln.peft.config import PeftConfig
@@ -49,7 +50,7 @@ class Recipe:
     data: CurateConfig = field(default_factory=CurateConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     pack: PackConfig = field(default_factory=PackConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)  # a T5Config when [model] arch = "t5"
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)
@@ -72,7 +73,7 @@ class Recipe:
                 getattr(self, f.name).validate()
             except ConfigError as err:
                 raise err.within(f.name) from None
-        if self.model.pos == "learned" and self.train.seq_len > self.model.max_seq_len:
+        if getattr(self.model, "pos", None) == "learned" and self.train.seq_len > self.model.max_seq_len:
             raise ConfigError("train.seq_len", f"exceeds model.max_seq_len={self.model.max_seq_len}")
 
 
@@ -100,6 +101,11 @@ def recipe_from_dict(raw: dict[str, Any]) -> Recipe:
         if not isinstance(table, dict):
             raise ConfigError(name, "must be a table")
         cls = typing.get_type_hints(Recipe)[name]
+        if name == "model":  # the model family decides which config the table fills
+            try:
+                cls = config_class(table.get("arch", "decoder"))
+            except ConfigError as err:
+                raise err.within(name) from None
         sections[name] = build(cls, table, name)
     return Recipe(**sections)
 

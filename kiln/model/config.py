@@ -10,6 +10,7 @@ from kiln.errors import ConfigError
 
 @dataclass
 class ModelConfig:
+    arch: str = "decoder"  # decoder | t5: the model family (kiln.model.arch picks the config class)
     preset: str = ""  # start from PRESETS[preset]; other keys in the recipe override it
     vocab_size: int = 0  # 0: take the trained tokenizer's size
     dim: int = 256
@@ -76,6 +77,8 @@ class ModelConfig:
         return preset(name)
 
     def validate(self) -> None:
+        if self.arch != "decoder":
+            raise ConfigError("arch", f"a ModelConfig has arch = 'decoder', got {self.arch!r}")
         for key in ("dim", "n_layers", "n_heads", "max_seq_len", "multiple_of"):
             if getattr(self, key) <= 0:
                 raise ConfigError(key, f"must be positive, got {getattr(self, key)}")

@@ -27,3 +27,13 @@ def next_token_loss(model: torch.nn.Module, batch: tuple) -> tuple[torch.Tensor,
         if aux is not None:
             loss = loss + aux
     return loss, targets.numel()
+
+
+def seq2seq_loss(model: torch.nn.Module, batch: tuple) -> tuple[torch.Tensor, int]:
+    """An encoder-decoder's loss: batch (encoder input [B, S], decoder input [B, T], labels [B, T]),
+    as kiln.data.span.SpanCorruptionSource gives; labels of -100 are not counted."""
+    inputs, decoder_inputs, labels = batch
+    logits = model(inputs, decoder_inputs)
+    counted = labels != -100
+    loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
+    return loss, counted.sum()
