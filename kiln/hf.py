@@ -1,7 +1,9 @@
 """Hugging Face checkpoints in and out: config.json + safetensors + tokenizer.
 
 Export writes a folder that `transformers` (LlamaForCausalLM, or Qwen2ForCausalLM when the model has
-q/k/v biases) and vLLM load as is. Import reads Llama, Mistral and Qwen2 folders.
+q/k/v biases) and vLLM load as is. Import reads Llama, Mistral and Qwen2 folders. A T5 checkpoint
+([model] arch = "t5") exports as, and a T5 folder imports from, T5ForConditionalGeneration; its
+names and config live in kiln/hf_t5.py.
 
 Weight layout: Kiln's RoPE pairs dimension i with i + head_dim/2 ("rotate half"), the layout HF Llama
 checkpoints are already stored in, so q/k rows are copied unchanged both ways. (Meta's original
@@ -27,7 +29,9 @@ from kiln.data.readers import read_json
 from kiln.data.tokenizer import HF_TOKENIZER_FILES, Tokenizer, find_tokenizer
 from kiln.errors import ConfigError, DataError
 from kiln.files import copy_file_atomic, write_text_atomic
+from kiln.hf_t5 import hf_to_t5_state, t5_config_from_hf, t5_hf_config, t5_to_hf_state
 from kiln.model.config import ModelConfig
+from kiln.model.t5_config import T5Config
 from kiln.model.transformer import fuse_gate_up, fuse_qkv, split_gate_up, split_qkv
 from kiln.peft.load import plain_weights
 
@@ -170,8 +174,16 @@ def export_hf(
 ) -> Path:
     """Write a transformers-loadable folder. tokenizer_path (tokenizer.json or a folder holding it)
     may be None to export weights only. Tensors keep the dtype they have in state_dict."""
-    _check_exportable(model_cfg)
     out = Path(out_dir)
+    if isinstance(model_cfg, T5Config):
+        tensors = t5_to_hf_state(model_cfg, state_dict)
+        out.mkdir(parents=True, exist_ok=True)
+        if tokenizer_path is not None:
+            _write_tokenizer(tokenizer_path, model_cfg, out, chat)
+        config = t5_hf_config(model_cfg, _dtype_name(tensors["shared.weight"].dtype))
+        special_ids = {key: config[key] for key in ("pad_token_id", "eos_token_id", "decoder_start_token_id")}
+        return _write_hf_folder(out, tensors, config, special_ids)
+    _check_exportable(model_cfg)
     out.mkdir(parents=True, exist_ok=True)
     tensors = kiln_to_hf_state(model_cfg, state_dict)
     dtype = tensors["model.embed_tokens.weight"].dtype
@@ -196,7 +208,7 @@ def export_hf(
         "rope_parameters": {"rope_type": "default", "rope_theta": model_cfg.rope_theta},
         "tie_word_embeddings": model_cfg.tie_embeddings,
         "initializer_range": model_cfg.init_std,
-        "torch_dtype": DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch.")),
+        "torch_dtype": _dtype_name(dtype),
         "use_cache": True,
         **special_ids,
     }
@@ -204,6 +216,14 @@ def export_hf(
         config.update(attention_bias=False, mlp_bias=False)
     else:
         config.update(use_sliding_window=False, sliding_window=None, max_window_layers=model_cfg.n_layers)
+    return _write_hf_folder(out, tensors, config, special_ids)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
+
+
+def _write_hf_folder(out: Path, tensors: dict, config: dict, special_ids: dict) -> Path:
     # Weights first, config.json last: a folder transformers can open has all of its files.
     write_safetensors(tensors, out / "model.safetensors")
     generation = {"_from_model_config": True, **special_ids}
@@ -219,7 +239,9 @@ def config_from_hf(hf: dict, where: str) -> ModelConfig:
     """Map a Llama/Mistral/Qwen2 config.json to a ModelConfig, refusing what Kiln cannot represent."""
     model_type = hf.get("model_type")
     if model_type not in ARCHITECTURES:
-        raise DataError(f"{where}: model_type {model_type!r} is not supported; Kiln imports {', '.join(ARCHITECTURES)}")
+        raise DataError(
+            f"{where}: model_type {model_type!r} is not supported; Kiln imports {', '.join(ARCHITECTURES)}, t5"
+        )
 
     def refuse(key: str, why: str):
         raise DataError(f"{where}: {key}={hf.get(key)!r}: {why}")
@@ -304,21 +326,22 @@ def _load_safetensors(folder: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def import_hf(folder) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """(ModelConfig, Kiln state_dict) of a local Llama, Mistral or Qwen2 folder, in the checkpoint's dtype."""
+def import_hf(folder) -> tuple[ModelConfig | T5Config, dict[str, torch.Tensor]]:
+    """(model config, Kiln state_dict) of a local Llama, Mistral, Qwen2 or T5 folder, in the checkpoint's dtype."""
     folder = Path(folder)
     if not folder.is_dir():
         raise DataError(f"{folder}: not a folder")
     config_path = folder / "config.json"
     hf = read_json(config_path)
+    t5 = isinstance(hf, dict) and hf.get("model_type") == "t5"
     try:
-        cfg = config_from_hf(hf, str(config_path))
+        cfg = t5_config_from_hf(hf, str(config_path)) if t5 else config_from_hf(hf, str(config_path))
     except KeyError as err:
         raise DataError(f"{config_path}: missing key {err.args[0]!r}") from None
     except ConfigError as err:
         raise DataError(f"{config_path}: {err}") from None
-    state = hf_to_kiln_state(cfg, _load_safetensors(folder), str(folder))
-    return cfg, state
+    to_kiln = hf_to_t5_state if t5 else hf_to_kiln_state
+    return cfg, to_kiln(cfg, _load_safetensors(folder), str(folder))
 
 
 # ---- checkpoint glue (the `kiln export hf` / `kiln import hf` verbs) ----------------------------
@@ -357,7 +380,9 @@ def export_checkpoint_to_hf(ckpt_path, tokenizer_path, out_dir, chat: bool | Non
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("export", help="export a checkpoint to another format")
     fmt = p.add_subparsers(dest="format", required=True, metavar="FORMAT")
-    e = fmt.add_parser("hf", help="Hugging Face folder (LlamaForCausalLM) that transformers and vLLM load")
+    e = fmt.add_parser(
+        "hf", help="Hugging Face folder (LlamaForCausalLM, or T5ForConditionalGeneration) transformers loads"
+    )
     e.add_argument("checkpoint")
     e.add_argument("out")
     e.add_argument("--tokenizer", help="tokenizer.json (default: found next to the checkpoint)")
@@ -368,7 +393,7 @@ def add_parser(subparsers) -> None:
 
     p = subparsers.add_parser("import", help="import a checkpoint from another format")
     fmt = p.add_subparsers(dest="format", required=True, metavar="FORMAT")
-    i = fmt.add_parser("hf", help="local Llama / Mistral / Qwen2 folder into a Kiln checkpoint")
+    i = fmt.add_parser("hf", help="local Llama / Mistral / Qwen2 / T5 folder into a Kiln checkpoint")
     i.add_argument("folder")
     i.add_argument("out")
 

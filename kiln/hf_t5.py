@@ -122,7 +122,9 @@ def t5_config_from_hf(hf: dict, where: str) -> T5Config:
     pad = _int_id(hf, "pad_token_id", 0, where)
     start = _int_id(hf, "decoder_start_token_id", pad, where)
     if start != pad:
-        raise DataError(f"{where}: decoder_start_token_id={start} differs from pad_token_id={pad}; Kiln's T5 starts at pad")
+        raise DataError(
+            f"{where}: decoder_start_token_id={start} differs from pad_token_id={pad}; Kiln's T5 starts at pad"
+        )
     scale = hf.get("scale_decoder_outputs", hf.get("tie_word_embeddings", True))
     cfg = T5Config(
         vocab_size=hf["vocab_size"],

@@ -44,7 +44,9 @@ class TokenizerConfig:
         if self.vocab_size < 512:
             raise ConfigError("vocab_size", f"must be at least 512, got {self.vocab_size}")
         if not 0 <= self.sentinels <= self.vocab_size - 512:
-            raise ConfigError("sentinels", f"must be in 0..vocab_size - 512 = {self.vocab_size - 512}, got {self.sentinels}")
+            raise ConfigError(
+                "sentinels", f"must be in 0..vocab_size - 512 = {self.vocab_size - 512}, got {self.sentinels}"
+            )
         if self.min_frequency < 1:
             raise ConfigError("min_frequency", f"must be >= 1, got {self.min_frequency}")
         if not 0 < self.heldout_fraction < 0.5:

@@ -78,7 +78,9 @@ def corrupt(tokens: np.ndarray, mask: np.ndarray, sentinels: np.ndarray, eos: in
     starts = mask & ~np.concatenate([[False], mask[:-1]])  # first token of each noise span
     span_index = np.cumsum(starts) - 1
     if span_index.max(initial=-1) >= len(sentinels):
-        raise DataError(f"a window has {span_index.max() + 1} noise spans but the tokenizer has {len(sentinels)} sentinels")
+        raise DataError(
+            f"a window has {span_index.max() + 1} noise spans but the tokenizer has {len(sentinels)} sentinels"
+        )
     keep_in_input = ~mask | starts
     inputs = np.where(starts, sentinels[span_index.clip(0)], tokens)[keep_in_input]
     # The target: the sentinel of each span, then the span's tokens.

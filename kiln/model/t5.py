@@ -129,9 +129,7 @@ class T5Stack(nn.Module):
     def position_bias(self, query_pos: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
         """query_pos [B|1, T], key_pos [S] -> [B|1, H, T, S], shared by every layer of the stack."""
         relative = key_pos[None, None, :] - query_pos[:, :, None]
-        buckets = relative_position_bucket(
-            relative, not self.decoder, self.cfg.rel_buckets, self.cfg.rel_max_distance
-        )
+        buckets = relative_position_bucket(relative, not self.decoder, self.cfg.rel_buckets, self.cfg.rel_max_distance)
         return self.rel_bias(buckets).permute(0, 3, 1, 2)
 
 

@@ -32,7 +32,9 @@ def model_config_from_dict(d: dict, where: str) -> ModelConfig | T5Config:
     except ConfigError as err:
         raise CheckpointError(f"{where}: model_config {err} (written by a newer Kiln?)") from None
     except KeyError as err:
-        raise CheckpointError(f"{where}: model_config has unknown keys {err.args[0]} (written by a newer Kiln?)") from None
+        raise CheckpointError(
+            f"{where}: model_config has unknown keys {err.args[0]} (written by a newer Kiln?)"
+        ) from None
 
 
 def upgrade_layout(state: dict, manifest: dict) -> dict:

@@ -11,8 +11,11 @@ from kiln.infer.engine import Engine, KVCache
 from kiln.infer.seq2seq import prefill_seq2seq
 from tests.model.test_t5 import TINY, hf_twin, make
 
+# Weights 4x T5's init scale: at 1x this tiny random model repeats one token whatever the prompt,
+# which would leave the comparisons below with little to check.
+VARIED = dataclasses.replace(TINY, init_factor=4.0)
 # As many decoder as encoder layers: transformers' generate sizes its cache by num_layers.
-SYMMETRIC = dataclasses.replace(TINY, n_decoder_layers=0)
+SYMMETRIC = dataclasses.replace(VARIED, n_decoder_layers=0)
 PROMPTS = [[5, 17, 33, 8, 61, 12, 9], [44, 3, 70], [90, 91, 92, 93, 94, 95, 2, 3, 4, 5, 6]]
 
 
@@ -36,10 +39,11 @@ def test_greedy_matches_transformers_generate():
         if TINY.eos_id in expected:
             expected = expected[: expected.index(TINY.eos_id) + 1]
         assert out.ids == expected, row
+    assert len({tuple(out.ids) for out in ours}) == len(PROMPTS)  # the prompts steer the output
 
 
 def test_cached_decoding_equals_uncached_and_encodes_once():
-    model = make(seed=3)
+    model = make(VARIED, seed=3)
     calls = {"encoder": 0, "cross_k": 0}
     model.encoder.layers[0].register_forward_hook(lambda *_: calls.__setitem__("encoder", calls["encoder"] + 1))
     model.decoder.layers[1].cross.k.register_forward_hook(lambda *_: calls.__setitem__("cross_k", calls["cross_k"] + 1))
@@ -62,13 +66,14 @@ def test_cached_decoding_equals_uncached_and_encodes_once():
         for row, prompt in enumerate(PROMPTS):
             src[row, : len(prompt)], mask[row, : len(prompt)] = torch.tensor(prompt), True
         full = model(src, tokens, mask)
-    torch.testing.assert_close(torch.stack(cached, dim=1), full, atol=1e-5, rtol=1e-5)
+    # Logits of this 4x-scaled model run to ~1e2: 1e-4 is float32 rounding at that size.
+    torch.testing.assert_close(torch.stack(cached, dim=1), full, atol=1e-4, rtol=1e-5)
 
 
 def test_rows_finish_independently():
     """A row that stops leaves the batch (the cross-attention state is dropped with it) and the
     others continue with the tokens they would have generated alone."""
-    model = make(seed=2)
+    model = make(SYMMETRIC, seed=2)
     engine = Engine(model)
     together = engine.generate(PROMPTS, max_new_tokens=8, temperature=0.0, stop_token_ids=[7])
     for row, prompt in enumerate(PROMPTS):

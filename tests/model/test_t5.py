@@ -13,14 +13,24 @@ from kiln.model.t5_config import T5Config
 transformers = pytest.importorskip("transformers")
 
 TINY = T5Config(
-    vocab_size=96, dim=32, n_heads=4, head_dim=8, ffn_hidden=48, n_layers=2, n_decoder_layers=3, rel_buckets=8,
-    rel_max_distance=12, max_seq_len=64,
+    vocab_size=96,
+    dim=32,
+    n_heads=4,
+    head_dim=8,
+    ffn_hidden=48,
+    n_layers=2,
+    n_decoder_layers=3,
+    rel_buckets=8,
+    rel_max_distance=12,
+    max_seq_len=64,
 )
 
 
 def hf_twin(model: T5):
     """transformers' T5 with the config and weights of a Kiln T5, in eval mode."""
-    config = transformers.T5Config(**{k: v for k, v in t5_hf_config(model.cfg, "float32").items() if k != "architectures"})
+    config = transformers.T5Config(
+        **{k: v for k, v in t5_hf_config(model.cfg, "float32").items() if k != "architectures"}
+    )
     hf = transformers.T5ForConditionalGeneration(config).eval()
     missing, unexpected = hf.load_state_dict(t5_to_hf_state(model.cfg, model.state_dict()), strict=False)
     assert not unexpected
@@ -58,7 +68,9 @@ def test_logits_match_transformers_with_padding(overrides):
     src, tgt, src_mask, tgt_mask = batch(cfg)
     with torch.no_grad():
         ours = model(src, tgt, src_mask, tgt_mask)
-        theirs = hf(input_ids=src, attention_mask=src_mask, decoder_input_ids=tgt, decoder_attention_mask=tgt_mask).logits
+        theirs = hf(
+            input_ids=src, attention_mask=src_mask, decoder_input_ids=tgt, decoder_attention_mask=tgt_mask
+        ).logits
     assert ours.shape == theirs.shape
     real = tgt_mask.bool()  # logits of padded decoder positions are never used
     torch.testing.assert_close(ours[real], theirs[real], atol=1e-4, rtol=1e-4)
