@@ -57,7 +57,9 @@ class KVCache:
     def nbytes(model, batch: int, max_len: int) -> int:
         """Bytes of the keys and values a cache of `batch` rows of `max_len` tokens allocates for `model`."""
         cfg, param = model.cfg, next(model.parameters())
-        return 2 * cfg.n_layers * batch * cfg.kv_heads * max_len * cfg.head_dim * param.element_size()
+        # A T5's decoder self-attention cache (its cross-attention k/v hold one slot per prompt token).
+        layers, heads = (cfg.decoder_layers, cfg.n_heads) if _encoder_decoder(model) else (cfg.n_layers, cfg.kv_heads)
+        return 2 * layers * batch * heads * max_len * cfg.head_dim * param.element_size()
 
     @classmethod
     def for_model(cls, model, batch: int, max_len: int | None = None) -> "KVCache":

@@ -110,3 +110,18 @@ def test_too_few_sentinels_is_refused_by_name(tmp_path):
     assert sentinel_ids(Tok, 1).tolist() == [16]
     with pytest.raises(ConfigError, match=r"no <\|sentinel_1\|>.*tokenizer.sentinels >= 2"):
         sentinel_ids(Tok, 2)
+
+
+def test_tokenizer_training_adds_sentinels_after_the_fixed_specials(tmp_path):
+    from kiln.data.config import TokenizerConfig
+    from kiln.data.tokenizer import SPECIAL_TOKENS, Tokenizer, train_tokenizer
+
+    texts = ["def f(x):\n    return x + 1\n"] * 50
+    train_tokenizer(texts, TokenizerConfig(vocab_size=600, sentinels=3), tmp_path, heldout=texts[:2])
+    tok = Tokenizer.load(tmp_path / "tokenizer.json")
+    assert sentinel_ids(tok, 3).tolist() == [len(SPECIAL_TOKENS) + k for k in range(3)]
+    assert tok.encode("a<|sentinel_1|>b")[1] == len(SPECIAL_TOKENS) + 1  # one token in text too
+    with pytest.raises(ConfigError, match="tokenizer.sentinels >= 4"):
+        sentinel_ids(tok, 4)
+    with pytest.raises(ConfigError, match="sentinels"):
+        TokenizerConfig(vocab_size=600, sentinels=100).validate()
