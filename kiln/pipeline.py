@@ -431,11 +431,18 @@ def run(args: argparse.Namespace) -> int:
 def _plan_shape(args: argparse.Namespace):
     """(model with its vocab_size, else the tokenizer's, and the [train] workload) of the plan's recipe."""
     recipe = load_recipe(args.recipe, args.overrides)
+    if isinstance(recipe.model, T5Config):
+        raise ConfigError("model.arch", '`kiln plan` lays out decoder models; [model] arch = "t5" has no plan yet')
     model = dataclasses.replace(recipe.model, vocab_size=recipe.model.vocab_size or recipe.tokenizer.vocab_size)
     return model, Workload(recipe.train.seq_len, recipe.train.global_batch_tokens)
 
 
 def _check_training_layout(recipe: Recipe, stages: list[str]) -> None:
+    post = [s for s in stages if s in POST_STAGES]
+    if post and isinstance(recipe.model, T5Config):
+        raise ConfigError(
+            "run.stages", f'{", ".join(post)} post-train decoder models; [model] arch = "t5" pretrains only'
+        )
     if any(s == "pretrain" or s in POST_STAGES for s in stages):  # torch only for a training run
         check_job_options(recipe.parallel)
 

@@ -20,6 +20,7 @@ from kiln.errors import ConfigError
 from kiln.infer.config import SampleConfig
 from kiln.model.arch import config_class
 from kiln.model.config import ModelConfig
+from kiln.model.t5_config import T5Config
 from kiln.parallel.config import ParallelConfig
 from kiln.peft.config import PeftConfig
 from kiln.post.config import DistillConfig, DPOConfig, GRPOConfig, PPOConfig, RMConfig, SFTConfig, TaskConfig
@@ -75,6 +76,16 @@ class Recipe:
                 raise err.within(f.name) from None
         if getattr(self.model, "pos", None) == "learned" and self.train.seq_len > self.model.max_seq_len:
             raise ConfigError("train.seq_len", f"exceeds model.max_seq_len={self.model.max_seq_len}")
+        if isinstance(self.model, T5Config):
+            self._validate_t5()
+
+    def _validate_t5(self) -> None:
+        """What a T5 run cannot do yet, refused by key before any stage starts."""
+        for key in ("tp", "pp", "cp", "ep"):
+            if getattr(self.parallel, key) != 1:
+                raise ConfigError(f"parallel.{key}", 'must be 1 with [model] arch = "t5" (T5 trains on one process)')
+        if self.train.activation_checkpointing:
+            raise ConfigError("train.activation_checkpointing", 'is not supported with [model] arch = "t5"')
 
 
 def load_recipe(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:

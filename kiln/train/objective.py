@@ -36,4 +36,4 @@ def seq2seq_loss(model: torch.nn.Module, batch: tuple) -> tuple[torch.Tensor, in
     logits = model(inputs, decoder_inputs)
     counted = labels != -100
     loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
-    return loss, counted.sum()
+    return loss, int(counted.sum())
