@@ -182,7 +182,7 @@ def export_hf(
             _write_tokenizer(tokenizer_path, model_cfg, out, chat)
         config = t5_hf_config(model_cfg, _dtype_name(tensors["shared.weight"].dtype))
         special_ids = {key: config[key] for key in ("pad_token_id", "eos_token_id", "decoder_start_token_id")}
-        return _write_hf_folder(out, tensors, config, special_ids)
+        return _write_folder(out, tensors, config, special_ids)
     _check_exportable(model_cfg)
     out.mkdir(parents=True, exist_ok=True)
     tensors = kiln_to_hf_state(model_cfg, state_dict)
@@ -216,14 +216,14 @@ def export_hf(
         config.update(attention_bias=False, mlp_bias=False)
     else:
         config.update(use_sliding_window=False, sliding_window=None, max_window_layers=model_cfg.n_layers)
-    return _write_hf_folder(out, tensors, config, special_ids)
+    return _write_folder(out, tensors, config, special_ids)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
 
 
-def _write_hf_folder(out: Path, tensors: dict, config: dict, special_ids: dict) -> Path:
+def _write_folder(out: Path, tensors: dict, config: dict, special_ids: dict) -> Path:
     # Weights first, config.json last: a folder transformers can open has all of its files.
     write_safetensors(tensors, out / "model.safetensors")
     generation = {"_from_model_config": True, **special_ids}

@@ -18,8 +18,7 @@ from kiln.config import build, parse_override, read_toml, set_dotted, show_key
 from kiln.data.config import CorpusConfig, CurateConfig, PackConfig, TokenizerConfig
 from kiln.errors import ConfigError
 from kiln.infer.config import SampleConfig
-from kiln.model.arch import config_class
-from kiln.model.config import ModelConfig
+from kiln.model.config import ModelConfig, model_family
 from kiln.model.t5_config import T5Config
 from kiln.parallel.config import ParallelConfig
 from kiln.peft.config import PeftConfig
@@ -51,7 +50,7 @@ class Recipe:
     data: CurateConfig = field(default_factory=CurateConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     pack: PackConfig = field(default_factory=PackConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)  # a T5Config when [model] arch = "t5"
+    model: ModelConfig = field(default_factory=ModelConfig)  # or T5Config: [model] arch picks
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)
@@ -112,9 +111,9 @@ def recipe_from_dict(raw: dict[str, Any]) -> Recipe:
         if not isinstance(table, dict):
             raise ConfigError(name, "must be a table")
         cls = typing.get_type_hints(Recipe)[name]
-        if name == "model":  # the model family decides which config the table fills
+        if name == "model":  # `arch` picks the family's config class (the decoder's by default)
             try:
-                cls = config_class(table.get("arch", "decoder"))
+                cls, table = model_family(table)
             except ConfigError as err:
                 raise err.within(name) from None
         sections[name] = build(cls, table, name)

@@ -11,10 +11,10 @@ _MODEL_NAMES = ("Transformer", "build_model", "count_params", "flops_per_token")
 
 def __getattr__(name: str):
     if name in _MODEL_NAMES:
-        # build_model, count_params and flops_per_token serve every family (kiln.model.family).
-        from kiln.model import family, transformer  # torch loads on first use, not when a recipe is parsed
+        # Building and counting go through the family dispatch: they take a config of any arch.
+        from kiln.model import families, transformer  # torch: on first use, not when a recipe is parsed
 
-        return getattr(family if hasattr(family, name) else transformer, name)
+        return getattr(families if hasattr(families, name) else transformer, name)
     raise AttributeError(f"module 'kiln.model' has no attribute {name!r}")
 
 

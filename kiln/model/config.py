@@ -6,11 +6,11 @@ import math
 from dataclasses import dataclass, field, replace
 
 from kiln.errors import ConfigError
+from kiln.model.t5_config import T5Config
 
 
 @dataclass
 class ModelConfig:
-    arch: str = "decoder"  # decoder | t5: the model family (kiln.model.arch picks the config class)
     preset: str = ""  # start from PRESETS[preset]; other keys in the recipe override it
     vocab_size: int = 0  # 0: take the trained tokenizer's size
     dim: int = 256
@@ -77,8 +77,6 @@ class ModelConfig:
         return preset(name)
 
     def validate(self) -> None:
-        if self.arch != "decoder":
-            raise ConfigError("arch", f"a ModelConfig has arch = 'decoder', got {self.arch!r}")
         for key in ("dim", "n_layers", "n_heads", "max_seq_len", "multiple_of"):
             if getattr(self, key) <= 0:
                 raise ConfigError(key, f"must be positive, got {getattr(self, key)}")
@@ -182,3 +180,25 @@ def preset(name: str, **overrides) -> ModelConfig:
     if name not in PRESETS:
         raise ConfigError("preset", f"unknown preset {name!r}; known: {', '.join(PRESETS)}")
     return replace(PRESETS[name], preset=name, **overrides)
+
+
+# ---- model families: `[model] arch` -------------------------------------------------------------
+
+# The decoder's ModelConfig has no `arch` field, so its recipes and checkpoints read as before; every
+# other family's config stores its name in `arch`.
+FAMILIES: dict[str, type] = {"decoder": ModelConfig, "t5": T5Config}
+
+
+def model_family(table: dict) -> tuple[type, dict]:
+    """(config class, the table without `arch` for the decoder) of a [model] table or a checkpoint's
+    model_config: `arch` names the family, "decoder" when absent."""
+    arch = table.get("arch", "decoder")
+    if not isinstance(arch, str) or arch not in FAMILIES:
+        raise ConfigError("arch", f"unknown model family {arch!r}; known: {', '.join(FAMILIES)}")
+    cls = FAMILIES[arch]
+    return cls, ({k: v for k, v in table.items() if k != "arch"} if cls is ModelConfig else table)
+
+
+def arch_of(cfg) -> str:
+    """The family name of a model config (a ModelConfig is the decoder)."""
+    return getattr(cfg, "arch", "decoder")

@@ -250,7 +250,7 @@ class T5(nn.Module):
         return self.decode(decoder_tokens, self.encode(tokens, mask), mask, decoder_mask)
 
 
-def build_t5(cfg: T5Config, device="cpu") -> T5:
+def build_model(cfg: T5Config, device="cpu") -> T5:
     """On the meta device first, then allocated and initialised on `device` (as build_model)."""
     with torch.device("meta"):
         model = T5(cfg)
@@ -259,8 +259,10 @@ def build_t5(cfg: T5Config, device="cpu") -> T5:
     return model
 
 
-def t5_count_params(cfg: T5Config, non_embedding: bool = False) -> int:
-    """Parameters of a T5 of this config; non_embedding leaves out the shared embedding (= head)."""
+def count_params(model_or_cfg, non_embedding: bool = False, active: bool = False) -> int:
+    """Parameters of a T5 (or of its config); non_embedding leaves out the shared embedding (= head).
+    Dense: every parameter is active, so `active` changes nothing."""
+    cfg = getattr(model_or_cfg, "cfg", model_or_cfg)
     attn = 4 * cfg.dim * cfg.inner_dim
     ffn = (3 if cfg.ffn == "gated-gelu" else 2) * cfg.dim * cfg.ffn_hidden
     encoder = cfg.n_layers * (attn + ffn + 2 * cfg.dim)
@@ -269,10 +271,10 @@ def t5_count_params(cfg: T5Config, non_embedding: bool = False) -> int:
     return total if non_embedding else total + cfg.vocab_size * cfg.dim
 
 
-def t5_flops_per_token(cfg: T5Config, seq_len: int) -> float:
+def flops_per_token(cfg: T5Config, seq_len: int) -> float:
     """Training FLOPs of one encoder position plus one decoder position (6 per weight each, as the
     decoder's flops_per_token counts; the head is a dim x vocab matmul), with the attention scores
     at seq_len keys: self-attention in both stacks and cross-attention in the decoder."""
-    n = t5_count_params(cfg, non_embedding=True) + cfg.vocab_size * cfg.dim
+    n = count_params(cfg, non_embedding=True) + cfg.vocab_size * cfg.dim
     attention_layers = cfg.n_layers + 2 * cfg.decoder_layers
     return 6.0 * n + 12.0 * attention_layers * cfg.inner_dim * seq_len

@@ -4,6 +4,8 @@ model; the model of a checkpoint, PEFT training checkpoints included, is kiln.pe
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from kiln.checkpoint import (
@@ -18,23 +20,23 @@ from kiln.checkpoint import (
 )
 from kiln.checkpoint.safety import check_sharded_pickles
 from kiln.errors import ConfigError
-from kiln.model.arch import config_from_dict
-from kiln.model.config import ModelConfig
-from kiln.model.t5_config import T5Config
+from kiln.model.config import ModelConfig, arch_of, model_family
 from kiln.model.transformer import fuse_gate_up, fuse_qkv
 
 
-def model_config_from_dict(d: dict, where: str) -> ModelConfig | T5Config:
+def model_config_from_dict(d: dict, where: str) -> ModelConfig:
+    """The config of any model family (its `arch` key; none for the decoder)."""
     if not isinstance(d, dict):
         raise CheckpointError(f"{where}: model_config is {type(d).__name__}, not a table of model settings")
     try:
-        return config_from_dict(d)
+        cls, d = model_family(d)
     except ConfigError as err:
-        raise CheckpointError(f"{where}: model_config {err} (written by a newer Kiln?)") from None
-    except KeyError as err:
-        raise CheckpointError(
-            f"{where}: model_config has unknown keys {err.args[0]} (written by a newer Kiln?)"
-        ) from None
+        raise CheckpointError(f"{where}: model_config.{err}") from None
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - known)
+    if unknown:
+        raise CheckpointError(f"{where}: model_config has unknown keys {unknown} (written by a newer Kiln?)")
+    return cls(**d)
 
 
 def upgrade_layout(state: dict, manifest: dict) -> dict:
@@ -42,7 +44,7 @@ def upgrade_layout(state: dict, manifest: dict) -> dict:
     The manifest's model config is checked first, whatever the layout: a checkpoint written by a
     newer Kiln (unknown keys) is refused, and resume=auto falls back to an older one."""
     model_cfg = model_config_from_dict(manifest["model_config"], MANIFEST_FILE)
-    if manifest.get("weights_layout", 1) >= WEIGHTS_LAYOUT or not isinstance(model_cfg, ModelConfig):
+    if manifest.get("weights_layout", 1) >= WEIGHTS_LAYOUT or arch_of(model_cfg) != "decoder":
         return state
     q_rows, kv_rows = model_cfg.n_heads * model_cfg.head_dim, model_cfg.kv_heads * model_cfg.head_dim
     for i in range(model_cfg.n_layers):

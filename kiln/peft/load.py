@@ -24,7 +24,7 @@ import torch.nn as nn
 
 from kiln.checkpoint import MANIFEST_FILE, CheckpointError, resolve_checkpoint
 from kiln.model.config import ModelConfig
-from kiln.model.family import new_model
+from kiln.model.families import new_model
 from kiln.model.transformer import Transformer
 from kiln.model.weights import load_weights
 from kiln.peft.adapter import AdapterConfig, adapter_modules, apply_adapters

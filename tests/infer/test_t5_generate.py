@@ -87,3 +87,30 @@ def test_bad_prompts_are_refused(bad):
 
     with pytest.raises(ConfigError, match="prompt"):
         Engine(make()).generate(bad, max_new_tokens=3)
+
+
+def test_kiln_generate_runs_a_t5_checkpoint(tmp_path, kiln_tokenizer, capsys):
+    """`kiln generate` on a T5 checkpoint: the prompt (after the tokenizer's prefix token) is the
+    encoder input, and the greedy text is the uncached decoder's argmax continuation."""
+    import shutil
+
+    from kiln.checkpoint import save_weights
+    from kiln.cli import main
+
+    tok = kiln_tokenizer
+    model = make(dataclasses.replace(SYMMETRIC, vocab_size=tok.vocab_size), seed=4)
+    path = save_weights(tmp_path / "t5", model.cfg, model.state_dict(), {"step": 0})
+    shutil.copy(tok.path, path / "tokenizer.json")
+    capsys.readouterr()
+    assert main(["generate", str(path), "--prompt", "def main(", "--max-new-tokens", "8", "--temperature", "0"]) == 0
+    printed = capsys.readouterr().out
+    src = torch.tensor([[tok.prefix_id, *tok.encode("def main(")]])
+    decoder = torch.tensor([[model.cfg.pad_id]])
+    with torch.no_grad():
+        for _ in range(8):
+            token = model(src, decoder)[0, -1].argmax().item()
+            if token == tok.eot_id:
+                break
+            decoder = torch.cat([decoder, torch.tensor([[token]])], dim=1)
+    assert decoder.shape[1] > 2  # it generated something to compare
+    assert printed == "def main(" + tok.decode(decoder[0, 1:].tolist()) + "\n"

@@ -1,0 +1,27 @@
+"""build_model, count_params and flops_per_token for a config of any model family ([model] arch):
+each family's module (kiln/model/transformer.py, kiln/model/t5.py) defines the three."""
+
+from __future__ import annotations
+
+from kiln.model import t5, transformer
+from kiln.model.config import arch_of
+
+MODULES = {"decoder": transformer, "t5": t5}
+
+
+def build_model(cfg, device="cpu"):
+    return MODULES[arch_of(cfg)].build_model(cfg, device=device)
+
+
+def count_params(model_or_cfg, non_embedding: bool = False, active: bool = False) -> int:
+    cfg = getattr(model_or_cfg, "cfg", model_or_cfg)
+    return MODULES[arch_of(cfg)].count_params(model_or_cfg, non_embedding=non_embedding, active=active)
+
+
+def flops_per_token(cfg, seq_len: int) -> float:
+    return MODULES[arch_of(cfg)].flops_per_token(cfg, seq_len)
+
+
+def new_model(cfg):
+    """The module of `cfg` with freshly initialised weights, on the default device."""
+    return t5.T5(cfg) if arch_of(cfg) == "t5" else transformer.Transformer(cfg)
