@@ -2,7 +2,9 @@
 
 Export writes a folder that `transformers` (LlamaForCausalLM, or Qwen2ForCausalLM when the model has
 q/k/v biases) and vLLM load as is. Import reads Llama, Mistral and Qwen2 folders. MoE models go out
-and come in as Mixtral or Qwen2-MoE; their layers are mapped in kiln/hf_moe.py.
+and come in as Mixtral or Qwen2-MoE; their layers are mapped in kiln/hf_moe.py. A BERT ([model] arch =
+"bert") goes out as BertForMaskedLM or BertForSequenceClassification (kiln/hf_bert.py), a T5 (arch =
+"t5") as T5ForConditionalGeneration (kiln/hf_t5.py), and both import back.
 
 Weight layout: Kiln's RoPE pairs dimension i with i + head_dim/2 ("rotate half"), the layout HF Llama
 checkpoints are already stored in, so q/k rows are copied unchanged both ways. (Meta's original
@@ -39,7 +41,9 @@ from kiln.hf_moe import (
     moe_layer_to_hf,
     moe_model_type,
 )
+from kiln.hf_t5 import hf_to_t5_state, t5_config_from_hf, t5_hf_config, t5_to_hf_state
 from kiln.model.config import ModelConfig, arch_of
+from kiln.model.t5_config import T5Config
 from kiln.model.transformer import fuse_gate_up, fuse_qkv, split_gate_up, split_qkv
 from kiln.peft.load import plain_weights
 
@@ -197,6 +201,14 @@ def export_hf(
     if arch_of(model_cfg) == "bert":
         out.mkdir(parents=True, exist_ok=True)
         return _export_bert(model_cfg, state_dict, tokenizer_path, out)
+    if isinstance(model_cfg, T5Config):
+        tensors = t5_to_hf_state(model_cfg, state_dict)
+        out.mkdir(parents=True, exist_ok=True)
+        if tokenizer_path is not None:
+            _write_tokenizer(tokenizer_path, model_cfg, out, chat)
+        config = t5_hf_config(model_cfg, _dtype_name(tensors["shared.weight"].dtype))
+        special_ids = {key: config[key] for key in ("pad_token_id", "eos_token_id", "decoder_start_token_id")}
+        return _write_folder(out, tensors, config, special_ids)
     _check_exportable(model_cfg)
     out.mkdir(parents=True, exist_ok=True)
     tensors = kiln_to_hf_state(model_cfg, state_dict)
@@ -223,7 +235,7 @@ def export_hf(
         "rope_parameters": {"rope_type": "default", "rope_theta": model_cfg.rope_theta},
         "tie_word_embeddings": model_cfg.tie_embeddings,
         "initializer_range": model_cfg.init_std,
-        "torch_dtype": DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch.")),
+        "torch_dtype": _dtype_name(dtype),
         "use_cache": True,
         **special_ids,
     }
@@ -233,6 +245,10 @@ def export_hf(
         config.update(use_sliding_window=False, sliding_window=None, max_window_layers=model_cfg.n_layers)
     config.update(moe_config_fields(model_cfg))
     return _write_folder(out, tensors, config, special_ids)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
 
 
 def _write_folder(out: Path, tensors: dict, config: dict, special_ids: dict) -> Path:
@@ -251,7 +267,7 @@ def _export_bert(cfg, state_dict: dict, tokenizer_path, out: Path) -> Path:
     pad = Tokenizer.load(tokenizer_path).pad_id if tokenizer_path is not None else None
     config = hf_bert.hf_config(cfg, pad)
     dtype = tensors["bert.embeddings.word_embeddings.weight"].dtype
-    config["torch_dtype"] = DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
+    config["torch_dtype"] = _dtype_name(dtype)
     config.update({k: v for k, v in special_ids.items() if k != "pad_token_id"})
     return _write_folder(out, tensors, config, special_ids)
 
@@ -265,7 +281,7 @@ def config_from_hf(hf: dict, where: str) -> ModelConfig:
     model_type = hf.get("model_type")
     if model_type not in ARCHITECTURES:
         raise DataError(
-            f"{where}: model_type {model_type!r} is not supported; Kiln imports {', '.join(ARCHITECTURES)} and bert"
+            f"{where}: model_type {model_type!r} is not supported; Kiln imports {', '.join(ARCHITECTURES)}, bert, t5"
         )
 
     def refuse(key: str, why: str):
@@ -352,23 +368,30 @@ def _load_safetensors(folder: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def import_hf(folder) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """(model config, Kiln state_dict) of a local Llama, Mistral, Qwen2, Mixtral, Qwen2-MoE or BERT
-    folder (a BertConfig for BERT), in the checkpoint's dtype."""
+# Encoder and encoder-decoder families: (config.json -> config, HF tensors -> Kiln state_dict).
+FAMILY_IMPORTERS = {
+    "bert": (hf_bert.config_from_hf, hf_bert.hf_to_kiln_state),
+    "t5": (t5_config_from_hf, hf_to_t5_state),
+}
+
+
+def import_hf(folder) -> tuple[ModelConfig | T5Config, dict[str, torch.Tensor]]:
+    """(model config, Kiln state_dict) of a local Llama, Mistral, Qwen2, Mixtral, Qwen2-MoE, BERT or T5
+    folder (a BertConfig / T5Config for those), in the checkpoint's dtype."""
     folder = Path(folder)
     if not folder.is_dir():
         raise DataError(f"{folder}: not a folder")
     config_path = folder / "config.json"
     hf = read_json(config_path)
-    bert = hf.get("model_type") == "bert"
+    family = hf.get("model_type") if isinstance(hf, dict) else None
+    read_config, to_kiln = FAMILY_IMPORTERS.get(family, (config_from_hf, hf_to_kiln_state))
     try:
-        cfg = (hf_bert.config_from_hf if bert else config_from_hf)(hf, str(config_path))
+        cfg = read_config(hf, str(config_path))
     except KeyError as err:
         raise DataError(f"{config_path}: missing key {err.args[0]!r}") from None
     except ConfigError as err:
         raise DataError(f"{config_path}: {err}") from None
-    state = (hf_bert.hf_to_kiln_state if bert else hf_to_kiln_state)(cfg, _load_safetensors(folder), str(folder))
-    return cfg, state
+    return cfg, to_kiln(cfg, _load_safetensors(folder), str(folder))
 
 
 # ---- checkpoint glue (the `kiln export hf` / `kiln import hf` verbs) ----------------------------
@@ -408,7 +431,8 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser("export", help="export a checkpoint to another format")
     fmt = p.add_subparsers(dest="format", required=True, metavar="FORMAT")
     e = fmt.add_parser(
-        "hf", help="Hugging Face folder (Llama, Qwen2, Mixtral or Qwen2-MoE) that transformers and vLLM load"
+        "hf",
+        help="Hugging Face folder (Llama, Qwen2, Mixtral, Qwen2-MoE, BERT or T5) that transformers loads",
     )
     e.add_argument("checkpoint")
     e.add_argument("out")
@@ -421,7 +445,7 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser("import", help="import a checkpoint from another format")
     fmt = p.add_subparsers(dest="format", required=True, metavar="FORMAT")
     i = fmt.add_parser(
-        "hf", help="local Llama / Mistral / Qwen2 / Mixtral / Qwen2-MoE / BERT folder into a Kiln checkpoint"
+        "hf", help="local Llama / Mistral / Qwen2 / Mixtral / Qwen2-MoE / BERT / T5 folder into a Kiln checkpoint"
     )
     i.add_argument("folder")
     i.add_argument("out")

@@ -281,13 +281,18 @@ def resolved_model_config(recipe: Recipe):
 
 def _pretrain(recipe: Recipe, out: Path, resume: str = "auto", init_from: str | None = None, **_) -> dict:
     from kiln.train.objective import masked_lm_objective  # lazy: torch, for model stages only
+    from kiln.train.seq2seq import t5_trainer_kwargs  # lazy: torch, for model stages only
     from kiln.train.trainer import Trainer  # lazy: torch, for model stages only
 
-    objective = {}
-    if arch_of(recipe.model) == "bert":
-        objective = masked_lm_objective(Tokenizer.load(stage_dir(recipe, "tokenizer")), recipe.train.seed)
+    model_cfg = resolved_model_config(recipe)
+    family = {}  # a family's objective and data instead of next-token prediction on the pack
+    if arch_of(model_cfg) == "bert":
+        family = masked_lm_objective(Tokenizer.load(stage_dir(recipe, "tokenizer")), recipe.train.seed)
+    elif arch_of(model_cfg) == "t5":  # span corruption and the seq2seq loss
+        tokenizer = stage_dir(recipe, "tokenizer") / "tokenizer.json"
+        family = t5_trainer_kwargs(stage_dir(recipe, "pack"), tokenizer, recipe.train, model_cfg, _rank_and_world()[1])
     trainer = Trainer(
-        resolved_model_config(recipe),
+        model_cfg,
         recipe.train,
         stage_dir(recipe, "pack"),
         out,
@@ -295,7 +300,7 @@ def _pretrain(recipe: Recipe, out: Path, resume: str = "auto", init_from: str | 
         resume=resume,
         init_from=init_from,
         parallel=recipe.parallel,
-        **objective,
+        **family,
     )
     return trainer.fit()
 
@@ -429,11 +434,22 @@ def run(args: argparse.Namespace) -> int:
 def _plan_shape(args: argparse.Namespace):
     """(model with its vocab_size, else the tokenizer's, and the [train] workload) of the plan's recipe."""
     recipe = load_recipe(args.recipe, args.overrides)
+    if arch_of(recipe.model) != "decoder":
+        raise ConfigError(
+            "model.arch",
+            f'`kiln plan` lays out decoder models; [model] arch = "{arch_of(recipe.model)}" has no plan yet',
+        )
     model = dataclasses.replace(recipe.model, vocab_size=recipe.model.vocab_size or recipe.tokenizer.vocab_size)
     return model, Workload(recipe.train.seq_len, recipe.train.global_batch_tokens)
 
 
 def _check_training_layout(recipe: Recipe, stages: list[str]) -> None:
+    post = [s for s in stages if s in POST_STAGES]
+    if post and arch_of(recipe.model) != "decoder":
+        raise ConfigError(
+            "run.stages",
+            f'{", ".join(post)} post-train decoder models; [model] arch = "{arch_of(recipe.model)}" pretrains only',
+        )
     if any(s == "pretrain" or s in POST_STAGES for s in stages):  # torch only for a training run
         check_job_options(recipe.parallel)
 

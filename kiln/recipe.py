@@ -19,6 +19,7 @@ from kiln.data.config import CorpusConfig, CurateConfig, PackConfig, TokenizerCo
 from kiln.errors import ConfigError
 from kiln.infer.config import SampleConfig
 from kiln.model.config import ModelConfig, arch_of, model_family
+from kiln.model.t5_config import T5Config
 from kiln.parallel.config import ParallelConfig
 from kiln.peft.config import PeftConfig
 from kiln.post.config import DistillConfig, DPOConfig, GRPOConfig, PPOConfig, RMConfig, SFTConfig, TaskConfig
@@ -49,7 +50,7 @@ class Recipe:
     data: CurateConfig = field(default_factory=CurateConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     pack: PackConfig = field(default_factory=PackConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)  # or BertConfig: [model] arch picks
+    model: ModelConfig = field(default_factory=ModelConfig)  # or BertConfig / T5Config: [model] arch picks
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)
@@ -72,7 +73,7 @@ class Recipe:
                 getattr(self, f.name).validate()
             except ConfigError as err:
                 raise err.within(f.name) from None
-        if self.model.pos == "learned" and self.train.seq_len > self.model.max_seq_len:
+        if getattr(self.model, "pos", None) == "learned" and self.train.seq_len > self.model.max_seq_len:
             raise ConfigError("train.seq_len", f"exceeds model.max_seq_len={self.model.max_seq_len}")
         if arch_of(self.model) != "decoder":
             generative = [s for s in self.run.stages if s == "sample" or s in POST_STAGES]
@@ -82,6 +83,16 @@ class Recipe:
                     f"{', '.join(generative)} need a decoder; model.arch = {arch_of(self.model)!r} runs "
                     f"corpus, data, tokenizer, pack and pretrain",
                 )
+        if isinstance(self.model, T5Config):
+            self._validate_t5()
+
+    def _validate_t5(self) -> None:
+        """What a T5 run cannot do yet, refused by key before any stage starts."""
+        for key in ("tp", "pp", "cp", "ep"):
+            if getattr(self.parallel, key) != 1:
+                raise ConfigError(f"parallel.{key}", 'must be 1 with [model] arch = "t5" (T5 trains on one process)')
+        if self.train.activation_checkpointing != "none":
+            raise ConfigError("train.activation_checkpointing", 'is not supported with [model] arch = "t5"')
 
 
 def load_recipe(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:

@@ -37,11 +37,16 @@ class TokenizerConfig:
     min_frequency: int = 2
     heldout_fraction: float = 0.02  # documents kept out of training to measure bytes per token
     max_train_bytes: int = 0  # 0: train on the whole corpus
+    sentinels: int = 0  # <|sentinel_k|> tokens after the fixed special ones, for T5 span corruption
 
     def validate(self) -> None:
         # 256 byte symbols plus the reserved special tokens must fit before any merge.
         if self.vocab_size < 512:
             raise ConfigError("vocab_size", f"must be at least 512, got {self.vocab_size}")
+        if not 0 <= self.sentinels <= self.vocab_size - 512:
+            raise ConfigError(
+                "sentinels", f"must be in 0..vocab_size - 512 = {self.vocab_size - 512}, got {self.sentinels}"
+            )
         if self.min_frequency < 1:
             raise ConfigError("min_frequency", f"must be >= 1, got {self.min_frequency}")
         if not 0 < self.heldout_fraction < 0.5:

@@ -43,6 +43,7 @@ SPECIAL_TOKENS: list[str] = [
 ]
 EOT = "<|endoftext|>"
 MASK = "<|mask|>"
+SENTINEL = "<|sentinel_{}|>"  # the k-th noise span of T5 span corruption (kiln.data.span)
 
 # The GPT-4 (cl100k) pre-split: contractions, letter runs with one leading non-letter, numbers in
 # groups of at most three digits, punctuation runs, and whitespace kept apart from words except a
@@ -369,7 +370,8 @@ def train_tokenizer(
     trainer = trainers.BpeTrainer(
         vocab_size=cfg.vocab_size,
         min_frequency=cfg.min_frequency,
-        special_tokens=SPECIAL_TOKENS,  # added first, so they get ids 0..n-1
+        # Added first, so they get ids 0..n-1; sentinels (T5 span corruption) follow them.
+        special_tokens=SPECIAL_TOKENS + [SENTINEL.format(k) for k in range(cfg.sentinels)],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # all 256 bytes, even unseen ones
         # The tokenizers library draws its own bars (reading, counting pairs, merges) with ETAs;
         # they appear only on a terminal, and never off rank 0.
@@ -405,6 +407,7 @@ def train_tokenizer(
     stats = {
         "vocab_size": tok.vocab_size,
         "special_tokens": len(SPECIAL_TOKENS),
+        "sentinels": cfg.sentinels,
         "tokenizer_sha256": tok.sha256,
         "train_documents": counted["documents"],
         "train_bytes": counted["bytes"],

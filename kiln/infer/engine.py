@@ -22,6 +22,7 @@ import torch
 from kiln.errors import ConfigError
 from kiln.infer.config import SamplingParams
 from kiln.infer.sampling import sample_next_tokens
+from kiln.infer.seq2seq import prefill_seq2seq
 
 
 class KVCache:
@@ -56,7 +57,9 @@ class KVCache:
     def nbytes(model, batch: int, max_len: int) -> int:
         """Bytes of the keys and values a cache of `batch` rows of `max_len` tokens allocates for `model`."""
         cfg, param = model.cfg, next(model.parameters())
-        return 2 * cfg.n_layers * batch * cfg.kv_heads * max_len * cfg.head_dim * param.element_size()
+        # A T5's decoder self-attention cache (its cross-attention k/v hold one slot per prompt token).
+        layers, heads = (cfg.decoder_layers, cfg.n_heads) if _encoder_decoder(model) else (cfg.n_layers, cfg.kv_heads)
+        return 2 * layers * batch * heads * max_len * cfg.head_dim * param.element_size()
 
     @classmethod
     def for_model(cls, model, batch: int, max_len: int | None = None) -> "KVCache":
@@ -277,8 +280,13 @@ class TextStream:
         return out, matched
 
 
+def _encoder_decoder(model) -> bool:
+    """A T5 (kiln.model.t5): the prompt is encoded once and the decoder generates from its start token."""
+    return getattr(model, "encoder_decoder", False)
+
+
 class Engine:
-    """Generation from a kiln Transformer with a KV cache. tokenizer (anything with encode/decode)
+    """Generation from a kiln Transformer (or T5: kiln.infer.seq2seq) with a KV cache. tokenizer (anything with encode/decode)
     is needed for text, stop strings and string prompts."""
 
     def __init__(self, model, tokenizer=None):
@@ -381,6 +389,26 @@ class Engine:
         tokens each prompt holds when the repetition penalty needs it, else None)."""
         model = self.model
         device = next(model.parameters()).device
+        if _encoder_decoder(model):
+            param, cfg = next(model.parameters()), model.cfg
+
+            def make_cache(n_layers: int, batch: int, max_len: int) -> KVCache:
+                return KVCache(n_layers, batch, cfg.n_heads, max_len, cfg.head_dim, param.dtype, param.device)
+
+            cache, logits, tokens = prefill_seq2seq(model, prompts, max_new_tokens, make_cache)
+        else:
+            cache, logits, tokens = self._prefill_decoder(prompts, max_new_tokens)
+        seen = None
+        if params.repetition_penalty != 1.0:  # over the decoder's tokens (the prompt's, for a decoder-only model)
+            seen = torch.zeros(len(prompts), logits.shape[-1], dtype=torch.bool, device=device)
+            seen.scatter_(1, tokens, True)
+            if not _encoder_decoder(model):
+                seen[:, 0] = torch.tensor([0 in p for p in prompts], device=device)  # 0 was the padding id
+        return cache, logits, seen
+
+    def _prefill_decoder(self, prompts, max_new_tokens):
+        model = self.model
+        device = next(model.parameters()).device
         lengths = [len(p) for p in prompts]
         batch, longest = len(prompts), max(lengths)
         # A row's last token is sampled but never fed back, so it needs no slot.
@@ -391,12 +419,7 @@ class Engine:
         logits = model(tokens, kv_cache=cache)
         cache.set_lengths(lengths)
         logits = logits[torch.arange(batch, device=device), torch.tensor(lengths, device=device) - 1].float()
-        seen = None
-        if params.repetition_penalty != 1.0:
-            seen = torch.zeros(batch, logits.shape[-1], dtype=torch.bool, device=device)
-            seen.scatter_(1, tokens, True)
-            seen[:, 0] = torch.tensor([0 in p for p in prompts], device=device)  # 0 was the padding id
-        return cache, logits, seen
+        return cache, logits, tokens
 
     @torch.inference_mode()
     def _run(self, prompts, max_new_tokens, params: SamplingParams, stop_token_ids, stop_strings, seed):
@@ -408,7 +431,10 @@ class Engine:
         model.eval()
         try:
             device = next(model.parameters()).device
-            lengths, batch = [len(p) for p in prompts], len(prompts)
+            batch = len(prompts)
+            # What counts against max_seq_len: the decoder's own tokens (its start token) for an
+            # encoder-decoder, whose prompt is the encoder's; else the prompt itself.
+            lengths = [1] * batch if _encoder_decoder(model) else [len(p) for p in prompts]
             cache, logits, seen = self._prefill(prompts, max_new_tokens, params)
             rows = list(range(batch))  # the prompt index of each cache row
             generators = self._generators(seed, batch, device)
@@ -451,6 +477,7 @@ class Engine:
                     rows = [rows[r] for r in keep]
                     generators = [generators[r] for r in keep]
                     texts = [texts[r] for r in keep]
-                logits = model(next_ids[:, None], kv_cache=cache)[:, -1].float()
+                forward = model.decode if _encoder_decoder(model) else model
+                logits = forward(next_ids[:, None], kv_cache=cache)[:, -1].float()
         finally:
             model.train(was_training)

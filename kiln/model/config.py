@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, replace
 
 from kiln.errors import ConfigError
 from kiln.model.bert_config import BertConfig
+from kiln.model.t5_config import T5Config
 
 # What a checkpointed block keeps for backward (train.activation_checkpointing): everything, what the
 # op-level policy keeps (kiln.parallel.parallelize.selective_policy), or only its input. Here, the
@@ -191,7 +192,7 @@ def preset(name: str, **overrides) -> ModelConfig:
 
 # The decoder's ModelConfig has no `arch` field, so its recipes and checkpoints read as before; every
 # other family's config stores its name in `arch`.
-FAMILIES: dict[str, type] = {"decoder": ModelConfig, "bert": BertConfig}
+FAMILIES: dict[str, type] = {"decoder": ModelConfig, "bert": BertConfig, "t5": T5Config}
 
 
 def model_family(table: dict) -> tuple[type, dict]:

@@ -1,12 +1,14 @@
 """build_model, count_params and flops_per_token for a config of any model family ([model] arch):
-each family's module (kiln/model/transformer.py, kiln/model/bert.py) defines the three."""
+each family's module (kiln/model/transformer.py, kiln/model/bert.py, kiln/model/t5.py) defines the
+three, and new_model builds its module class."""
 
 from __future__ import annotations
 
-from kiln.model import bert, transformer
+from kiln.model import bert, t5, transformer
 from kiln.model.config import arch_of
 
-MODULES = {"decoder": transformer, "bert": bert}
+MODULES = {"decoder": transformer, "bert": bert, "t5": t5}
+CLASSES = {"decoder": transformer.Transformer, "bert": bert.Bert, "t5": t5.T5}
 
 
 def build_model(cfg, device="cpu"):
@@ -20,3 +22,8 @@ def count_params(model_or_cfg, non_embedding: bool = False, active: bool = False
 
 def flops_per_token(cfg, seq_len: int) -> float:
     return MODULES[arch_of(cfg)].flops_per_token(cfg, seq_len)
+
+
+def new_model(cfg):
+    """The module of `cfg` with freshly initialised weights, on the default device."""
+    return CLASSES[arch_of(cfg)](cfg)

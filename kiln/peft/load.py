@@ -24,6 +24,7 @@ import torch.nn as nn
 
 from kiln.checkpoint import MANIFEST_FILE, CheckpointError, resolve_checkpoint
 from kiln.model.config import ModelConfig
+from kiln.model.families import new_model
 from kiln.model.transformer import Transformer
 from kiln.model.weights import load_weights
 from kiln.peft.adapter import AdapterConfig, adapter_modules, apply_adapters
@@ -128,7 +129,7 @@ def load_model(path) -> tuple[nn.Module, dict]:
     its manifest: plain weights, or with its bottleneck adapters attached."""
     folder = resolve_checkpoint(path)
     cfg, state, manifest = plain_weights(folder)
-    model = Transformer(cfg)
+    model = new_model(cfg)
     try:
         _load_state(model, state, folder)
     except RuntimeError as err:  # e.g. a stage's extra modules (a PPO critic: its policy/ is the model)

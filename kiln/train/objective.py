@@ -58,3 +58,16 @@ def masked_lm_objective(tokenizer: Tokenizer, seed: int) -> dict:
     sources masked with the tokenizer's <|mask|> (refused when it has none) under `seed`."""
     masker = Masker.for_tokenizer(tokenizer, seed)
     return {"loss_fn": masked_lm_loss, "wrap_data": lambda source: MaskedLMSource(source, masker)}
+
+
+# ---- encoder-decoder objectives (kiln/model/t5.py) -----------------------------------------
+
+
+def seq2seq_loss(model: torch.nn.Module, batch: tuple) -> tuple[torch.Tensor, int]:
+    """An encoder-decoder's loss: batch (encoder input [B, S], decoder input [B, T], labels [B, T]),
+    as kiln.data.span.SpanCorruptionSource gives; labels of -100 are not counted."""
+    inputs, decoder_inputs, labels = batch
+    logits = model(inputs, decoder_inputs)
+    counted = labels != -100
+    loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
+    return loss, int(counted.sum())
