@@ -19,7 +19,7 @@ from kiln.checkpoint import (
     verify,
 )
 from kiln.checkpoint.safety import check_sharded_pickles
-from kiln.model.config import ModelConfig
+from kiln.model.config import ModelConfig, RopeScaling
 from kiln.model.transformer import fuse_gate_up, fuse_qkv
 
 
@@ -30,6 +30,14 @@ def model_config_from_dict(d: dict, where: str) -> ModelConfig:
     unknown = sorted(set(d) - known)
     if unknown:
         raise CheckpointError(f"{where}: model_config has unknown keys {unknown} (written by a newer Kiln?)")
+    scaling = d.get("rope_scaling")
+    if isinstance(scaling, dict):  # written by dataclasses.asdict
+        rope_known = {f.name for f in dataclasses.fields(RopeScaling)}
+        if set(scaling) - rope_known:
+            raise CheckpointError(
+                f"{where}: model_config.rope_scaling has unknown keys {sorted(set(scaling) - rope_known)}"
+            )
+        d = {**d, "rope_scaling": RopeScaling(**scaling)}
     return ModelConfig(**d)
 
 
