@@ -7,6 +7,7 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
+from kiln_testing.hf_llama import hf_llama  # noqa: E402
 from kiln_testing.models import randomise  # noqa: E402
 
 from kiln.errors import DataError  # noqa: E402
@@ -27,22 +28,6 @@ SCALED = {
     "linear": ({"rope_type": "linear", "factor": 4.0}, {}, LONG),
     "dynamic": ({"rope_type": "dynamic", "factor": 4.0}, {}, ORIGINAL),
 }
-
-
-def hf_llama(rope: dict, max_position_embeddings: int):
-    config = transformers.LlamaConfig(
-        vocab_size=320,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=max_position_embeddings,
-        rms_norm_eps=1e-6,
-        rope_parameters={**rope, "rope_theta": 1000.0},
-    )
-    torch.manual_seed(0)
-    return randomise(transformers.LlamaForCausalLM(config)).eval()
 
 
 TOKENS = torch.randint(0, 320, (2, LONG), generator=torch.Generator().manual_seed(0))

@@ -23,16 +23,8 @@ ROPE_KEYS = {
         "truncate",
     ),
 }
-ROPE_OPTIONAL = (
-    "low_freq_factor",
-    "high_freq_factor",
-    "beta_fast",
-    "beta_slow",
-    "attention_factor",
-    "mscale",
-    "mscale_all_dim",
-    "truncate",
-)
+# The type-specific keys, each once (a dict keeps their first-seen order).
+ROPE_OPTIONAL = tuple(dict.fromkeys(k for keys in ROPE_KEYS.values() for k in keys if k != "original_max_seq_len"))
 
 
 @dataclass
@@ -78,15 +70,7 @@ class RopeScaling:
                 "original_max_seq_len",
                 f"must be between 1 and max_seq_len={max_seq_len} (the extended context), got {self.original_max_seq_len}",
             )
-        for key in (
-            "low_freq_factor",
-            "high_freq_factor",
-            "beta_fast",
-            "beta_slow",
-            "attention_factor",
-            "mscale",
-            "mscale_all_dim",
-        ):
+        for key in (k for k in ROPE_OPTIONAL if k != "truncate"):  # the numbers
             value = getattr(self, key)
             if value is not None and not 0 < value < math.inf:
                 raise ConfigError(key, f"must be a positive finite number, got {value}")

@@ -44,23 +44,12 @@ def test_cached_decode_equals_uncached_forward_past_the_original_context(scaling
 def test_dynamic_decode_follows_transformers_cached_generation(tmp_path):
     """Dynamic NTK rescales with the length of each forward; cached keys keep the rotation they were
     computed with. That is what transformers' cached generation does, step for step."""
-    transformers = pytest.importorskip("transformers")
-    from kiln_testing.models import randomise
+    pytest.importorskip("transformers")
+    from kiln_testing.hf_llama import hf_llama
 
     from kiln.hf import import_hf
 
-    config = transformers.LlamaConfig(
-        vocab_size=300,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=ORIGINAL,
-        rope_parameters={"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0},
-    )
-    torch.manual_seed(0)
-    hf = randomise(transformers.LlamaForCausalLM(config)).eval()
+    hf = hf_llama({"rope_type": "dynamic", "factor": 4.0}, ORIGINAL, vocab_size=300, hidden_size=32)
     hf.save_pretrained(tmp_path)
     cfg, state = import_hf(tmp_path)
     model = build_model(cfg).eval()

@@ -131,3 +131,12 @@ def test_recipe_table_builds_and_checkpoint_dict_round_trips():
         build(ModelConfig, {"rope_scaling": {"type": "linear", "scale": 2.0}}, "model")
     with pytest.raises(ConfigError, match="rope_scaling: scales RoPE"):
         dataclasses.replace(model_cfg(type="linear", factor=2.0), pos="learned").validate()
+
+
+def test_dynamic_refuses_context_parallelism():
+    from kiln.model import build_model
+    from kiln.parallel.context import apply_context_parallel
+
+    model = build_model(model_cfg(type="dynamic", factor=2.0, original_max_seq_len=32))
+    with pytest.raises(ConfigError, match="model.rope_scaling.type: 'dynamic' cannot train with context"):
+        apply_context_parallel(model, None)
