@@ -95,9 +95,14 @@ def rotation(cfg: ModelConfig, cos: torch.Tensor, sin: torch.Tensor, positions, 
     extent - 1. The precomputed tables serve every type but dynamic past the original context,
     whose frequencies depend on the length and are rebuilt for it (as transformers does per call)."""
     s = cfg.rope_scaling
-    if s is not None and s.type == "dynamic" and extent > s.original_max_seq_len:
-        cos, sin = rope_tables(cfg.head_dim, extent, cfg.rope_theta, cos.device, s, seq_len=extent)
-    return cos[positions], sin[positions]
+    if s is None or s.type != "dynamic" or extent <= s.original_max_seq_len:
+        return cos[positions], sin[positions]
+    # Only the positions asked for (a decode step: one per row), in float64 on the CPU as the tables.
+    inv_freq, _ = inv_frequencies(cfg.head_dim, cfg.rope_theta, s, extent)
+    pos = torch.arange(extent)[positions] if isinstance(positions, slice) else positions.cpu()
+    angles = pos.to(torch.float64)[..., None] * inv_freq
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().float().to(cos.device), angles.sin().float().to(cos.device)
 
 
 # transformers' rope_parameters / rope_scaling keys that Kiln's RopeScaling reads under its own name.

@@ -32,8 +32,6 @@ from kiln.model.moe import MoEFeedForward
 from kiln.model.norm import RMSNorm
 from kiln.model.rope import rope_tables, rotation
 
-__all__ = ["rope_tables"]  # tests and callers have long taken it from here
-
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate each (x[i], x[i + d/2]) pair of the last dimension by its position's angle."""
