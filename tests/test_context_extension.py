@@ -6,6 +6,7 @@ import pytest
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("one_thread")  # many small matmuls: a second thread only adds stalls
 def test_continued_pretraining_with_yarn_beats_the_short_length_control(tmp_path):
     bench = runpy.run_path("bench/context_extension.py")
     args = bench["parse_args"](["--out", str(tmp_path), "--base-steps", "600", "--long-steps", "150"])
