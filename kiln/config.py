@@ -124,8 +124,11 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
         for option in args:
             if option is type(None) and value is None:
                 return None
+        options = [a for a in args if a is not type(None)]
+        if len(options) == 1:  # X | None: X's own error, which names a nested table's full key
+            return _coerce(value, options[0], key)
         errors = []
-        for option in (a for a in args if a is not type(None)):
+        for option in options:
             try:
                 return _coerce(value, option, key)
             except ConfigError as err:

@@ -43,6 +43,7 @@ from kiln.hf_moe import (
 )
 from kiln.hf_t5 import hf_to_t5_state, t5_config_from_hf, t5_hf_config, t5_to_hf_state
 from kiln.model.config import ModelConfig, arch_of
+from kiln.model.rope import rope_scaling_from_hf, rope_scaling_to_hf
 from kiln.model.t5_config import T5Config
 from kiln.model.transformer import fuse_gate_up, fuse_qkv, split_gate_up, split_qkv
 from kiln.peft.load import plain_weights
@@ -232,7 +233,7 @@ def export_hf(
         "rms_norm_eps": model_cfg.norm_eps,
         # rope_theta at top level is what transformers 4.x and vLLM read; 5.x reads rope_parameters.
         "rope_theta": model_cfg.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": model_cfg.rope_theta},
+        **rope_scaling_to_hf(model_cfg),  # rope_parameters (5.x) and, when scaled, rope_scaling (4.x)
         "tie_word_embeddings": model_cfg.tie_embeddings,
         "initializer_range": model_cfg.init_std,
         "torch_dtype": _dtype_name(dtype),
@@ -293,14 +294,12 @@ def config_from_hf(hf: dict, where: str) -> ModelConfig:
         refuse("attention_bias", "Kiln has biases on q/k/v only, not on the output projection")
     if hf.get("mlp_bias"):
         refuse("mlp_bias", "MLP biases are not supported")
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        key = "rope_parameters" if "rope_parameters" in hf else "rope_scaling"
-        refuse(key, "only plain RoPE is supported (no scaling)")
+    # transformers 5 lets rope_scaling (the 4.x key) win when a config has both.
+    rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
     dim, n_heads = hf["hidden_size"], hf["num_attention_heads"]
     if hf.get("head_dim") not in (None, dim // n_heads):
         refuse("head_dim", f"Kiln derives head_dim = hidden_size / num_attention_heads = {dim // n_heads}")
-    max_seq_len = hf.get("max_position_embeddings", 2048)
+    rope_scaling, max_seq_len = rope_scaling_from_hf(rope, hf.get("max_position_embeddings", 2048))
     # Sliding-window attention equals full causal attention for sequences no longer than the window,
     # so the window caps the context instead of being an unsupported feature.
     window = hf.get("sliding_window")
@@ -315,6 +314,7 @@ def config_from_hf(hf: dict, where: str) -> ModelConfig:
         ffn_hidden=hf["intermediate_size"],
         norm_eps=hf.get("rms_norm_eps", 1e-6),
         rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+        rope_scaling=rope_scaling,
         max_seq_len=max_seq_len,
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         qkv_bias=model_type == "qwen2",

@@ -4,7 +4,7 @@ The model itself (and so torch) is imported on first use: recipes import ModelCo
 command should not pay for importing torch.
 """
 
-from kiln.model.config import PRESETS, ModelConfig, preset
+from kiln.model.config import PRESETS, ModelConfig, RopeScaling, preset
 
 _MODEL_NAMES = ("Transformer", "build_model", "count_params", "flops_per_token")
 
@@ -18,4 +18,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'kiln.model' has no attribute {name!r}")
 
 
-__all__ = ["ModelConfig", "PRESETS", "preset", *_MODEL_NAMES]
+__all__ = ["ModelConfig", "PRESETS", "RopeScaling", "preset", *_MODEL_NAMES]

@@ -14,6 +14,99 @@ from kiln.model.t5_config import T5Config
 # bottom layer, because the activation accounting (kiln.model.activations) and the planner share it.
 AC_MODES = ("none", "selective", "full")
 
+ROPE_TYPES = ("linear", "dynamic", "yarn", "llama3")
+# The keys each type reads beyond type and factor; any other one set is refused (it would do nothing).
+ROPE_KEYS = {
+    "linear": (),
+    "dynamic": ("original_max_seq_len",),
+    "llama3": ("original_max_seq_len", "low_freq_factor", "high_freq_factor"),
+    "yarn": (
+        "original_max_seq_len",
+        "beta_fast",
+        "beta_slow",
+        "attention_factor",
+        "mscale",
+        "mscale_all_dim",
+        "truncate",
+    ),
+}
+# The type-specific keys, each once (a dict keeps their first-seen order).
+ROPE_OPTIONAL = tuple(dict.fromkeys(k for keys in ROPE_KEYS.values() for k in keys if k != "original_max_seq_len"))
+
+
+@dataclass
+class RopeScaling:
+    """RoPE context extension (docs/long_context.md): [model] rope_scaling = {type = "yarn", ...}.
+    max_seq_len is then the extended context and original_max_seq_len the one trained at first."""
+
+    type: str = ""  # linear (Chen et al. 2023) | dynamic (NTK, bloc97) | yarn (Peng et al. 2023) | llama3
+    factor: float = 0.0  # context multiple the frequencies are stretched for
+    original_max_seq_len: int = 0  # dynamic, yarn, llama3: the pretraining context
+    low_freq_factor: float | None = None  # llama3 (default 1): wavelengths > original/this are divided by factor
+    high_freq_factor: float | None = None  # llama3 (default 4): wavelengths < original/this are kept
+    beta_fast: float | None = None  # yarn (default 32): rotations in the original context above which to extrapolate
+    beta_slow: float | None = None  # yarn (default 1): rotations below which to interpolate
+    attention_factor: float | None = None  # yarn: cos/sin scale; default 0.1 ln(factor) + 1
+    mscale: float | None = None  # yarn, with mscale_all_dim (DeepSeek): attention factor mscale ratio
+    mscale_all_dim: float | None = None
+    truncate: bool | None = None  # yarn (default true): round the ramp's ends to whole dimensions
+
+    @property
+    def llama3_freq_factors(self) -> tuple[float, float]:
+        low = 1.0 if self.low_freq_factor is None else self.low_freq_factor
+        return low, 4.0 if self.high_freq_factor is None else self.high_freq_factor
+
+    @property
+    def yarn_betas(self) -> tuple[float, float]:
+        return (32.0 if self.beta_fast is None else self.beta_fast), (1.0 if self.beta_slow is None else self.beta_slow)
+
+    def validate(self, max_seq_len: int) -> None:
+        if self.type not in ROPE_TYPES:
+            raise ConfigError("type", f"must be one of {', '.join(ROPE_TYPES)}, got {self.type!r}")
+        # factor 1 is allowed (the unscaled frequencies); below 1 would compress the context.
+        if not 1 <= self.factor < math.inf:
+            raise ConfigError("factor", f"must be a finite number >= 1, got {self.factor}")
+        keys = ROPE_KEYS[self.type]
+        for key in ("original_max_seq_len", *ROPE_OPTIONAL):
+            value = getattr(self, key)
+            unset = value is None or (key == "original_max_seq_len" and value == 0)
+            if key not in keys and not unset:
+                raise ConfigError(key, f"has no effect with type {self.type!r}; it applies to {_types_reading(key)}")
+        if "original_max_seq_len" in keys and not 0 < self.original_max_seq_len <= max_seq_len:
+            raise ConfigError(
+                "original_max_seq_len",
+                f"must be between 1 and max_seq_len={max_seq_len} (the extended context), got {self.original_max_seq_len}",
+            )
+        for key in (k for k in ROPE_OPTIONAL if k != "truncate"):  # the numbers
+            value = getattr(self, key)
+            if value is not None and not 0 < value < math.inf:
+                raise ConfigError(key, f"must be a positive finite number, got {value}")
+        low, high = self.llama3_freq_factors
+        if not low < high:
+            raise ConfigError("high_freq_factor", f"must be greater than low_freq_factor={low}, got {high}")
+        fast, slow = self.yarn_betas
+        if not slow < fast:
+            raise ConfigError("beta_fast", f"must be greater than beta_slow={slow}, got {fast}")
+
+    def hf_parameters(self) -> dict:
+        """The rope_scaling / rope_parameters entries transformers reads (theta added by the caller)."""
+        out = {"rope_type": self.type, "factor": self.factor}
+        if self.type in ("yarn", "llama3"):
+            out["original_max_position_embeddings"] = self.original_max_seq_len
+        if self.type == "llama3":
+            out["low_freq_factor"], out["high_freq_factor"] = self.llama3_freq_factors
+        if self.type == "yarn":
+            out["beta_fast"], out["beta_slow"] = self.yarn_betas
+            out["truncate"] = self.truncate is not False
+            for key in ("attention_factor", "mscale", "mscale_all_dim"):
+                if getattr(self, key) is not None:
+                    out[key] = getattr(self, key)
+        return out
+
+
+def _types_reading(key: str) -> str:
+    return ", ".join(t for t, keys in ROPE_KEYS.items() if key in keys)
+
 
 @dataclass
 class ModelConfig:
@@ -31,6 +124,7 @@ class ModelConfig:
     norm_eps: float = 1e-5
     pos: str = "rope"  # rope | learned | sinusoidal
     rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None  # context extension (docs/long_context.md); None: plain RoPE
     max_seq_len: int = 256
     tie_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2 has biases on q, k, v
@@ -107,6 +201,13 @@ class ModelConfig:
             raise ConfigError("preset", f"unknown preset {self.preset!r}; known: {', '.join(PRESETS)}")
         self._validate_floats()
         self._validate_moe()
+        if self.rope_scaling is not None:
+            if self.pos != "rope":
+                raise ConfigError("rope_scaling", f"scales RoPE; it needs pos = 'rope', got {self.pos!r}")
+            try:
+                self.rope_scaling.validate(self.max_seq_len)
+            except ConfigError as err:
+                raise err.within("rope_scaling") from None
 
     def _validate_floats(self) -> None:
         # Written as `not x > 0` so that NaN, which every comparison is false for, is refused too:

@@ -30,17 +30,7 @@ from kiln.model.config import ModelConfig
 from kiln.model.memory import require_memory
 from kiln.model.moe import MoEFeedForward
 from kiln.model.norm import RMSNorm
-
-
-def rope_tables(head_dim: int, max_seq_len: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of shape [max_seq_len, head_dim] for rotate-half RoPE (Su et al. 2021)."""
-    # Built in float64 so the tables are exact to fp32 precision even for long contexts and
-    # large theta; the angles t * theta^(-2i/d) lose digits in fp32 once t is in the thousands.
-    inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float64) / head_dim)
-    positions = torch.arange(max_seq_len, device=device, dtype=torch.float64)
-    angles = torch.outer(positions, inv_freq)
-    angles = torch.cat([angles, angles], dim=-1)  # dimension i and i + head_dim/2 share an angle
-    return angles.cos().float(), angles.sin().float()
+from kiln.model.rope import rope_tables, rotation
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -229,7 +219,8 @@ class Transformer(nn.Module):
         cfg = self.cfg
         device = self.tok_embeddings.weight.device
         if cfg.pos == "rope":
-            cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, device=device)
+            # Dynamic scaling is the plain table up to its original context; rotation() rebuilds past it.
+            cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, device, cfg.rope_scaling)
             self.rope_cos.copy_(cos)
             self.rope_sin.copy_(sin)
         elif cfg.pos == "sinusoidal":
@@ -282,6 +273,7 @@ class Transformer(nn.Module):
             position_ids = cache_positions if position_ids is None else position_ids
         if position_ids is None:
             positions = slice(0, seq)  # [T, ...] tables broadcast over the batch
+            extent = seq
             head_axis = 1  # cos/sin [T, 1, head_dim] against q/k [B, T, heads, head_dim]
         else:
             if position_ids.shape != tokens.shape:
@@ -289,12 +281,14 @@ class Transformer(nn.Module):
                     f"position_ids shape {tuple(position_ids.shape)} != tokens shape {tuple(tokens.shape)}"
                 )
             positions = position_ids
+            dynamic = self.cfg.rope_scaling is not None and self.cfg.rope_scaling.type == "dynamic"
+            extent = int(position_ids.max()) + 1 if dynamic else 0  # a device sync, so only when it is read
             head_axis = 2  # cos/sin [B, T, 1, head_dim]
         x = self.tok_embeddings(tokens)
         cos = sin = None
         if self.cfg.pos == "rope":
-            cos = self.rope_cos[positions].unsqueeze(head_axis)
-            sin = self.rope_sin[positions].unsqueeze(head_axis)
+            cos, sin = rotation(self.cfg, self.rope_cos, self.rope_sin, positions, extent)
+            cos, sin = cos.unsqueeze(head_axis), sin.unsqueeze(head_axis)
             if torch.is_autocast_enabled(x.device.type):
                 # Under autocast the projections return low precision; rotating in that dtype (as HF
                 # does) avoids upcasting q and k and keeps the logits comparable with transformers.

@@ -20,7 +20,7 @@ from kiln.checkpoint import (
 )
 from kiln.checkpoint.safety import check_sharded_pickles
 from kiln.errors import ConfigError
-from kiln.model.config import ModelConfig, arch_of, model_family
+from kiln.model.config import ModelConfig, RopeScaling, arch_of, model_family
 from kiln.model.transformer import fuse_gate_up, fuse_qkv
 
 
@@ -36,6 +36,14 @@ def model_config_from_dict(d: dict, where: str) -> ModelConfig:
     unknown = sorted(set(d) - known)
     if unknown:
         raise CheckpointError(f"{where}: model_config has unknown keys {unknown} (written by a newer Kiln?)")
+    scaling = d.get("rope_scaling")
+    if isinstance(scaling, dict):  # written by dataclasses.asdict
+        rope_known = {f.name for f in dataclasses.fields(RopeScaling)}
+        if set(scaling) - rope_known:
+            raise CheckpointError(
+                f"{where}: model_config.rope_scaling has unknown keys {sorted(set(scaling) - rope_known)}"
+            )
+        d = {**d, "rope_scaling": RopeScaling(**scaling)}
     return cls(**d)
 
 

@@ -403,6 +403,11 @@ def apply_context_parallel(
     backend: "auto" ("torch" on an NCCL group, else "ring"), "ring", "allgather" or "torch"."""
     if backend not in BACKENDS:
         raise ConfigError("parallel.cp_backend", f"must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    scaling = getattr(getattr(model, "cfg", None), "rope_scaling", None)
+    if scaling is not None and scaling.type == "dynamic":
+        # Dynamic NTK's frequencies follow the longest position of the forward, which each rank's
+        # share of the sequence would see differently.
+        raise ConfigError("model.rope_scaling.type", "'dynamic' cannot train with context parallelism; use yarn")
     group, mesh = _resolve(cp_group_or_mesh)
     # Decided by the process group, not the parameters: a model may still be on the meta device here.
     nccl = dist.get_backend(group) == "nccl"

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from kiln.errors import ConfigError
 from kiln.model.moe import moe_aux_loss
+from kiln.model.rope import rotation
 from kiln.model.transformer import Transformer, flops_per_token
 from kiln.parallel.config import PP_SCHEDULES, ParallelConfig
 
@@ -122,7 +123,8 @@ class PipelineStageModule(nn.Module):
             h = x
         cos = sin = None
         if self.cfg.pos == "rope":
-            cos, sin = self.rope_cos[:seq].unsqueeze(1), self.rope_sin[:seq].unsqueeze(1)
+            cos, sin = rotation(self.cfg, self.rope_cos, self.rope_sin, slice(0, seq), seq)
+            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
             if torch.is_autocast_enabled(h.device.type):
                 # Same rule as Transformer.forward, so a split model computes what the whole one does.
                 dtype = torch.get_autocast_dtype(h.device.type)
