@@ -42,6 +42,7 @@ from kiln.hf_moe import (
     moe_model_type,
 )
 from kiln.hf_t5 import hf_to_t5_state, t5_config_from_hf, t5_hf_config, t5_to_hf_state
+from kiln.hf_tensors import TensorTaker
 from kiln.model.config import ModelConfig, arch_of
 from kiln.model.rope import rope_scaling_from_hf, rope_scaling_to_hf
 from kiln.model.t5_config import T5Config
@@ -93,14 +94,7 @@ def kiln_to_hf_state(cfg: ModelConfig, state_dict: dict[str, torch.Tensor]) -> d
 
 
 def hf_to_kiln_state(cfg: ModelConfig, tensors: dict[str, torch.Tensor], where: str) -> dict[str, torch.Tensor]:
-    used = set()
-
-    def take(name: str) -> torch.Tensor:
-        if name not in tensors:
-            raise DataError(f"{where}: missing tensor {name!r}")
-        used.add(name)
-        return tensors[name]
-
+    take = TensorTaker(tensors, where)
     out = {"tok_embeddings.weight": take("model.embed_tokens.weight"), "norm.weight": take("model.norm.weight")}
     if not cfg.tie_embeddings:
         out["output.weight"] = take("lm_head.weight")
@@ -113,7 +107,7 @@ def hf_to_kiln_state(cfg: ModelConfig, tensors: dict[str, torch.Tensor], where: 
             )
         out[f"{dst}attn.wo.weight"] = take(f"{src}self_attn.o_proj.weight")
         if cfg.is_moe_layer(i):
-            out.update(moe_layer_from_hf(cfg, i, take, tensors.__contains__, where))
+            out.update(moe_layer_from_hf(cfg, i, take, take.__contains__, where))
         else:
             gate, up = take(f"{src}mlp.gate_proj.weight"), take(f"{src}mlp.up_proj.weight")
             out[f"{dst}ffn.w13.weight"] = fuse_gate_up(gate, up)
@@ -122,13 +116,8 @@ def hf_to_kiln_state(cfg: ModelConfig, tensors: dict[str, torch.Tensor], where: 
         out[f"{dst}ffn_norm.weight"] = take(f"{src}post_attention_layernorm.weight")
     # A tied checkpoint may still store lm_head; old ones store the RoPE frequencies. Anything else
     # means a layer Kiln would silently drop (o_proj or MLP biases, extra norms), so refuse it.
-    ignorable = {"lm_head.weight"} if cfg.tie_embeddings else set()
-    extra = sorted(n for n in tensors if n not in used and n not in ignorable and not n.endswith("rotary_emb.inv_freq"))
-    if extra:
-        raise DataError(
-            f"{where}: tensors Kiln's Transformer has no place for: {', '.join(extra[:5])}"
-            + (f" (+{len(extra) - 5} more)" if len(extra) > 5 else "")
-        )
+    tied_head = {"lm_head.weight"} if cfg.tie_embeddings else set()
+    take.refuse_leftovers("Kiln's Transformer", lambda n: n in tied_head or n.endswith("rotary_emb.inv_freq"))
     return out
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from kiln.errors import DataError
+from kiln.hf_tensors import TensorTaker
 from kiln.model.bert_config import BertConfig
 
 MASKED_LM, CLASSIFIER = "BertForMaskedLM", "BertForSequenceClassification"
@@ -63,14 +64,7 @@ def kiln_to_hf_state(cfg: BertConfig, state: dict[str, torch.Tensor]) -> dict[st
 
 
 def hf_to_kiln_state(cfg: BertConfig, tensors: dict[str, torch.Tensor], where: str) -> dict[str, torch.Tensor]:
-    used = set()
-
-    def take(name: str) -> torch.Tensor:
-        if name not in tensors:
-            raise DataError(f"{where}: missing tensor {name!r}")
-        used.add(name)
-        return tensors[name]
-
+    take = TensorTaker(tensors, where)
     out = {kiln_name: take(hf_name) for kiln_name, hf_name in _pairs(cfg)}
     for i in range(cfg.n_layers):
         for suffix in ("weight", "bias"):
@@ -83,16 +77,8 @@ def hf_to_kiln_state(cfg: BertConfig, tensors: dict[str, torch.Tensor], where: s
             ("cls.predictions.decoder.weight", out["tok_embeddings.weight"]),
             ("cls.predictions.decoder.bias", out["output.bias"]),
         ):
-            if name in tensors:
-                if not torch.equal(tensors[name], tied):
-                    raise DataError(f"{where}: {name} differs from the tensor it is tied to; Kiln's BERT ties them")
-                used.add(name)
-    extra = sorted(n for n in tensors if n not in used and not n.endswith("position_ids"))
-    if extra:
-        raise DataError(
-            f"{where}: tensors Kiln's BERT has no place for: {', '.join(extra[:5])}"
-            + (f" (+{len(extra) - 5} more)" if len(extra) > 5 else "")
-        )
+            take.take_copy(name, tied, "the tensor it is tied to", "Kiln's BERT ties them")
+    take.refuse_leftovers("Kiln's BERT", lambda n: n.endswith("position_ids"))
     return out
 
 

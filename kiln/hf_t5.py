@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from kiln.errors import ConfigError, DataError
+from kiln.hf_tensors import TensorTaker
 from kiln.model.t5_config import T5Config
 
 ARCHITECTURE = "T5ForConditionalGeneration"
@@ -46,29 +47,21 @@ def t5_to_hf_state(cfg: T5Config, state: dict[str, torch.Tensor]) -> dict[str, t
 
 
 def hf_to_t5_state(cfg: T5Config, tensors: dict[str, torch.Tensor], where: str) -> dict[str, torch.Tensor]:
-    def take(name: str) -> torch.Tensor:
-        if name not in tensors:
-            raise DataError(f"{where}: missing tensor {name!r}")
-        return tensors[name]
-
+    take = TensorTaker(tensors, where)
     embed = take("shared.weight")
     out = {"embed.weight": embed}
     out.update({kiln: take(hf) for kiln, hf in _block_names(cfg)})
     # Copies of the shared embedding that older transformers versions stored beside it.
     copies = ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight", "lm_head.weight")
     for name in copies:
-        if name in tensors and not torch.equal(tensors[name], embed):
-            raise DataError(
-                f"{where}: {name} differs from shared.weight; Kiln's T5 (like transformers 5) has one "
-                f"matrix for the embeddings and the head, so an untied head cannot be imported"
-            )
-    used = {hf for _, hf in _block_names(cfg)} | {"shared.weight", *copies}
-    extra = sorted(n for n in tensors if n not in used)
-    if extra:
-        raise DataError(
-            f"{where}: tensors Kiln's T5 has no place for: {', '.join(extra[:5])}"
-            + (f" (+{len(extra) - 5} more)" if len(extra) > 5 else "")
+        take.take_copy(
+            name,
+            embed,
+            "shared.weight",
+            "Kiln's T5 (like transformers 5) has one matrix for the embeddings and the head, so an untied "
+            "head cannot be imported",
         )
+    take.refuse_leftovers("Kiln's T5")
     return out
 
 

@@ -17,7 +17,15 @@ ROOT = Path(__file__).resolve().parents[1] / "kiln"
 LAYERS = {
     "bottom": ["kiln", "kiln.errors", "kiln.config", "kiln.progress", "kiln.files", "kiln.checkpoint"],
     "model, data": ["kiln.model", "kiln.data"],
-    "hf, peft, parallel": ["kiln.hf", "kiln.hf_moe", "kiln.hf_bert", "kiln.hf_t5", "kiln.peft", "kiln.parallel"],
+    "hf, peft, parallel": [
+        "kiln.hf",
+        "kiln.hf_moe",
+        "kiln.hf_bert",
+        "kiln.hf_t5",
+        "kiln.hf_tensors",
+        "kiln.peft",
+        "kiln.parallel",
+    ],
     "train": ["kiln.train"],
     "stages": ["kiln.infer", "kiln.eval", "kiln.post"],
     "serve": ["kiln.serve"],

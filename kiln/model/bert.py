@@ -198,15 +198,6 @@ def load_encoder(model: Bert, state: dict[str, torch.Tensor], where) -> None:
         raise ConfigError("init_from", f"{where}: weights do not fit ({str(err).strip().splitlines()[-1]})") from None
 
 
-def build_model(cfg: BertConfig, device="cpu") -> Bert:
-    """On the meta device first, then allocated and initialised on `device` (as the decoder's)."""
-    with torch.device("meta"):
-        model = Bert(cfg)
-    model.to_empty(device=device)
-    model.init_weights()
-    return model
-
-
 def count_params(model_or_cfg, non_embedding: bool = False, active: bool = False) -> int:
     """Parameters. non_embedding=True leaves out the token, position and type embeddings (the
     tied masked-LM decoder has no matrix of its own). Every parameter is active (no experts), so

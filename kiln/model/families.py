@@ -4,6 +4,8 @@ three, and new_model builds its module class."""
 
 from __future__ import annotations
 
+import torch
+
 from kiln.model import bert, t5, transformer
 from kiln.model.config import arch_of
 
@@ -12,7 +14,16 @@ CLASSES = {"decoder": transformer.Transformer, "bert": bert.Bert, "t5": t5.T5}
 
 
 def build_model(cfg, device="cpu"):
-    return MODULES[arch_of(cfg)].build_model(cfg, device=device)
+    """The model of `cfg` on `device`: made on the meta device first (no memory, no wasted init), then
+    allocated and initialised there, the path a sharded model takes (the decoder's also checks that
+    its position tables fit the device)."""
+    if arch_of(cfg) == "decoder":
+        return transformer.build_model(cfg, device=device)
+    with torch.device("meta"):
+        model = CLASSES[arch_of(cfg)](cfg)
+    model.to_empty(device=device)
+    model.init_weights()
+    return model
 
 
 def count_params(model_or_cfg, non_embedding: bool = False, active: bool = False) -> int:

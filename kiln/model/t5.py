@@ -250,15 +250,6 @@ class T5(nn.Module):
         return self.decode(decoder_tokens, self.encode(tokens, mask), mask, decoder_mask)
 
 
-def build_model(cfg: T5Config, device="cpu") -> T5:
-    """On the meta device first, then allocated and initialised on `device` (as build_model)."""
-    with torch.device("meta"):
-        model = T5(cfg)
-    model.to_empty(device=device)
-    model.init_weights()
-    return model
-
-
 def count_params(model_or_cfg, non_embedding: bool = False, active: bool = False) -> int:
     """Parameters of a T5 (or of its config); non_embedding leaves out the shared embedding (= head).
     Dense: every parameter is active, so `active` changes nothing."""
