@@ -24,6 +24,7 @@ import json
 import os
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -96,7 +97,7 @@ def probe_sdpa(cfg, seq: int, device: torch.device) -> dict:
                 )
                 y.sum().backward()
             out[backend] = "ok"
-        except RuntimeError as err:  # "No available kernel", with torch's reasons as warnings
+        except (RuntimeError, NotImplementedError) as err:  # "No available kernel"; torch warns why
             out[backend] = f"refused: {str(err).splitlines()[0][:120]}"
     return out
 
@@ -153,6 +154,9 @@ def run_all(args, cfg, device, rank, world, peak, log, start: float) -> list[dic
                 res = fsdp_1b.run(entry["case"], cfg, case_args, device, rank, world, case["fp8"], peak, ac=case["ac"])
             except torch.cuda.OutOfMemoryError as err:
                 entry["skipped"] = f"out of memory: {str(err).splitlines()[0][:160]}"
+            except Exception as err:  # one broken case must not cost the lease the others' numbers
+                traceback.print_exc()
+                entry["skipped"] = f"failed: {type(err).__name__}: {(str(err).splitlines() or [''])[0][:160]}"
             else:
                 entry |= {"result": res, **compare(predicted, res["max_allocated_bytes"], res["state_bytes"])}
             fsdp_1b.release(device)
