@@ -181,12 +181,13 @@ def run(name: str, cfg, args, device, rank: int, world: int, fp8: bool, peak: fl
     generator = torch.Generator(device=device).manual_seed(1000 + rank)
     states = {}
 
-    def step() -> torch.Tensor:
+    def step(measure: bool = False) -> torch.Tensor:
         tokens = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), device=device, generator=generator)
         with torch.autocast(device.type, dtype=torch.bfloat16):
             loss, _ = next_token_loss(model, (tokens[:, :-1], tokens[:, 1:]))
         loss.backward()
-        states.update(state_bytes(params, optimizer))  # the gradients' peak; the state of the previous step
+        if measure:  # the gradients' peak; the optimizer state of the previous steps
+            states.update(state_bytes(params, optimizer))
         clip_grad_norm(params, 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -209,9 +210,10 @@ def run(name: str, cfg, args, device, rank: int, world: int, fp8: bool, peak: fl
         losses.append(loss)
     max_allocated = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     max_reserved = torch.cuda.max_memory_reserved(device) if device.type == "cuda" else None
-    # One more step under the profiler (after the memory peak is read): which SDPA kernels ran.
+    # One more step, untimed, under the profiler (after the memory peak is read): which SDPA kernels
+    # ran, and the model states' bytes.
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        step()
+        step(measure=True)
         sync(device)
     sdpa = sdpa_backends(e.name for e in prof.events())
     losses = [float(x) for x in losses]

@@ -47,6 +47,9 @@ SDPA_BACKENDS = ("cudnn", "flash", "efficient", "math")
 SMOKE_MODEL = ModelConfig(vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64)
 
 
+PLANNER_LAYOUT = "Layout(dp_shard=1, zero=3, ac=AC, micro_batch=MB)"
+
+
 def planner_layout(ac: str, micro_batch: int) -> Layout:
     """The planner's layout for what each case runs: FSDP (ZeRO-3, parameters resharded after
     forward) over a one-rank data-parallel shard, one micro-batch per step."""
@@ -135,6 +138,7 @@ def run_all(args, cfg, device, rank, world, peak, log, start: float) -> list[dic
         entry = {
             "case": case_name(case),
             **case,
+            "planner_layout": planner_layout(case["ac"], case["batch"]).label(),
             "planner_bytes": {t: getattr(predicted, t) for t in PLANNER_TERMS} | {"total": predicted.total},
         }
         elapsed = time.perf_counter() - start
@@ -237,7 +241,7 @@ def main(argv=None) -> dict:
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (measured matmul peak)"
     log = print
     log(f"torch {torch.__version__}; {device_name}; seq {args.seq}; compile {args.compile}", flush=True)
-    log(f"planner: kiln.parallel.plan.memory, {planner_layout('<ac>', 0).label()} (one-rank FSDP)", flush=True)
+    log(f"planner: kiln.parallel.plan.memory, {PLANNER_LAYOUT} (one-rank FSDP)", flush=True)
     for case in cases(args):
         log(f"  predicted {case_name(case)}: {predict(cfg, args.seq, case['ac'], case['batch']).as_gb()}", flush=True)
     probe = probe_sdpa(cfg, args.seq, device)
@@ -253,7 +257,7 @@ def main(argv=None) -> dict:
         "peak_flops": peak,
         "seq": args.seq,
         "compile": args.compile,
-        "planner_layout": planner_layout("<ac>", 0).label(),
+        "planner_layout": PLANNER_LAYOUT,
         "sdpa_probe": probe,
         "budget_s": args.budget_s,
         "total_s": total_s,
