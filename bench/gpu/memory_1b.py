@@ -123,10 +123,11 @@ def case_name(case: dict) -> str:
     return f"ac={case['ac']} mb={case['batch']}" + (" fp8" if case["fp8"] else "")
 
 
-def run_all(args, cfg, device, rank, world, peak, log, start: float) -> list[dict]:
+def run_all(args, cfg, device, rank, world, peak, log, start: float, done=lambda entry: None) -> list[dict]:
     """Every case in order, each skipped (with the reason recorded) when the planner puts it over
     the device's memory, when the time left in --budget-s is less than the slowest case so far,
-    or, for fp8, when fp8 cannot run here. `start`: when the command started (perf_counter)."""
+    or, for fp8, when fp8 cannot run here. `start`: when the command started (perf_counter);
+    `done(entry)` is called after each case."""
     capacity = capacity_bytes(device, args.capacity_gb)
     todo = cases(args)
     if args.fp8 != "off":  # fp8 where it matters most: no AC, the largest micro-batch
@@ -168,6 +169,7 @@ def run_all(args, cfg, device, rank, world, peak, log, start: float) -> list[dic
             slowest = max(slowest, entry["case_s"])
         log(json.dumps(entry), flush=True)
         results.append(entry)
+        done(entry)
     return results
 
 
@@ -246,11 +248,6 @@ def main(argv=None) -> dict:
         log(f"  predicted {case_name(case)}: {predict(cfg, args.seq, case['ac'], case['batch']).as_gb()}", flush=True)
     probe = probe_sdpa(cfg, args.seq, device)
     log(f"SDPA backends accepting this attention: {probe}", flush=True)
-    results = run_all(args, cfg, device, rank, world, peak, log, start)
-    log("\n" + report(results), flush=True)
-    total_s = time.perf_counter() - start
-    skipped = [e["case"] for e in results if "skipped" in e]
-    log(f"\ntotal {total_s:.0f} s; {len(results) - len(skipped)} ran, skipped: {', '.join(skipped) or 'none'}")
     out = {
         "device": device_name,
         "torch": torch.__version__,
@@ -260,11 +257,21 @@ def main(argv=None) -> dict:
         "planner_layout": PLANNER_LAYOUT,
         "sdpa_probe": probe,
         "budget_s": args.budget_s,
-        "total_s": total_s,
-        "cases": results,
+        "total_s": None,
+        "cases": [],
     }
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=1))
+
+    def done(entry: dict) -> None:
+        # Written after every case, so a run cut short by the lease still leaves what it measured.
+        out["cases"].append(entry)
+        out["total_s"] = time.perf_counter() - start
+        if args.json:
+            Path(args.json).write_text(json.dumps(out, indent=1))
+
+    results = run_all(args, cfg, device, rank, world, peak, log, start, done)
+    log("\n" + report(results), flush=True)
+    skipped = [e["case"] for e in results if "skipped" in e]
+    log(f"\ntotal {out['total_s']:.0f} s; {len(results) - len(skipped)} ran, skipped: {', '.join(skipped) or 'none'}")
     dist.destroy_process_group()
     return out
 
