@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # a checkout runs 
 from kiln.model import build_model, count_params, flops_per_token, preset  # noqa: E402
 from kiln.parallel.config import ParallelConfig  # noqa: E402
 from kiln.parallel.grad import clip_grad_norm  # noqa: E402
-from kiln.parallel.parallelize import apply_compile, apply_fsdp  # noqa: E402
+from kiln.parallel.parallelize import apply_activation_checkpointing, apply_compile, apply_fsdp  # noqa: E402
 from kiln.train.config import FP8_RECIPES, TrainConfig  # noqa: E402
 from kiln.train.metrics import detect_peak_flops  # noqa: E402
 from kiln.train.objective import next_token_loss  # noqa: E402
@@ -106,13 +106,59 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run(name: str, cfg, args, device, rank: int, world: int, fp8: bool, peak: float) -> dict:
+# The aten ops F.scaled_dot_product_attention dispatches to, by backend (forward and backward); a
+# profiled step's op names say which one ran, inside compiled code too (inductor calls them as
+# extern kernels). No op at all means the attention was decomposed into matmuls (math).
+SDPA_OPS = {
+    "flash": ("_scaled_dot_product_flash_attention", "_flash_attention_forward"),
+    "efficient": ("_scaled_dot_product_efficient_attention", "_efficient_attention_forward"),
+    "cudnn": ("_scaled_dot_product_cudnn_attention",),
+    "math": ("_scaled_dot_product_attention_math",),
+}
+
+
+def sdpa_backends(op_names) -> list[str]:
+    """The SDPA backends whose aten ops appear among `op_names` (profiler event names)."""
+    found = set()
+    for name in op_names:
+        op = name.removeprefix("aten::")
+        for backend, prefixes in SDPA_OPS.items():
+            if op.startswith(prefixes):
+                found.add(backend)
+    return sorted(found)
+
+
+def _local_bytes(tensors) -> int:
+    """Bytes of the tensors on this rank (a DTensor's local shard)."""
+    total = 0
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            local = t.to_local() if hasattr(t, "to_local") else t
+            total += local.numel() * local.element_size()
+    return total
+
+
+def state_bytes(params, optimizer) -> dict:
+    """Model-state bytes on this rank, read off the tensors: parameters, gradients (call after
+    backward, before the optimizer step), optimizer state."""
+    return {
+        "params": _local_bytes(params),
+        "grads": _local_bytes(p.grad for p in params),
+        "optimizer": _local_bytes(v for state in optimizer.state.values() for v in state.values()),
+    }
+
+
+def run(name: str, cfg, args, device, rank: int, world: int, fp8: bool, peak: float, ac: str = "none") -> dict:
+    """Build, shard and train the model for args.warmup + args.steps steps of args.batch sequences;
+    `ac` is the activation-checkpointing mode (kiln.parallel.parallelize, applied before compile as
+    the trainer's parallelize orders them)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     torch.manual_seed(0)
     model = build_model(cfg, device=device)
     # The trainer's conversion (kiln.train.precision): block linears to Float8Linear, head in bf16.
     converted = convert_to_fp8(model, args.fp8_recipe)[0] if fp8 else 0
+    apply_activation_checkpointing(model, ac)
     if args.compile:
         apply_compile(model)  # before FSDP, as kiln.parallel.parallelize orders them
     mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp_shard",))
@@ -120,12 +166,15 @@ def run(name: str, cfg, args, device, rank: int, world: int, fp8: bool, peak: fl
     optimizer = build_optimizer(model, TrainConfig(lr=3e-4, warmup_steps=0, max_steps=10**6))
     params = list(model.parameters())
     generator = torch.Generator(device=device).manual_seed(1000 + rank)
+    states = {}
 
-    def step() -> torch.Tensor:
+    def step(measure: bool = False) -> torch.Tensor:
         tokens = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), device=device, generator=generator)
         with autocast("fp8" if fp8 else "bf16", device):
             loss, _ = next_token_loss(model, (tokens[:, :-1], tokens[:, 1:]))
         loss.backward()
+        if measure:  # the gradients' peak; the optimizer state of the previous steps
+            states.update(state_bytes(params, optimizer))
         clip_grad_norm(params, 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -146,6 +195,14 @@ def run(name: str, cfg, args, device, rank: int, world: int, fp8: bool, peak: fl
         sync(device)  # per-step times show the spread; a sync costs ~nothing next to a step
         times.append(time.perf_counter() - t0)
         losses.append(loss)
+    max_allocated = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    max_reserved = torch.cuda.max_memory_reserved(device) if device.type == "cuda" else None
+    # One more step, untimed, under the profiler (after the memory peak is read): which SDPA kernels
+    # ran, and the model states' bytes.
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        step(measure=True)
+        sync(device)
+    sdpa = sdpa_backends(e.name for e in prof.events())
     losses = [float(x) for x in losses]
     tokens_step = args.batch * args.seq  # per rank
     per_gpu = tokens_step / statistics.median(times)
@@ -155,6 +212,7 @@ def run(name: str, cfg, args, device, rank: int, world: int, fp8: bool, peak: fl
         "fp8_recipe": args.fp8_recipe if fp8 else None,
         "compile": args.compile,
         "world": world,
+        "ac": ac,
         "batch": args.batch,
         "seq": args.seq,
         "tokens_per_step_per_gpu": tokens_step,
@@ -166,8 +224,11 @@ def run(name: str, cfg, args, device, rank: int, world: int, fp8: bool, peak: fl
         "mfu": flops_per_token(cfg, args.seq) * per_gpu / peak,
         "loss_first": float(first),
         "loss_last": losses[-1],
-        "max_allocated_gib": torch.cuda.max_memory_allocated(device) / GiB if device.type == "cuda" else None,
-        "max_reserved_gib": torch.cuda.max_memory_reserved(device) / GiB if device.type == "cuda" else None,
+        "max_allocated_gib": None if max_allocated is None else max_allocated / GiB,
+        "max_reserved_gib": None if max_reserved is None else max_reserved / GiB,
+        "max_allocated_bytes": max_allocated,
+        "state_bytes": dict(states),
+        "sdpa_backends": sdpa,
     }
     if not all(math.isfinite(x) for x in [result["loss_first"], *losses]):
         raise RuntimeError(f"{name}: non-finite loss {losses}")
@@ -175,7 +236,10 @@ def run(name: str, cfg, args, device, rank: int, world: int, fp8: bool, peak: fl
 
 
 def release(device: torch.device) -> None:
-    """Free the finished run's model and optimizer before the next run builds its own."""
+    """Free the finished run's model and optimizer before the next run builds its own, and its
+    compiled blocks: the next run compiles its own, not under guards left by this one (nor past
+    dynamo's recompile limit, which would silently run blocks eagerly)."""
+    torch._dynamo.reset()
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
