@@ -12,6 +12,8 @@ plausible wrong one). The stage reports pairwise accuracy on held-out pairs befo
 writes `<out>/reward_model`: a weights-only checkpoint whose manifest carries `"head": {"kind":
 "scalar", ...}`, which `load_scalar_model` (PPO's reward and critic) reads back. Training
 checkpoints under `<out>/checkpoints` hold the same tensors; their head is recognised by shape.
+With `heads = N` the head is `Linear(dim, N)`, each head trained on its own bootstrap resample of
+the pairs (Poisson(1) weights): an ensemble PPO and GRPO aggregate (kiln.post.reward_controls).
 """
 
 from __future__ import annotations

@@ -246,7 +246,7 @@ def _recipe(tmp_path, grpo: GRPOConfig) -> Recipe:
     return recipe
 
 
-def test_rm_heads_then_grpo_with_every_control(tok, model_cfg, tmp_path):
+def test_rm_heads_then_grpo_and_ppo_with_every_control(tok, model_cfg, tmp_path):
     torch.manual_seed(0)
     cfg = model_cfg(init_std=0.3)
     save_weights(tmp_path / "init", cfg, build_model(cfg).state_dict())
@@ -285,6 +285,25 @@ def test_rm_heads_then_grpo_with_every_control(tok, model_cfg, tmp_path):
         "batch_00000000.pt",
         "batch_00000001.pt",
     ]
+
+    # PPO reads the same reward model: min over the heads, the length penalty, a refresh per cycle.
+    recipe.ppo = PPOConfig(
+        reward=str(tmp_path / "rm"),
+        reward_ensemble="min",
+        length_penalty=0.1,
+        rm_refresh_every=1,
+        rm_refresh_steps=1,
+        max_new_tokens=4,
+        ppo_epochs=1,
+        minibatches=1,
+        train=dataclasses.replace(train, eval_every=1, ckpt_every=1),
+    )
+    stats = run_stage("ppo", recipe, tmp_path / "ppo", tmp_path / "init", tok)
+    assert len(stats["rollouts"]) == 2 and len(stats["rm_refreshes"]) == 2
+    for r in stats["rollouts"]:
+        assert r["rm_std"] > 0 and r["length_penalty"] >= 0 and r["rm_refresh"]["batch"] == r["cycle"]
+    records = [json.loads(line) for line in (tmp_path / "ppo" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["batch"] for r in records if r["kind"] == "rm_refresh"] == [0, 1]
 
 
 # ---- refusals --------------------------------------------------------------------------------------
