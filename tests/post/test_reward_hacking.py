@@ -7,8 +7,8 @@ degenerate output games.
   rollout scores and in GRPO's group advantages;
 - a reward model trained to prefer a degenerate answer: one refresh on fresh degenerate samples
   labelled by the task verifier lowers its score on that output below the right answer.
-Plus the multi-head reward model's bootstrap loss on worked numbers, one short rm -> grpo run with
-every control on, and the config errors."""
+Plus the multi-head reward model's bootstrap loss on worked numbers, one short rm -> grpo -> ppo run with
+every control on, and the refusals (the [grpo] config errors are in test_grpo.py)."""
 
 import dataclasses
 import json
@@ -246,6 +246,9 @@ def _recipe(tmp_path, grpo: GRPOConfig) -> Recipe:
     return recipe
 
 
+CONTROLS = dict(length_penalty=0.1, rm_refresh_every=1, rm_refresh_steps=1)  # a refresh every batch
+
+
 def test_rm_heads_then_grpo_and_ppo_with_every_control(tok, model_cfg, tmp_path):
     torch.manual_seed(0)
     cfg = model_cfg(init_std=0.3)
@@ -260,11 +263,9 @@ def test_rm_heads_then_grpo_and_ppo_with_every_control(tok, model_cfg, tmp_path)
         reward_model=str(tmp_path / "rm"),
         reward_ensemble="mean_minus_std",
         uncertainty_penalty=0.5,
-        length_penalty=0.1,
         length_target=1,
-        rm_refresh_every=1,
-        rm_refresh_steps=1,
         train=train,
+        **CONTROLS,
     )
     recipe = _recipe(tmp_path, grpo)
     rm_stats = run_stage("rm", recipe, tmp_path / "rm", tmp_path / "init", tok)
@@ -290,13 +291,11 @@ def test_rm_heads_then_grpo_and_ppo_with_every_control(tok, model_cfg, tmp_path)
     recipe.ppo = PPOConfig(
         reward=str(tmp_path / "rm"),
         reward_ensemble="min",
-        length_penalty=0.1,
-        rm_refresh_every=1,
-        rm_refresh_steps=1,
         max_new_tokens=4,
         ppo_epochs=1,
         minibatches=1,
         train=dataclasses.replace(train, eval_every=1, ckpt_every=1),
+        **CONTROLS,
     )
     stats = run_stage("ppo", recipe, tmp_path / "ppo", tmp_path / "init", tok)
     assert len(stats["rollouts"]) == 2 and len(stats["rm_refreshes"]) == 2
@@ -307,28 +306,6 @@ def test_rm_heads_then_grpo_and_ppo_with_every_control(tok, model_cfg, tmp_path)
 
 
 # ---- refusals --------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    "change, key",
-    [
-        ({"reward_ensemble": "median", "reward_model": "x"}, "grpo.reward_ensemble"),
-        ({"reward_ensemble": "min"}, "grpo.reward_ensemble"),  # the verifier has no heads
-        ({"reward_ensemble": "mean_minus_std", "reward_model": "x"}, "grpo.uncertainty_penalty"),
-        ({"uncertainty_penalty": 0.5, "reward_model": "x"}, "grpo.uncertainty_penalty"),
-        ({"length_penalty": -1.0}, "grpo.length_penalty"),
-        ({"length_target": 8}, "grpo.length_target"),
-        ({"rm_refresh_every": 2}, "grpo.rm_refresh_every"),  # no reward model to refresh
-        ({"rm_refresh_steps": 2, "reward_model": "x"}, "grpo.rm_refresh_steps"),
-        ({"rm_refresh_every": -1, "reward_model": "x"}, "grpo.rm_refresh_every"),
-    ],
-)
-def test_grpo_config_errors_name_the_key(tok, tmp_path, change, key):
-    recipe = Recipe()
-    recipe.grpo = GRPOConfig(**change)
-    with pytest.raises(ConfigError) as err:
-        run(GRPO(recipe, tmp_path / "grpo", tmp_path / "init", tok))
-    assert err.value.key == key
 
 
 def test_rm_heads_and_one_head_ensembles_are_refused(tok, tmp_path, model_cfg):
