@@ -18,6 +18,7 @@ from kiln.train.config import TrainConfig
 KL_ESTIMATORS = ("k1", "k2", "k3")  # kiln.post.losses.KL_ESTIMATORS, without importing torch
 DISTILL_KINDS = ("forward", "reverse")  # kiln.post.losses.DISTILL_KINDS, without importing torch
 TASK_FAMILIES = ("arithmetic", "sort", "reverse", "convert", "word_problem")
+REWARD_ENSEMBLES = ("mean", "min", "mean_minus_std")  # kiln.post.reward_controls, without importing torch
 
 
 @dataclass
@@ -146,7 +147,62 @@ class DPOConfig:
 
 
 @dataclass
-class GRPOConfig:
+class RewardControls:
+    """Reward-hacking controls shared by `[ppo]` and `[grpo]` (docs/post_rl.md, "Reward hacking").
+    The reward-model keys need a learned reward; the length keys apply to any reward."""
+
+    # How a multi-head reward model's heads become one reward: mean | min (Coste et al.'s worst-case
+    # optimisation) | mean_minus_std (their uncertainty-weighted one, with uncertainty_penalty).
+    reward_ensemble: str = "mean"
+    uncertainty_penalty: float = 0.0  # lambda of mean_minus_std: reward = mean - lambda * std over heads
+    length_penalty: float = 0.0  # subtracted per completion token beyond length_target
+    length_target: int = 0  # tokens (the stop token not counted) a completion may use unpenalised
+    # Every K rollout batches, fine-tune the reward model on that batch's samples labelled by the task
+    # verifier (each wrong sample rejected against the prompt's answer); 0: never.
+    rm_refresh_every: int = 0
+    rm_refresh_steps: int = 4  # full-batch AdamW steps per refresh
+    rm_refresh_lr: float = 1e-4
+
+    def validate_controls(self, learned: bool, reward_key: str) -> None:
+        """`learned`: a reward model scores the completions (named by `reward_key`)."""
+        if self.reward_ensemble not in REWARD_ENSEMBLES:
+            raise ConfigError(
+                "reward_ensemble", f"must be one of {', '.join(REWARD_ENSEMBLES)}, got {self.reward_ensemble!r}"
+            )
+        if not 0 <= self.uncertainty_penalty < math.inf:
+            raise ConfigError("uncertainty_penalty", f"must be a finite number >= 0, got {self.uncertainty_penalty}")
+        if (self.reward_ensemble == "mean_minus_std") != (self.uncertainty_penalty > 0):
+            raise ConfigError(
+                "uncertainty_penalty",
+                "is the lambda of reward_ensemble = mean_minus_std: it must be > 0 there and 0 otherwise",
+            )
+        if not 0 <= self.length_penalty < math.inf:
+            raise ConfigError("length_penalty", f"must be a finite number >= 0, got {self.length_penalty}")
+        if self.length_target < 0:
+            raise ConfigError("length_target", f"must be >= 0 tokens, got {self.length_target}")
+        if self.length_target and not self.length_penalty:
+            raise ConfigError("length_target", "has no effect with length_penalty = 0")
+        if self.rm_refresh_every < 0:
+            raise ConfigError(
+                "rm_refresh_every", f"must be >= 0 rollout batches (0: never), got {self.rm_refresh_every}"
+            )
+        if self.rm_refresh_steps <= 0:
+            raise ConfigError("rm_refresh_steps", f"must be positive, got {self.rm_refresh_steps}")
+        if not 0 < self.rm_refresh_lr < math.inf:
+            raise ConfigError("rm_refresh_lr", f"must be a positive finite number, got {self.rm_refresh_lr}")
+        if not learned:
+            default = RewardControls()
+            for key in ("reward_ensemble", "rm_refresh_every", "rm_refresh_steps", "rm_refresh_lr"):
+                if getattr(self, key) != getattr(default, key):
+                    raise ConfigError(key, f"acts on a learned reward model; set {reward_key} to one")
+        elif not self.rm_refresh_every:
+            for key in ("rm_refresh_steps", "rm_refresh_lr"):
+                if getattr(self, key) != getattr(RewardControls(), key):
+                    raise ConfigError(key, "only applies with rm_refresh_every > 0")
+
+
+@dataclass
+class GRPOConfig(RewardControls):
     group_size: int = 8  # completions sampled per prompt
     prompts_per_step: int = 8
     max_new_tokens: int = 16
@@ -192,6 +248,7 @@ class GRPOConfig:
             )
         if self.loss_type not in ("grpo", "dr_grpo", "dapo"):
             raise ConfigError("loss_type", f"must be grpo, dr_grpo or dapo, got {self.loss_type!r}")
+        self.validate_controls(bool(self.reward_model), "grpo.reward_model")
         try:
             self.train.validate()
         except ConfigError as err:
@@ -212,11 +269,17 @@ class RMConfig:
     heldout_fraction: float = 0.05  # share of file pairs held out for accuracy
     margin: float = 0.0  # chosen must beat rejected by this much (0: none)
     center_coef: float = 0.0  # pulls (r_c + r_r) towards 0, keeps scores centred
+    # Scalar heads on the one trunk; with several, each head's loss weighs every pair by its own
+    # Poisson(1) bootstrap count (an online bootstrap of the pairs), and each head starts from its
+    # own random row: an ensemble whose disagreement PPO and GRPO can read (docs/post_rl.md).
+    heads: int = 1
     train: StageTrainConfig = field(
         default_factory=lambda: StageTrainConfig(lr=1e-4, max_steps=100, micro_batch_size=8)
     )
 
     def validate(self) -> None:
+        if not 1 <= self.heads <= 64:
+            raise ConfigError("heads", f"must be an integer in [1, 64], got {self.heads}")
         if not 0 < self.heldout_fraction < 0.5:
             raise ConfigError("heldout_fraction", f"must be in (0, 0.5), got {self.heldout_fraction}")
         for key in ("margin", "center_coef"):
@@ -229,7 +292,7 @@ class RMConfig:
 
 
 @dataclass
-class PPOConfig:
+class PPOConfig(RewardControls):
     files: list[str] = field(default_factory=list)  # JSONL prompts; empty: the [tasks] train split
     reward: str = "verifier"  # verifier (task graders) | rm (this run's rm stage) | a reward-model path
     critic_init: str = "policy"  # policy (the init checkpoint + a new value head) | rm | a reward-model path
@@ -282,6 +345,7 @@ class PPOConfig:
         for key in ("kl_coef", "entropy_coef", "missing_stop_penalty"):
             if not 0 <= getattr(self, key) < math.inf:
                 raise ConfigError(key, f"must be a finite number >= 0, got {getattr(self, key)}")
+        self.validate_controls(self.reward != "verifier", "ppo.reward")
         try:
             self.train.validate()
         except ConfigError as err:

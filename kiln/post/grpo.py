@@ -26,15 +26,17 @@ import random
 import torch
 
 from kiln.data.chat import render_prompt
+from kiln.errors import ConfigError
 from kiln.post.config import GRPOConfig
-from kiln.post.evaluate import complete, rollout_logprobs, strip_stop
+from kiln.post.evaluate import complete, rollout_logprobs
 from kiln.post.losses import group_advantages, grpo_loss, token_logprobs
 from kiln.post.protocol import Stage
-from kiln.post.rm import load_scalar_model, model_reward
+from kiln.post.reward_controls import ShapedReward, verifier_reward
+from kiln.post.rm import load_scalar_model
 from kiln.post.rows import IGNORE, pad
 from kiln.post.sft import reference_answer_batches, sft_loss
 from kiln.post.sources import OnlineSource
-from kiln.post.tasks import grade, train_tasks
+from kiln.post.tasks import train_tasks
 
 
 def rl_prompts(recipe) -> list[dict]:
@@ -86,6 +88,7 @@ class OptimisationStats:
         self.names = [names[key] for key in loss_stat_keys(cfg)]
         self.sink: list[torch.Tensor] = []  # filled by the loss function
         self.rewards: list[torch.Tensor] = []  # filled by the rollouts
+        self.controls: list[dict] = []  # the reward controls' statistics of each rollout
         self.totals, self.calls = torch.zeros(len(self.names), dtype=torch.float64), 0
 
     def flush(self, trainer) -> None:
@@ -96,8 +99,11 @@ class OptimisationStats:
         self.calls += len(stats)
         record = {"kind": "grpo", "step": trainer.step, "reward": torch.cat(self.rewards).float().mean().item()}
         record.update(zip(self.names, stats.mean(0).tolist()))
+        for key in self.controls[0] if self.controls else ():
+            record[key] = sum(c[key] for c in self.controls) / len(self.controls)
         self.sink.clear()
         self.rewards.clear()
+        self.controls.clear()
         if trainer.metrics:
             trainer.metrics.log(record)
 
@@ -113,10 +119,13 @@ class GRPO(Stage):
 
     def sources(self) -> tuple[OnlineSource, OnlineSource]:
         self.prompts = rl_prompts(self.recipe)
-        self.judge = None
         if self.cfg.reward_model:
-            judge = load_scalar_model(self.cfg.reward_model, key="grpo.reward_model")
-            self.judge = model_reward(judge, self.tokenizer)
+            model = load_scalar_model(self.cfg.reward_model, key="grpo.reward_model")
+            self.shaped = ShapedReward(self.cfg, self.tokenizer, "grpo.reward_model", model=model, out=self.out)
+        else:
+            self.shaped = ShapedReward(
+                self.cfg, self.tokenizer, "grpo.reward_model", base=verifier_reward(self.tokenizer)
+            )
         # KL to the starting weights: the frozen copy is held only when the loss uses it.
         self.reference = self.reference_model() if self.cfg.beta > 0 else None
         self.rollout_stats = {"rollouts": 0, "reward_sum": 0.0}
@@ -134,6 +143,11 @@ class GRPO(Stage):
     def start(self, trainer) -> None:
         if self.reference is not None:
             self.reference.to(trainer.device)
+        if self.shaped.model is not None:
+            if self.cfg.rm_refresh_every and trainer.world_size > 1:
+                raise ConfigError("grpo.rm_refresh_every", "refreshes the reward model in one process; run on one rank")
+            self.shaped.model.to(trainer.device)
+        self.shaped.start(trainer.resumed_from is not None)
 
     def rollout(self, trainer, index: int, seed: int) -> tuple[torch.Tensor, ...]:
         """Sample group_size completions for prompts_per_step prompts from the trainer's policy and
@@ -152,7 +166,12 @@ class GRPO(Stage):
         model.eval()
         completions = complete(model, tokenizer, expanded, cfg.max_new_tokens, temperature=cfg.temperature, seed=seed)
         model.train(was_training)
+        self.shaped.begin(index)
         rewards = self.rewards(examples, expanded, completions)
+        self.optimisation.controls.append(dict(self.shaped.stats))
+        refresh = self.shaped.end(index)
+        if refresh is not None and trainer.metrics:
+            trainer.metrics.log({"kind": "rm_refresh", "step": trainer.step, **refresh})
         self.rollout_stats["rollouts"] += len(completions)
         self.rollout_stats["reward_sum"] += float(rewards.sum())
         self.optimisation.rewards.append(rewards)
@@ -171,11 +190,9 @@ class GRPO(Stage):
         return batch + tuple(rollout_logprobs(m, *batch[:2], cfg.temperature, precision) for m in scored)
 
     def rewards(self, examples: list[dict], prompts: list[list[int]], completions: list[list[int]]) -> torch.Tensor:
-        """The reward model's scores when one is set, else the task graders' 0/1."""
-        if self.judge is not None:
-            return torch.as_tensor(self.judge(examples, prompts, completions)).float()
-        texts = [self.tokenizer.decode(strip_stop(self.tokenizer, c)) for c in completions]
-        return torch.tensor([grade(ex, text) for ex, text in zip(examples, texts)])
+        """The reward model's scores when one is set (its heads aggregated), else the task graders'
+        0/1; minus the length penalty when set (kiln.post.reward_controls)."""
+        return self.shaped(examples, prompts, completions).float()
 
     def loss_fn(self):
         return make_grpo_loss(self.cfg, self.optimisation.sink)
@@ -188,4 +205,5 @@ class GRPO(Stage):
 
     def results(self, trainer, summary: dict, before: dict | None) -> dict:
         rollout = {**self.rollout_stats, **self.optimisation.means()}
-        return {"rollout": rollout, **super().results(trainer, summary, before)}
+        extra = {"rm_refreshes": self.shaped.refreshes} if self.cfg.rm_refresh_every else {}
+        return {"rollout": rollout, **extra, **super().results(trainer, summary, before)}

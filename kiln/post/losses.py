@@ -154,18 +154,24 @@ def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tenso
 
 
 def bradley_terry_loss(
-    r_chosen: torch.Tensor, r_rejected: torch.Tensor, margin=None, center_coef: float = 0.0
+    r_chosen: torch.Tensor, r_rejected: torch.Tensor, margin=None, center_coef: float = 0.0, weights=None
 ) -> torch.Tensor:
     """mean(-log sigmoid(r_c - r_r - margin)) + center_coef * mean((r_c + r_r)^2).
 
     As TRL `RewardTrainer` and OpenRLHF `PairWiseLoss`; `margin` is a number or a per-pair tensor
     [B], `center_coef` is TRL's center_rewards_coefficient (0.01 recommended there; off by default).
+    `weights` (same shape as the scores, e.g. [B, heads] bootstrap counts) turns the first mean into
+    sum(w * term) / sum(w); a batch whose weights are all 0 contributes 0.
     """
     rc, rr = _f32(r_chosen), _f32(r_rejected)
     diff = rc - rr
     if margin is not None:
         diff = diff - (_f32(margin) if torch.is_tensor(margin) else margin)
-    loss = -F.logsigmoid(diff).mean()
+    if weights is None:
+        loss = -F.logsigmoid(diff).mean()
+    else:
+        w = _f32(weights).expand_as(diff)
+        loss = -(F.logsigmoid(diff) * w).sum() / w.sum().clamp_min(1.0)
     if center_coef:
         loss = loss + center_coef * ((rc + rr) ** 2).mean()
     return loss

@@ -28,7 +28,6 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -41,7 +40,7 @@ from kiln.peft.load import load_model
 from kiln.peft.peft_io import merged_state_dict
 from kiln.post.config import PPOConfig
 from kiln.post.data import read_prompts
-from kiln.post.evaluate import rollout_logprobs, strip_stop
+from kiln.post.evaluate import rollout_logprobs
 from kiln.post.losses import (
     gae,
     kl_estimate,
@@ -54,17 +53,14 @@ from kiln.post.losses import (
 )
 from kiln.post.outputs import save_adapter
 from kiln.post.protocol import Stage
-from kiln.post.rm import attach_scalar_head, load_scalar_model, model_reward
+from kiln.post.reward_controls import RewardFn, ShapedReward, verifier_reward
+from kiln.post.rm import attach_scalar_head, load_scalar_model
 from kiln.post.rows import IGNORE
 from kiln.post.sft import reference_answer_batches, sft_loss
 from kiln.post.sources import OnlineSource
-from kiln.post.tasks import grade
 from kiln.train.precision import autocast
 
 POLICY_DIR = "policy"
-
-# reward_fn(examples, prompt ids, completion ids) -> one score per completion
-RewardFn = Callable[[list[dict], list[list[int]], list[list[int]]], "list[float] | torch.Tensor"]
 
 
 # ---- rollouts --------------------------------------------------------------------------------------
@@ -241,14 +237,12 @@ def build_critic(recipe, cfg: PPOConfig, init: Path) -> torch.nn.Module:
         critic, _ = load_model(init)
         attach_scalar_head(critic)
         return critic.train()
-    return load_scalar_model(_resolve(recipe, cfg.critic_init, "ppo.critic_init"), "ppo.critic_init").train()
-
-
-def verifier_reward(tokenizer) -> RewardFn:
-    def reward(examples, prompts, completions):
-        return [grade(ex, tokenizer.decode(strip_stop(tokenizer, c))) for ex, c in zip(examples, completions)]
-
-    return reward
+    critic = load_scalar_model(_resolve(recipe, cfg.critic_init, "ppo.critic_init"), "ppo.critic_init")
+    if critic.output.weight.shape[0] != 1:
+        raise ConfigError(
+            "ppo.critic_init", "a multi-head reward model cannot start the critic, which has one value head"
+        )
+    return critic.train()
 
 
 def _prompts(recipe, cfg: PPOConfig, tokenizer, out: Path, tasks: list[dict]) -> tuple[list[dict], list[list[int]]]:
@@ -299,6 +293,7 @@ class Cycles:
         total = len(self.prompts)
         picked = rng.sample(range(total), n) if n <= total else [rng.randrange(total) for _ in range(n)]
         model = trainer.model
+        self.reward_fn.begin(cycle)
         rollout = make_rollout(
             model,
             critic_of(model),
@@ -312,10 +307,15 @@ class Cycles:
             self._seed(cycle),
             trainer.cfg.precision,
         )
-        record = {"kind": "rollout", "step": trainer.step, "cycle": cycle, **rollout.stats}
+        record = {"kind": "rollout", "step": trainer.step, "cycle": cycle, **rollout.stats, **self.reward_fn.stats}
         self.history.append(record)
         if trainer.metrics:
             trainer.metrics.log(record)
+        refresh = self.reward_fn.end(cycle)
+        if refresh is not None:
+            record["rm_refresh"] = refresh
+            if trainer.metrics:
+                trainer.metrics.log({"kind": "rm_refresh", "step": trainer.step, **refresh})
         return rollout.training_tensors()
 
     def flush(self, trainer) -> None:
@@ -353,7 +353,12 @@ class PPO(Stage):
                 "ppo.train.seq_len",
                 f"the longest prompt ({longest} tokens) + max_new_tokens ({cfg.max_new_tokens}) must fit in seq_len + 1",
             )
-        reward_fn = self.reward_fn or self._configured_reward()
+        if self.reward_fn is not None:
+            reward_fn = ShapedReward(cfg, tokenizer, "ppo.reward", base=self.reward_fn, out=self.out)
+        else:
+            reward_fn = self._configured_reward()
+        reward_fn.check_gold(examples)
+        self.shaped = reward_fn
         self.reference = self.reference_model()
         self.cycles = Cycles(self.recipe, cfg, tokenizer, examples, prompts, reward_fn, self.reference)
         # 64 held-out problems spread over the families, which come in blocks.
@@ -364,9 +369,9 @@ class PPO(Stage):
         )
         return source, source
 
-    def _configured_reward(self) -> RewardFn:
+    def _configured_reward(self) -> ShapedReward:
         if self.cfg.reward == "verifier":
-            return verifier_reward(self.tokenizer)
+            return ShapedReward(self.cfg, self.tokenizer, "ppo.reward", base=verifier_reward(self.tokenizer))
         self.reward_model = load_scalar_model(_resolve(self.recipe, self.cfg.reward, "ppo.reward"), "ppo.reward")
         if self.reward_model.cfg.vocab_size < self.tokenizer.vocab_size:
             raise ConfigError(
@@ -374,7 +379,7 @@ class PPO(Stage):
                 f"reward model vocabulary {self.reward_model.cfg.vocab_size} < the "
                 f"tokenizer's {self.tokenizer.vocab_size} (same tokenizer needed)",
             )
-        return model_reward(self.reward_model, self.tokenizer)
+        return ShapedReward(self.cfg, self.tokenizer, "ppo.reward", model=self.reward_model, out=self.out)
 
     def loss_fn(self):
         return make_ppo_loss(self.cfg, self.cycles.sink)
@@ -400,6 +405,7 @@ class PPO(Stage):
         self.reference.to(trainer.device)
         if self.reward_model is not None:
             self.reward_model.to(trainer.device)
+        self.shaped.start(trainer.resumed_from is not None)
 
     def after_fit(self, trainer) -> None:
         self.cycles.flush(trainer)  # the last cycle's optimisation statistics
@@ -412,6 +418,7 @@ class PPO(Stage):
             "heldout_before": before,
             "heldout_after": after,
             "reward": self.reward_name,
+            **({"rm_refreshes": self.shaped.refreshes} if self.cfg.rm_refresh_every else {}),
         }
 
     def export(self, trainer, stats: dict) -> dict:

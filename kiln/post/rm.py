@@ -12,6 +12,8 @@ plausible wrong one). The stage reports pairwise accuracy on held-out pairs befo
 writes `<out>/reward_model`: a weights-only checkpoint whose manifest carries `"head": {"kind":
 "scalar", ...}`, which `load_scalar_model` (PPO's reward and critic) reads back. Training
 checkpoints under `<out>/checkpoints` hold the same tensors; their head is recognised by shape.
+With `heads = N` the head is `Linear(dim, N)`, each head trained on its own bootstrap resample of
+the pairs (Poisson(1) weights): an ensemble PPO and GRPO aggregate (kiln.post.reward_controls).
 """
 
 from __future__ import annotations
@@ -41,14 +43,19 @@ HEAD = {"kind": "scalar", "outputs": 1, "reduction": "last_token"}
 EXPORT_DIR = "reward_model"
 
 
+def head_manifest(heads: int) -> dict:
+    return {**HEAD, "outputs": heads}
+
+
 # ---- the scalar head -------------------------------------------------------------------------------
 
 
-def attach_scalar_head(model: nn.Module) -> nn.Linear:
-    """Replace the model's vocabulary head by a fresh `Linear(dim, 1)` (no bias: Bradley-Terry is
-    blind to a constant, and without one an untied model keeps its key set). Returns the head."""
+def attach_scalar_head(model: nn.Module, heads: int = 1) -> nn.Linear:
+    """Replace the model's vocabulary head by a fresh `Linear(dim, heads)` (no bias: Bradley-Terry is
+    blind to a constant, and without one an untied model keeps its key set). Returns the head; each
+    of its rows is one scalar head, drawn independently (an ensemble member's own initialisation)."""
     param = model.tok_embeddings.weight
-    head = nn.Linear(model.cfg.dim, 1, bias=False, device=param.device, dtype=param.dtype)
+    head = nn.Linear(model.cfg.dim, heads, bias=False, device=param.device, dtype=param.dtype)
     # Small weights start every reward near 0, so the first pairwise losses are about log 2 and
     # the trunk is not pushed by an arbitrary initial ranking.
     nn.init.normal_(head.weight, std=1.0 / (model.cfg.dim + 1))
@@ -61,7 +68,8 @@ def has_scalar_head(state: dict, manifest: dict) -> bool:
     if isinstance(head, dict):
         return head.get("kind") == "scalar"
     weight = state.get("output.weight")
-    return weight is not None and weight.shape[0] == 1 and manifest["model_config"].get("vocab_size", 0) > 1
+    vocab = manifest["model_config"].get("vocab_size", 0)
+    return weight is not None and weight.shape[0] < vocab and vocab > 1  # an LM's head has a row per token
 
 
 def load_scalar_model(path, key: str = "reward_model") -> nn.Module:
@@ -83,22 +91,31 @@ def load_scalar_model(path, key: str = "reward_model") -> nn.Module:
             key, f"{path} is a PEFT training checkpoint; use the merged export <rm stage>/{EXPORT_DIR} instead"
         )
     model = Transformer(cfg)
-    attach_scalar_head(model)
+    attach_scalar_head(model, state["output.weight"].shape[0])
     model.load_state_dict(state)
     return model.eval()
 
 
+def head_scores(model: nn.Module, ids: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+    """Every scalar head's value at each row's last real token: ids [B, T], last [B] -> [B, heads]
+    float32. The padding after `last` cannot reach it through causal attention."""
+    values = model(ids)
+    index = last.long()[:, None, None].expand(-1, 1, values.shape[-1])
+    return values.gather(1, index)[:, 0].float()
+
+
 def sequence_scores(model: nn.Module, ids: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
-    """Scalar-head value at each row's last real token: ids [B, T], last [B] indices -> [B] float32.
-    The padding after `last` cannot reach it through causal attention."""
-    values = model(ids)[..., 0]
-    return values.gather(1, last.long()[:, None])[:, 0].float()
+    """The reward at each row's last real token, [B]: the mean over the heads (the one head's value
+    for a single-head model)."""
+    return head_scores(model, ids, last).mean(-1)
 
 
-def model_reward(model: nn.Module, tokenizer, batch_size: int = 32):
+def model_reward(model: nn.Module, tokenizer, batch_size: int = 32, heads: bool = False):
     """A reward function (examples, prompt ids, completion ids) -> [N] scores: the reward model's
-    value at the last token of prompt + completion (PPO's and GRPO's learned reward)."""
+    value at the last token of prompt + completion (PPO's and GRPO's learned reward); with `heads`,
+    every head's value, [N, heads]."""
     pad = tokenizer.token_id("<|pad|>")
+    score = head_scores if heads else sequence_scores
 
     @torch.no_grad()
     def reward(examples, prompts, completions):
@@ -110,7 +127,7 @@ def model_reward(model: nn.Module, tokenizer, batch_size: int = 32):
             width = max(map(len, chunk))
             ids = torch.tensor([s + [pad] * (width - len(s)) for s in chunk], device=device)
             last = torch.tensor([len(s) - 1 for s in chunk], device=device)
-            scores.append(sequence_scores(model, ids, last).cpu())
+            scores.append(score(model, ids, last).cpu())
         return torch.cat(scores)
 
     return reward
@@ -137,36 +154,53 @@ def rm_rows(tokenizer, pairs: list[tuple[list[dict], str, str]], seq_len: int) -
     return rows, cut
 
 
+def bootstrap_weights(rows: list[tuple], heads: int, seed: int) -> list[tuple]:
+    """Each row with a [heads] tensor of Poisson(1) counts appended: how many times each head's
+    bootstrap resample of the pairs holds this pair (the online bootstrap; fixed by seed and row)."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + 7)
+    counts = torch.poisson(torch.ones(len(rows), heads), generator=g)
+    return [(*row, counts[i]) for i, row in enumerate(rows)]
+
+
+def pair_loss(model, batch: tuple, margin: float = 0.0, center_coef: float = 0.0) -> torch.Tensor:
+    """Bradley-Terry loss of (chosen, chosen last, rejected, rejected last[, weights]) rows, every
+    head on its own scores; weights [B, heads] (the bootstrap counts) weigh each head's pairs."""
+    chosen, chosen_last, rejected, rejected_last, *weights = batch
+    # One forward over both halves: the same weights score chosen and rejected in one pass.
+    scores = head_scores(model, torch.cat([chosen, rejected]), torch.cat([chosen_last, rejected_last]))
+    r_chosen, r_rejected = scores.chunk(2)
+    return bradley_terry_loss(
+        r_chosen, r_rejected, margin=margin or None, center_coef=center_coef, weights=weights[0] if weights else None
+    )
+
+
 def make_rm_loss(cfg: RMConfig):
     def loss_fn(model, batch: tuple) -> tuple[torch.Tensor, int]:
-        chosen, chosen_last, rejected, rejected_last = batch
-        # One forward over both halves: the same weights score chosen and rejected in one pass.
-        scores = sequence_scores(model, torch.cat([chosen, rejected]), torch.cat([chosen_last, rejected_last]))
-        r_chosen, r_rejected = scores.chunk(2)
-        loss = bradley_terry_loss(r_chosen, r_rejected, margin=cfg.margin or None, center_coef=cfg.center_coef)
-        return loss, chosen.shape[0]
+        return pair_loss(model, batch, cfg.margin, cfg.center_coef), batch[0].shape[0]
 
     return loss_fn
 
 
 def preference_accuracy(model: nn.Module, rows: list[tuple], batch_size: int = 32) -> dict:
-    """Pairwise accuracy (chosen scored strictly higher) and mean score margin over `rows`."""
+    """Pairwise accuracy (chosen scored strictly higher) and mean score margin over `rows`, of the
+    mean over the heads; with several heads, each head's accuracy too."""
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
     margins = []
     with torch.no_grad():
         for start in range(0, len(rows), batch_size):
-            c, cl, r, rl = (torch.stack(p).to(device) for p in zip(*rows[start : start + batch_size]))
-            scores = sequence_scores(model, torch.cat([c, r]), torch.cat([cl, rl]))
-            rc, rr = scores.chunk(2)
-            margins += (rc - rr).tolist()
+            chunk = [row[:4] for row in rows[start : start + batch_size]]
+            c, cl, r, rl = (torch.stack(p).to(device) for p in zip(*chunk))
+            rc, rr = head_scores(model, torch.cat([c, r]), torch.cat([cl, rl])).chunk(2)
+            margins.append((rc - rr).cpu())
     model.train(was_training)
-    return {
-        "accuracy": sum(m > 0 for m in margins) / len(margins),
-        "mean_margin": sum(margins) / len(margins),
-        "pairs": len(margins),
-    }
+    per_head = torch.cat(margins)
+    mean = per_head.mean(-1)
+    out = {"accuracy": (mean > 0).float().mean().item(), "mean_margin": mean.mean().item(), "pairs": len(mean)}
+    if per_head.shape[-1] > 1:
+        out["head_accuracy"] = (per_head > 0).float().mean(0).tolist()
+    return out
 
 
 def _split_file_pairs(pairs: list, fraction: float, seed: int) -> tuple[list, list]:
@@ -206,6 +240,8 @@ class RM(Stage):
             data = {"tasks": len(pairs)}
         seq_len = cfg.train.seq_len
         rows, cut = rm_rows(self.tokenizer, pairs, seq_len)
+        if cfg.heads > 1:
+            rows = bootstrap_weights(rows, cfg.heads, seed)
         self.val_rows, _ = rm_rows(self.tokenizer, val_pairs, seq_len)
         # With files, the held-out task pairs are measured too.
         self.task_rows = rm_rows(self.tokenizer, task_val, seq_len)[0] if cfg.files else None
@@ -220,7 +256,7 @@ class RM(Stage):
         return make_rm_loss(self.cfg)
 
     def prepare_model(self, model) -> None:
-        head = attach_scalar_head(model)
+        head = attach_scalar_head(model, self.cfg.heads)
         if self.peft is not None:
             apply_peft(model, self.peft)
             # PEFT freezes every base weight; the new head has nothing to adapt from and trains fully.
@@ -252,7 +288,7 @@ class RM(Stage):
         """`<out>/reward_model`: plain weights (LoRA merged) with the head recorded; no adapter."""
         accuracy = stats["after"]["heldout"]["accuracy"]
         extra = {"stage": "rm", "checkpoint": stats["train"]["checkpoint"], "heldout_accuracy": accuracy}
-        export_reward_model(trainer, self.out / EXPORT_DIR, extra)
+        export_reward_model(trainer, self.out / EXPORT_DIR, extra, self.cfg.heads)
         return {"reward_model": str(self.out / EXPORT_DIR)}
 
     def closing_lines(self, stats: dict) -> list[str]:
@@ -261,6 +297,7 @@ class RM(Stage):
         return [f"[{self.out.name}] held-out pairwise accuracy {start} -> {after:.3f} ({len(self.val_rows)} pairs)"]
 
 
-def export_reward_model(trainer, folder: Path, extra: dict) -> Path:
+def export_reward_model(trainer, folder: Path, extra: dict, heads: int = 1) -> Path:
     """Plain weights (LoRA merged) of the trained reward model, with the head recorded."""
-    return save_weights(folder, trainer.model_cfg, merged_state_dict(trainer.model), {**extra, "head": HEAD})
+    state = merged_state_dict(trainer.model)
+    return save_weights(folder, trainer.model_cfg, state, {**extra, "head": head_manifest(heads)})

@@ -219,6 +219,16 @@ def test_resume_between_rollout_batches_is_exact(tok, init, tmp_path):
         ({"clip_eps": 0.1}, "grpo.clip_eps"),  # epochs = 1: the ratio is 1, a clip would do nothing
         ({"epochs": 2, "train": StageTrainConfig(eval_every=4, ckpt_every=3)}, "grpo.train.ckpt_every"),
         ({"epochs": 2, "train": StageTrainConfig(eval_every=3, ckpt_every=4)}, "grpo.train.eval_every"),
+        # the reward controls (tests/post/test_reward_hacking.py)
+        ({"reward_ensemble": "median", "reward_model": "x"}, "grpo.reward_ensemble"),
+        ({"reward_ensemble": "min"}, "grpo.reward_ensemble"),  # the verifier has no heads
+        ({"reward_ensemble": "mean_minus_std", "reward_model": "x"}, "grpo.uncertainty_penalty"),
+        ({"uncertainty_penalty": 0.5, "reward_model": "x"}, "grpo.uncertainty_penalty"),
+        ({"length_penalty": -1.0}, "grpo.length_penalty"),
+        ({"length_target": 8}, "grpo.length_target"),
+        ({"rm_refresh_every": 2}, "grpo.rm_refresh_every"),  # no reward model to refresh
+        ({"rm_refresh_steps": 2, "reward_model": "x"}, "grpo.rm_refresh_steps"),
+        ({"rm_refresh_every": -1, "reward_model": "x"}, "grpo.rm_refresh_every"),
     ],
 )
 def test_config_errors_name_the_key(tok, tmp_path, change, key):
