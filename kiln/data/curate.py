@@ -8,7 +8,8 @@ from kiln.data.config import CurateConfig
 from kiln.data.executor import run_pipeline
 from kiln.data.funnel import funnel_html, funnel_text
 from kiln.data.ray_executor import run_pipeline_ray
-from kiln.data.readers import list_named_inputs
+from kiln.data.fields import FieldMap
+from kiln.data.readers import check_layout, list_named_inputs
 from kiln.errors import ConfigError
 
 
@@ -19,10 +20,11 @@ def curate(cfg: CurateConfig, out_dir: Path, default_inputs: list[Path] = (), lo
     out_dir/rejected/, out_dir/stats.json and out_dir/funnel.html (a chart of documents and bytes kept
     per step); returns the stats and logs the funnel as text.
     """
-    # list_named_inputs raises a one-line DataError for a path or glob that matches nothing.
-    files = list_named_inputs(cfg.inputs) if cfg.inputs else [(Path(p), Path(p).name) for p in sorted(default_inputs)]
+    files = input_files(cfg) if cfg.inputs else [(Path(p), Path(p).name, None) for p in sorted(default_inputs)]
     if not files:
         raise ConfigError("data.inputs", "is empty and there is no corpus stage output to curate")
+    for path, _, fields in files:
+        check_layout(path, fields)  # a file in another dataset's layout: one line now, not N rejections
     if cfg.executor == "ray":
         stats = run_pipeline_ray(
             files, cfg.build_steps(), Path(out_dir), tasks=cfg.tasks, address=cfg.ray_address or None, log=log
@@ -32,3 +34,17 @@ def curate(cfg: CurateConfig, out_dir: Path, default_inputs: list[Path] = (), lo
     (Path(out_dir) / "funnel.html").write_text(funnel_html(stats, f"Data funnel: {out_dir}"), encoding="utf-8")
     log(funnel_text(stats))
     return stats
+
+
+def input_files(cfg: CurateConfig) -> list[tuple[Path, str, FieldMap | None]]:
+    """(file, stable name, field map) for every input file, in order; a file listed by two entries
+    is read once, with the first entry's fields."""
+    seen: set[Path] = set()
+    out = []
+    for entry, fields in cfg.input_specs():
+        # list_named_inputs raises a one-line DataError for a path or glob that matches nothing.
+        for path, name in list_named_inputs(entry):
+            if path.resolve() not in seen:
+                seen.add(path.resolve())
+                out.append((path, name, fields))
+    return out
