@@ -114,7 +114,7 @@ class CurateConfig:
             table = dict(entry)
             path = table.pop("path", None)
             if not isinstance(path, str) or not path:
-                raise ConfigError(f"{key}.path", "each input table needs path = \"<file, folder or glob>\"")
+                raise ConfigError(f"{key}.path", 'each input table needs path = "<file, folder or glob>"')
             fields = build(FieldMap, table, key)
             try:
                 fields.validate()

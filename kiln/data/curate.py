@@ -6,9 +6,9 @@ from pathlib import Path
 
 from kiln.data.config import CurateConfig
 from kiln.data.executor import run_pipeline
+from kiln.data.fields import FieldMap
 from kiln.data.funnel import funnel_html, funnel_text
 from kiln.data.ray_executor import run_pipeline_ray
-from kiln.data.fields import FieldMap
 from kiln.data.readers import check_layout, list_named_inputs
 from kiln.errors import ConfigError
 

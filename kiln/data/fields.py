@@ -152,4 +152,3 @@ def map_record(
             if value is not _MISSING:
                 meta[key.rsplit(".", 1)[-1]] = value
     return {"id": doc_id, "text": text, "source": source, "meta": jsonable(meta)}, None
-

@@ -110,7 +110,10 @@ def test_recipe_inputs_tables_and_strings(tmp_path):
     cfg = build(CurateConfig, {"inputs": [{"path": str(rw), "preset": "refinedweb"}, str(plain)], "steps": []}, "data")
     cfg.validate()
     files = input_files(cfg)
-    assert [(p.name, f.preset if f else None) for p, _, f in files] == [("rw.parquet", "refinedweb"), ("plain.jsonl", None)]
+    assert [(p.name, f.preset if f else None) for p, _, f in files] == [
+        ("rw.parquet", "refinedweb"),
+        ("plain.jsonl", None),
+    ]
     stats = curate(cfg, tmp_path / "out", log=lambda *_: None)
     assert stats["docs_out"] == 2
     docs = [json.loads(line) for p in sorted((tmp_path / "out" / "docs").glob("*.jsonl")) for line in p.open()]
@@ -124,7 +127,10 @@ def test_recipe_inputs_tables_and_strings(tmp_path):
 @pytest.mark.parametrize(
     "entry, message",
     [
-        ({"path": "x", "preset": "redpajama"}, "inputs[0].preset: unknown preset 'redpajama'; known: " + ", ".join(PRESETS)),
+        (
+            {"path": "x", "preset": "redpajama"},
+            "inputs[0].preset: unknown preset 'redpajama'; known: " + ", ".join(PRESETS),
+        ),
         ({"path": "x", "txt_key": "a"}, "inputs[0].txt_key: unknown key"),
         ({"preset": "c4"}, "inputs[0].path: each input table needs path"),
         ({"path": "x", "text_key": "a..b"}, "inputs[0].text_key: must be a field name or a dotted path"),
