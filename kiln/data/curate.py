@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from kiln.data.config import CurateConfig
@@ -10,6 +11,7 @@ from kiln.data.fields import FieldMap
 from kiln.data.funnel import funnel_html, funnel_text
 from kiln.data.ray_executor import run_pipeline_ray
 from kiln.data.readers import check_layout, list_named_inputs
+from kiln.data.steps.bias import bias_rates
 from kiln.errors import ConfigError
 
 
@@ -31,6 +33,10 @@ def curate(cfg: CurateConfig, out_dir: Path, default_inputs: list[Path] = (), lo
         )
     else:
         stats = run_pipeline(files, cfg.build_steps(), Path(out_dir), tasks=cfg.tasks, workers=cfg.workers, log=log)
+    for step in stats["steps"]:
+        if step["name"] == "bias":  # rates per source and group beside the raw counters
+            step["rates"] = bias_rates(step)
+    (Path(out_dir) / "stats.json").write_text(json.dumps(stats, indent=2))
     (Path(out_dir) / "funnel.html").write_text(funnel_html(stats, f"Data funnel: {out_dir}"), encoding="utf-8")
     log(funnel_text(stats))
     return stats
