@@ -10,7 +10,7 @@ from kiln.data.executor import run_pipeline
 from kiln.data.fields import FieldMap
 from kiln.data.funnel import funnel_html, funnel_text
 from kiln.data.ray_executor import run_pipeline_ray
-from kiln.data.readers import check_layout, list_named_inputs
+from kiln.data.readers import check_layout, input_format, list_named_inputs
 from kiln.data.steps.bias import bias_rates
 from kiln.errors import ConfigError
 
@@ -47,9 +47,15 @@ def input_files(cfg: CurateConfig) -> list[tuple[Path, str, FieldMap | None]]:
     is read once, with the first entry's fields."""
     seen: set[Path] = set()
     out = []
-    for entry, fields in cfg.input_specs():
+    for i, (entry, fields) in enumerate(cfg.input_specs()):
         # list_named_inputs raises a one-line DataError for a path or glob that matches nothing.
         for path, name in list_named_inputs(entry):
+            if fields is not None and input_format(path) == "text":
+                # A text file is one document with no fields: a mapping would silently do nothing.
+                raise ConfigError(
+                    f"data.inputs[{i}]",
+                    f"{path} is a text file (one document, no fields); field keys apply to JSONL and Parquet",
+                )
             if path.resolve() not in seen:
                 seen.add(path.resolve())
                 out.append((path, name, fields))

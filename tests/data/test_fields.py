@@ -143,3 +143,11 @@ def test_bad_input_tables_refused_by_name(entry, message):
     with pytest.raises(ConfigError) as err:
         cfg.validate()
     assert str(err.value).startswith(message)
+
+
+def test_field_table_on_text_files_refused(tmp_path):
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "a.txt").write_text("a note")
+    cfg = build(CurateConfig, {"inputs": [{"path": str(tmp_path / "notes"), "text_key": "body"}], "steps": []}, "data")
+    with pytest.raises(ConfigError, match=r"data\.inputs\[0\]: .*a\.txt is a text file"):
+        input_files(cfg)
