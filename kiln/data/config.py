@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass, field
 
+from kiln.config import build
+from kiln.data.fields import FieldMap
 from kiln.data.steps import build_step
 from kiln.errors import ConfigError
 
@@ -91,7 +93,9 @@ EXECUTORS = ("local", "ray")
 
 @dataclass
 class CurateConfig:
-    inputs: list[str] = field(default_factory=list)  # files, folders or globs; empty: the run's corpus
+    # Files, folders or globs, each a string or a table {path = ..., preset/text_key/id_key/
+    # source_key/meta_keys = ...} saying which record fields make the document; empty: the run's corpus.
+    inputs: list[str | dict] = field(default_factory=list)
     steps: list[str] = field(default_factory=lambda: list(DEFAULT_STEPS))
     params: dict = field(default_factory=dict)  # [data.params.<step>] tables: each step's fields
     tasks: int = 4  # shards of work; the unit of resumption
@@ -99,7 +103,28 @@ class CurateConfig:
     executor: str = "local"  # "local" (worker processes) or "ray" (pip install 'kiln[ray]')
     ray_address: str = ""  # "": start Ray here; "auto", "host:6379", "ray://host:10001": join
 
+    def input_specs(self) -> list[tuple[str, FieldMap | None]]:
+        """(path, field map) per input; None for a plain-string input (the default fields)."""
+        specs = []
+        for i, entry in enumerate(self.inputs):
+            if isinstance(entry, str):
+                specs.append((entry, None))
+                continue
+            key = f"inputs[{i}]"
+            table = dict(entry)
+            path = table.pop("path", None)
+            if not isinstance(path, str) or not path:
+                raise ConfigError(f"{key}.path", 'each input table needs path = "<file, folder or glob>"')
+            fields = build(FieldMap, table, key)
+            try:
+                fields.validate()
+            except ConfigError as err:
+                raise err.within(key) from None
+            specs.append((path, fields))
+        return specs
+
     def validate(self) -> None:
+        self.input_specs()
         if self.tasks <= 0:
             raise ConfigError("tasks", f"must be positive, got {self.tasks}")
         if self.workers <= 0:

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from kiln.data.config import CurateConfig
 from kiln.data.executor import run_pipeline
+from kiln.data.fields import FieldMap
 from kiln.data.funnel import funnel_html, funnel_text
 from kiln.data.ray_executor import run_pipeline_ray
-from kiln.data.readers import list_named_inputs
+from kiln.data.readers import check_layout, input_format, list_named_inputs
+from kiln.data.steps.bias import bias_rates
 from kiln.errors import ConfigError
 
 
@@ -19,16 +22,41 @@ def curate(cfg: CurateConfig, out_dir: Path, default_inputs: list[Path] = (), lo
     out_dir/rejected/, out_dir/stats.json and out_dir/funnel.html (a chart of documents and bytes kept
     per step); returns the stats and logs the funnel as text.
     """
-    # list_named_inputs raises a one-line DataError for a path or glob that matches nothing.
-    files = list_named_inputs(cfg.inputs) if cfg.inputs else [(Path(p), Path(p).name) for p in sorted(default_inputs)]
+    files = input_files(cfg) if cfg.inputs else [(Path(p), Path(p).name, None) for p in sorted(default_inputs)]
     if not files:
         raise ConfigError("data.inputs", "is empty and there is no corpus stage output to curate")
+    for path, _, fields in files:
+        check_layout(path, fields)  # a file in another dataset's layout: one line now, not N rejections
     if cfg.executor == "ray":
         stats = run_pipeline_ray(
             files, cfg.build_steps(), Path(out_dir), tasks=cfg.tasks, address=cfg.ray_address or None, log=log
         )
     else:
         stats = run_pipeline(files, cfg.build_steps(), Path(out_dir), tasks=cfg.tasks, workers=cfg.workers, log=log)
+    for step in stats["steps"]:
+        if step["name"] == "bias":  # rates per source and group beside the raw counters
+            step["rates"] = bias_rates(step)
+    (Path(out_dir) / "stats.json").write_text(json.dumps(stats, indent=2))
     (Path(out_dir) / "funnel.html").write_text(funnel_html(stats, f"Data funnel: {out_dir}"), encoding="utf-8")
     log(funnel_text(stats))
     return stats
+
+
+def input_files(cfg: CurateConfig) -> list[tuple[Path, str, FieldMap | None]]:
+    """(file, stable name, field map) for every input file, in order; a file listed by two entries
+    is read once, with the first entry's fields."""
+    seen: set[Path] = set()
+    out = []
+    for i, (entry, fields) in enumerate(cfg.input_specs()):
+        # list_named_inputs raises a one-line DataError for a path or glob that matches nothing.
+        for path, name in list_named_inputs(entry):
+            if fields is not None and input_format(path) == "text":
+                # A text file is one document with no fields: a mapping would silently do nothing.
+                raise ConfigError(
+                    f"data.inputs[{i}]",
+                    f"{path} is a text file (one document, no fields); field keys apply to JSONL and Parquet",
+                )
+            if path.resolve() not in seen:
+                seen.add(path.resolve())
+                out.append((path, name, fields))
+    return out

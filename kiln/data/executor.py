@@ -115,8 +115,8 @@ def _task_inputs(
     phase: Phase, task: int, shards: list[tuple[Path, str]], out: Path, read_stats: StepStats, rejected: list[dict]
 ) -> Iterator[dict]:
     if phase.index == 0:
-        for path, name in shards:
-            for doc, rejection in read_documents(path, name=name):
+        for path, name, *fields in shards:  # (file, stable name[, FieldMap])
+            for doc, rejection in read_documents(path, name=name, fields=fields[0] if fields else None):
                 if rejection is not None:
                     read_stats.reasons[rejection["reason"]] += 1
                     rejected.append({"step": "read", **rejection})
@@ -198,8 +198,9 @@ def run_pipeline(
 ) -> dict:
     """Run `steps` over `inputs` into `out`; finished tasks of an earlier attempt are kept.
 
-    `inputs` are files, or (file, stable name) pairs as kiln.data.readers.list_named_inputs gives;
-    the name prefixes default document ids, so it must not depend on where the data is mounted.
+    `inputs` are files, or (file, stable name) pairs as kiln.data.readers.list_named_inputs gives,
+    optionally with a third item, the file's kiln.data.fields.FieldMap; the name prefixes default
+    document ids, so it must not depend on where the data is mounted.
     `run_tasks` executes one phase's pending tasks (default: local worker processes); the Ray
     executor passes its own, and everything else (phases, markers, resolve, stats) stays here.
     """
@@ -209,7 +210,7 @@ def run_pipeline(
     for folder in ("docs", "rejected", "work"):
         (out / folder).mkdir(parents=True, exist_ok=True)
     named = [
-        (Path(p[0]).absolute(), p[1]) if isinstance(p, tuple) else (Path(p).absolute(), Path(p).name) for p in inputs
+        (Path(p[0]).absolute(), *p[1:]) if isinstance(p, tuple) else (Path(p).absolute(), Path(p).name) for p in inputs
     ]
     shards = assign_inputs(named, tasks)
     phases = split_phases(steps)

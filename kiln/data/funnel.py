@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import html
 
+from kiln.data.steps.bias import bias_rates_text
+
 
 def funnel_rows(stats: dict) -> list[dict]:
     """Per step: documents and bytes kept, as counts and as shares of what was read, and top reasons."""
@@ -36,7 +38,8 @@ def funnel_text(stats: dict) -> str:
         lines.append(
             f"{r['name']:<20} {r['docs']:>10} {100 * r['docs_share']:>6.1f}% {r['bytes'] / 1e6:>9.2f}  {reasons}"
         )
-    return "\n".join(lines)
+    rates = bias_rates_text(stats)
+    return "\n".join(lines + ([rates] if rates else []))
 
 
 def funnel_html(stats: dict, title: str = "Data funnel") -> str:
@@ -73,4 +76,5 @@ def funnel_html(stats: dict, title: str = "Data funnel") -> str:
         f"as a share of what was read.</p>{''.join(parts)}"
         f"<table border='1' cellpadding='4'><tr><th>step</th><th>docs kept</th><th>bytes kept</th>"
         f"<th>top drop reasons</th></tr>{reasons}</table>"
+        + (f"<pre>{html.escape(rates)}</pre>" if (rates := bias_rates_text(stats)) else "")
     )

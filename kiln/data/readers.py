@@ -19,6 +19,8 @@ it was listed from, so ids are stable across machines and working directories); 
 reader's `source` argument, else the file stem (`web.jsonl.zst` -> `web`), and for text files the
 name of the folder holding them (a folder of files is one source, not one source per file);
 `meta` = {}. Other top-level fields (`url`, `date`, ...) move into `meta` rather than vanish.
+Which fields those are is a `FieldMap` (kiln.data.fields: `text_key`, `id_key`, `meta_keys`, presets
+for public layouts); `check_layout` refuses a file in another layout as one line before a run.
 For Parquet, `line` is the 1-based row number.
 """
 
@@ -34,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Iterable, Iterator
 
+from kiln.data.fields import DEFAULT_FIELDS, FieldMap, has_field, map_record
 from kiln.errors import DataError
 
 RAW_CHARS = 200  # enough of a bad record to recognise it in rejected/ without copying huge lines
@@ -130,11 +133,15 @@ def read_inputs(paths: str | Path | Iterable[str | Path], source: str | None = N
         yield from read_documents(path, source, name=name)
 
 
-def read_documents(path: str | Path, source: str | None = None, name: str | None = None) -> Iterator[Record]:
+def read_documents(
+    path: str | Path, source: str | None = None, name: str | None = None, fields: FieldMap | None = None
+) -> Iterator[Record]:
     """Yield `(doc, None)` for each good record of one file and `(None, rejection)` for each bad one.
 
-    `name` is the file's stable name used in default ids (default: the file name).
+    `name` is the file's stable name used in default ids (default: the file name); `fields` says
+    which record fields make the document (kiln.data.fields; default: `text`, `id`, `source`, `meta`).
     """
+    fields = fields or DEFAULT_FIELDS
     path = Path(path)
     fmt = input_format(path)
     if fmt is None:
@@ -143,9 +150,9 @@ def read_documents(path: str | Path, source: str | None = None, name: str | None
     if fmt == "text":
         yield _read_text_file(path, source or path.parent.name, name)
     elif fmt == "parquet":
-        yield from _read_parquet(path, source or file_stem(path), name)
+        yield from _read_parquet(path, source or file_stem(path), name, fields)
     else:
-        yield from _read_jsonl(path, source or file_stem(path), name)
+        yield from _read_jsonl(path, source or file_stem(path), name, fields)
 
 
 def rejection(path: Path, line: int, reason: str, raw: str | bytes) -> dict:
@@ -157,36 +164,11 @@ def rejection(path: Path, line: int, reason: str, raw: str | bytes) -> dict:
     return {"file": str(path), "line": line, "reason": reason, "raw": raw}
 
 
-def make_document(record: dict, default_id: str, default_source: str) -> tuple[dict | None, str | None]:
-    """A document from a parsed record, or (None, reason) when a field is unusable."""
-    text = record.get("text")
-    if text is None:
-        return None, "missing_text"
-    if not isinstance(text, str):
-        return None, "text_not_string"
-    if not text.strip():
-        return None, "empty_text"
-    doc_id = record.get("id")
-    if doc_id is None:
-        doc_id = default_id
-    elif isinstance(doc_id, int) and not isinstance(doc_id, bool):
-        doc_id = str(doc_id)
-    elif not isinstance(doc_id, str) or not doc_id:
-        return None, "bad_id"
-    source = record.get("source")
-    if source is None:
-        source = default_source
-    elif not isinstance(source, str) or not source:
-        return None, "bad_source"
-    meta = record.get("meta")
-    if meta is None:
-        meta = {}
-    elif not isinstance(meta, dict):
-        return None, "bad_meta"
-    extra = {k: v for k, v in record.items() if k not in DOC_FIELDS and k not in meta}
-    if extra:
-        meta = {**meta, **extra}
-    return {"id": doc_id, "text": text, "source": source, "meta": meta}, None
+def make_document(
+    record: dict, default_id: str, default_source: str, fields: FieldMap = DEFAULT_FIELDS
+) -> tuple[dict | None, str | None]:
+    """A document from a parsed record, or (None, reason) when a field is unusable (kiln.data.fields)."""
+    return map_record(record, default_id, default_source, fields)
 
 
 def has_lone_surrogate(text: str) -> bool:
@@ -327,22 +309,22 @@ def strict_records(path: str | Path) -> Iterator[tuple[int, dict]]:
         yield line.number, line.record
 
 
-def _read_jsonl(path: Path, source: str, name: str) -> Iterator[Record]:
+def _read_jsonl(path: Path, source: str, name: str, fields: FieldMap) -> Iterator[Record]:
     errors = decompress_errors()
     line_no = 0
     try:
         for line in iter_jsonl(path):
             line_no = line.number
-            yield _document(path, line, source, name)
+            yield _document(path, line, source, name, fields)
     except errors as err:
         kind = "zlib.error" if isinstance(err, zlib.error) else type(err).__name__  # its own name is "error"
         yield None, rejection(path, line_no + 1, "corrupt_file", f"{kind}: {err}")
 
 
-def _document(path: Path, line: JsonLine, source: str, name: str) -> Record:
+def _document(path: Path, line: JsonLine, source: str, name: str, fields: FieldMap) -> Record:
     if line.problem:
         return None, rejection(path, line.number, line.problem, line.raw)
-    doc, reason = make_document(line.record, f"{name}:{line.number}", source)
+    doc, reason = map_record(line.record, f"{name}:{line.number}", source, fields)
     if doc is not None and line_has_lone_surrogate(line):  # in the text, the id or the meta alike
         reason, doc = "bad_utf8", None
     if doc is None:
@@ -382,7 +364,7 @@ def parquet_rows(batch) -> list[dict | None]:
         return rows
 
 
-def _read_parquet(path: Path, source: str, name: str) -> Iterator[Record]:
+def _read_parquet(path: Path, source: str, name: str, fields: FieldMap) -> Iterator[Record]:
     try:
         import pyarrow
         import pyarrow.parquet as pq
@@ -392,8 +374,9 @@ def _read_parquet(path: Path, source: str, name: str) -> Iterator[Record]:
     try:
         pf = pq.ParquetFile(path)
         columns = list(pf.schema_arrow.names)
-        if "text" not in columns:
-            yield None, rejection(path, 0, "missing_text", f"columns: {', '.join(columns)}")
+        top = fields.text_key.split(".", 1)[0]
+        if fields.text_key not in columns and top not in columns:
+            yield None, rejection(path, 0, "missing_text", missing_field(path, 0, columns, fields))
             return
         for batch in pf.iter_batches(batch_size=1024):
             for record in parquet_rows(batch):
@@ -407,10 +390,61 @@ def _read_parquet(path: Path, source: str, name: str) -> Iterator[Record]:
                         record["meta"] = json.loads(record["meta"])
                     except (ValueError, RecursionError):  # as in _parse_line
                         pass  # left a string: rejected below as bad_meta
-                doc, reason = make_document(record, f"{name}:{row}", source)
+                doc, reason = map_record(record, f"{name}:{row}", source, fields)
                 if doc is None:
                     yield None, rejection(path, row, reason, json.dumps(record, default=str, ensure_ascii=False))
                 else:
                     yield doc, None
     except (pyarrow.ArrowException, OSError, UnicodeDecodeError) as err:
         yield None, rejection(path, row + 1, "corrupt_file", f"{type(err).__name__}: {err}")
+
+
+LAYOUT_PROBE_RECORDS = 10  # one odd record is quarantined; ten in a row without the field is a layout
+
+
+def missing_field(path: Path, where: int, present: list[str], fields: FieldMap, unit: str = "row") -> str:
+    """The one line saying a file's records lack the text field, and what to set instead."""
+    kind = "columns" if unit == "row" else "fields"
+    return (
+        f"{path}: {unit} {where}: no field {fields.text_key!r} ({kind}: {', '.join(present) or 'none'}); "
+        f"{fields.suggestion(present)}"
+    )
+
+
+def check_layout(path: Path, fields: FieldMap | None = None) -> None:
+    """Refuse, as one line naming the file, a JSONL or Parquet file whose records lack the text field.
+
+    A file in another dataset's layout would otherwise have every record quarantined one by one.
+    Parquet: the schema is checked (row 0 = the schema). JSONL: the first LAYOUT_PROBE_RECORDS objects;
+    the file is refused only when none of them has the field, so one odd record stays a rejection.
+    Unreadable files are left to the reader, which quarantines them as corrupt_file.
+    """
+    fields = fields or DEFAULT_FIELDS
+    fmt = input_format(path)
+    if fmt == "parquet":
+        try:
+            import pyarrow
+            import pyarrow.parquet as pq
+        except ImportError:
+            return  # the reader names the missing package
+        try:
+            columns = list(pq.ParquetFile(path).schema_arrow.names)
+        except (pyarrow.ArrowException, OSError):
+            return  # damage is the reader's corrupt_file
+        if fields.text_key not in columns and fields.text_key.split(".", 1)[0] not in columns:
+            raise DataError(missing_field(path, 0, columns, fields))
+    elif fmt == "jsonl":
+        first, probed = None, 0
+        try:
+            for line in iter_jsonl(path):
+                if line.record is None:
+                    continue
+                if has_field(line.record, fields.text_key):
+                    return
+                first, probed = first or line, probed + 1
+                if probed >= LAYOUT_PROBE_RECORDS:
+                    break
+        except decompress_errors():
+            return
+        if first is not None:
+            raise DataError(missing_field(path, first.number, list(first.record), fields, unit="line"))

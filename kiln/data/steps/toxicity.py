@@ -329,19 +329,27 @@ class WordList:
     def __len__(self) -> int:
         return sum(len(s) for s in self.phrases.values())
 
-    def flagged(self, doc_words: list[str]) -> int:
-        """How many of `doc_words` are inside a list entry (each word counted once)."""
-        lowered = [w.lower() for w in doc_words]
+    def spans(self, lowered: list[str]) -> list[tuple[int, int]]:
+        """(start, length) of every entry occurrence in lowercased words, by start."""
         # Single words (most entries) by a set lookup per word; phrases only where their first word
         # could start one, so a clean document costs one lookup per word and length.
-        hit = [w in self.singles for w in lowered]
+        found = [(i, 1) for i, w in enumerate(lowered) if w in self.singles]
         for n, phrases in self.phrases.items():
             if n == 1:
                 continue
             firsts = self.firsts[n]
-            for i in range(len(lowered) - n + 1):
-                if lowered[i] in firsts and tuple(lowered[i : i + n]) in phrases:
-                    hit[i : i + n] = [True] * n
+            found.extend(
+                (i, n)
+                for i in range(len(lowered) - n + 1)
+                if lowered[i] in firsts and tuple(lowered[i : i + n]) in phrases
+            )
+        return sorted(found)
+
+    def flagged(self, doc_words: list[str]) -> int:
+        """How many of `doc_words` are inside a list entry (each word counted once)."""
+        hit = [False] * len(doc_words)
+        for i, n in self.spans([w.lower() for w in doc_words]):
+            hit[i : i + n] = [True] * n
         return sum(hit)
 
 
