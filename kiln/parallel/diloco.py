@@ -52,6 +52,13 @@ def split_fragments(params: list[torch.Tensor], fragments: int) -> list[list[int
     return out
 
 
+def fragments_due(step: int, outer_steps: int, fragments: int) -> list[int]:
+    """The fragments whose round ends after inner step `step` (1-based): fragment f after the
+    steps t = f * outer_steps / fragments (mod outer_steps)."""
+    offset = outer_steps // fragments
+    return [f for f in range(fragments) if step > 0 and (step - f * offset) % outer_steps == 0]
+
+
 class DiLoCo:
     """The outer loop over `params` (the replica's trainable parameters, in a fixed order).
 
@@ -87,13 +94,8 @@ class DiLoCo:
         # Keys of an earlier torchrun attempt may still be in the store: each attempt has its own.
         self._prefix = f"{KEY_PREFIX}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
-    def due(self, step: int) -> list[int]:
-        """The fragments whose round ends after inner step `step` (1-based)."""
-        offset = self.outer_steps // self.fragments
-        return [f for f in range(self.fragments) if step > 0 and (step - f * offset) % self.outer_steps == 0]
-
     def after_step(self, step: int, final: bool = False) -> list[int]:
-        due = list(range(self.fragments)) if final else self.due(step)
+        due = list(range(self.fragments)) if final else fragments_due(step, self.outer_steps, self.fragments)
         for f in due:
             self.sync(f)
         return due
