@@ -27,6 +27,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from kiln.errors import ConfigError
+
 KEY_PREFIX = "kiln-diloco"
 POLL_S = 0.01
 
@@ -39,7 +41,7 @@ def split_fragments(params: list[torch.Tensor], fragments: int) -> list[list[int
     """Indices of `params` in `fragments` runs of consecutive parameters with about equal element
     counts (a fragment boundary goes where the running count passes k/F of the total)."""
     if fragments > len(params):
-        raise ValueError(f"{fragments} fragments for {len(params)} parameters")
+        raise ConfigError("outer_fragments", f"{fragments} fragments for a model of {len(params)} parameter tensors")
     total = sum(p.numel() for p in params)
     out: list[list[int]] = [[] for _ in range(fragments)]
     seen, f = 0, -1

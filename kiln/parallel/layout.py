@@ -97,17 +97,7 @@ class Layout:
         if self.dims.pp == 1:
             self.forward_model = parallelize(model, self.dims, self.mesh, self.cfg, **kwargs)
             if self.cfg.outer == "diloco":
-                cfg = self.cfg
-                self.diloco = DiLoCo(
-                    [p for p in model.parameters() if p.requires_grad],
-                    outer_steps=cfg.outer_steps,
-                    lr=cfg.outer_lr,
-                    momentum=cfg.outer_momentum,
-                    nesterov=cfg.outer_nesterov,
-                    fragments=cfg.outer_fragments,
-                    group=self.dp_mesh.get_group(),
-                    join_timeout_s=cfg.outer_join_timeout_s,
-                )
+                self.diloco = self._diloco(model)
             return model, self.forward_model
         self.stages = split_model(model, self.pp_mesh.get_local_rank(), self.dims.pp, self.cfg.pp_stages_per_rank)
         for stage in self.stages:
@@ -120,6 +110,22 @@ class Layout:
         self.is_first = any(stage.is_first for stage in self.stages)
         self.is_last = any(stage.is_last for stage in self.stages)
         return PipelineParts(self.stages), None
+
+    def _diloco(self, model) -> DiLoCo:
+        cfg = self.cfg
+        try:
+            return DiLoCo(
+                [p for p in model.parameters() if p.requires_grad],
+                outer_steps=cfg.outer_steps,
+                lr=cfg.outer_lr,
+                momentum=cfg.outer_momentum,
+                nesterov=cfg.outer_nesterov,
+                fragments=cfg.outer_fragments,
+                group=self.dp_mesh.get_group(),
+                join_timeout_s=cfg.outer_join_timeout_s,
+            )
+        except ConfigError as err:
+            raise err.within("parallel") from None
 
     @property
     def pipelined(self) -> bool:

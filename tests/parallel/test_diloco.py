@@ -188,3 +188,8 @@ def test_trainer_diloco_resumes_exactly(pack, tmp_path):
     got = load_weights(faulty / "checkpoints")[1]
     for name, tensor in expected.items():
         assert torch.equal(got[name], tensor), name
+
+
+def test_more_fragments_than_parameter_tensors_is_refused():
+    with pytest.raises(ConfigError, match="outer_fragments: 5 fragments for a model of 4 parameter tensors"):
+        split_fragments(list(diloco_worker.make_model().parameters()), 5)
