@@ -28,11 +28,15 @@ from kiln.parallel.diloco import fragments_due
 MODEL = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=192, max_seq_len=128, vocab_size=8192)
 SEQ_LEN, MICRO_BATCH = 128, 4
 DILOCO = {"outer": "diloco", "outer_lr": 0.7, "outer_momentum": 0.9, "outer_nesterov": True}
+AVERAGE = {"outer": "diloco", "outer_lr": 1.0, "outer_momentum": 0.0, "outer_nesterov": False}
 MODES = {  # name: the [parallel] table beyond the 2 replicas
     "ddp": {},
     "diloco_h10": {**DILOCO, "outer_steps": 10},
     "diloco_h50": {**DILOCO, "outer_steps": 50},
     "streaming_h50_f5": {**DILOCO, "outer_steps": 50, "outer_fragments": 5},
+    # Plain weight averaging (outer SGD, lr 1, no momentum): DiLoCo without its outer optimizer.
+    "average_h1": {**AVERAGE, "outer_steps": 1},
+    "average_h10": {**AVERAGE, "outer_steps": 10},
 }
 
 
