@@ -502,7 +502,9 @@ class Trainer:
     def _save_replica(self) -> None:
         path = self._replica_file(self.step)
         path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}, path)
+        partial = path.with_name(path.name + ".partial")  # a rank killed mid-write leaves no half file
+        torch.save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}, partial)
+        partial.replace(path)
         for old in path.parent.glob(f"step-*-rank-{self.rank}.pt"):  # those of pruned checkpoints
             step = int(old.name.split("-")[1])
             if step < self.step and not (self.ckpt.root / step_dirname(step)).is_dir():
