@@ -3,12 +3,13 @@
 Every mode is a 2-rank torchrun job on this machine (gloo, CPU) run by bench/scaling.py's worker:
 the same small model, data (the tiny recipe's pack) and global batch, for --steps steps, so each
 mode sees the same tokens. DDP all-reduces the gradients every step; DiLoCo all-reduces the
-pseudo-gradients every H steps (streaming: one of F fragments every H / F steps). Reported per mode:
-the final validation loss (16 global batches of the validation split; DiLoCo's last step synchronises every
+pseudo-gradients every H steps (streaming: one of F fragments every H / F steps); the averaging
+modes are DiLoCo with an outer SGD of lr 1 and no momentum. Reported per mode: the final
+validation loss (16 global batches of the validation split; DiLoCo's last step synchronises every
 fragment, so it is the replicas' common model), the number of model-sized all-reduces per rank
-(fragments count as 1/F), and the wall time.
+(a fragment's counts 1/F), and the wall time.
 
-    .venv/bin/python bench/diloco.py                  # ~5 min on 2 quiet cores
+    .venv/bin/python bench/diloco.py                  # the table in docs/parallel.md, ~2 min a mode
     .venv/bin/python bench/diloco.py --steps 100 --modes ddp,diloco_h10
 """
 
@@ -87,7 +88,7 @@ def run(name: str, pack: Path, out: Path, steps: int, lr: float) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--pack", default=None, help="a pack folder; default runs/tiny/pack or a fresh one")
