@@ -8,6 +8,8 @@ from kiln.errors import ConfigError
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 GRAD_SYNCS = ("per_microbatch", "deferred")
+OUTERS = ("none", "diloco")
+OUTER_KEYS = ("outer_steps", "outer_lr", "outer_momentum", "outer_nesterov", "outer_fragments", "outer_join_timeout_s")
 
 
 @dataclass
@@ -34,6 +36,15 @@ class ParallelConfig:
     # Context parallel
     cp_backend: str = "auto"  # auto (torch on NCCL, else ring) | ring | allgather | torch
     cp_load_balance: bool = True  # rank r gets sequence chunks r and 2cp-1-r: equal causal work
+    # DiLoCo (docs/parallel.md, "DiLoCo"): replicas step locally and average their weight change
+    # every outer_steps steps with an outer SGD step. Values are the paper's (Douillard et al. 2023).
+    outer: str = "none"  # none (gradients all-reduced every step) | diloco
+    outer_steps: int = 500  # H: inner steps per outer round
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    outer_nesterov: bool = True
+    outer_fragments: int = 1  # > 1: streaming DiLoCo, fragment f syncs at steps f*H/F (mod H)
+    outer_join_timeout_s: float = 0.0  # > 0: replicas missing this long at an outer round are dropped
     # Checkpoints
     async_checkpoint: bool = False  # checkpoints are written in the background while training goes on
 
@@ -58,6 +69,7 @@ class ParallelConfig:
             raise ConfigError("reduce_dtype", f"must be fp32 or bf16, got {self.reduce_dtype!r}")
         if self.grad_sync not in GRAD_SYNCS:
             raise ConfigError("grad_sync", f"must be one of {', '.join(GRAD_SYNCS)}, got {self.grad_sync!r}")
+        self._check_outer()
         if self.dp_shard != -1:  # every degree is given, so the world size is known already
             self.check_options(self.dp_shard, device_type=None)
 
@@ -96,6 +108,49 @@ class ParallelConfig:
             )
         if self.grad_sync != "per_microbatch":
             self._check_deferred_sync(sharded, layout)
+        if self.outer == "diloco" and (dp_shard > 1 or self.dp_replicate == 1):
+            raise ConfigError(
+                "outer",
+                f"diloco needs data-parallel replicas and nothing sharded across them (dp_replicate > 1, "
+                f"dp_shard = 1); {layout} has {'FSDP shards' if dp_shard > 1 else 'one replica'}",
+            )
+
+    def _check_outer(self) -> None:
+        if self.outer not in OUTERS:
+            raise ConfigError("outer", f"must be one of {', '.join(OUTERS)}, got {self.outer!r}")
+        if self.outer == "none":
+            defaults = ParallelConfig()
+            for key in OUTER_KEYS:
+                if getattr(self, key) != getattr(defaults, key):
+                    raise ConfigError(key, "is set but outer is 'none' (set outer = 'diloco' to use it)")
+            return
+        for key in ("outer_steps", "outer_fragments"):
+            if getattr(self, key) < 1:
+                raise ConfigError(key, f"must be >= 1, got {getattr(self, key)}")
+        if self.outer_steps % self.outer_fragments:
+            raise ConfigError(
+                "outer_fragments",
+                f"must divide outer_steps={self.outer_steps} (fragments sync every outer_steps / fragments steps)",
+            )
+        if self.outer_lr <= 0:
+            raise ConfigError("outer_lr", f"must be > 0, got {self.outer_lr}")
+        if not 0 <= self.outer_momentum < 1:
+            raise ConfigError("outer_momentum", f"must be in [0, 1), got {self.outer_momentum}")
+        if self.outer_nesterov and self.outer_momentum == 0:
+            raise ConfigError("outer_nesterov", "needs outer_momentum > 0")
+        if self.outer_join_timeout_s < 0:
+            raise ConfigError("outer_join_timeout_s", f"must be >= 0, got {self.outer_join_timeout_s}")
+        for key in ("tp", "pp", "cp", "ep"):
+            if getattr(self, key) > 1:
+                raise ConfigError(
+                    "outer", f"diloco averages whole replicas; {key}={getattr(self, key)} is not supported"
+                )
+        if self.dp_shard not in (1, -1):
+            raise ConfigError(
+                "outer", f"diloco replicas are plain data-parallel ranks; dp_shard={self.dp_shard} would shard them"
+            )
+        if self.offload:
+            raise ConfigError("outer", "diloco does not shard, and offload is FSDP2's")
 
     def _check_deferred_sync(self, sharded: bool, layout: str) -> None:
         if not sharded:

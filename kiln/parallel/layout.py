@@ -15,6 +15,7 @@ import torch.distributed as dist
 from kiln.errors import ConfigError
 from kiln.parallel.config import ParallelConfig
 from kiln.parallel.context import shard_sequence
+from kiln.parallel.diloco import DiLoCo
 from kiln.parallel.dims import ParallelDims, init_single_process_group
 from kiln.parallel.grad import clip_grad_norm
 from kiln.parallel.parallelize import parallelize
@@ -58,6 +59,7 @@ class Layout:
         # context-parallel ranks (each holds a slice of every sequence). TP ranks hold the same loss.
         self.loss_group = loss_mesh.get_group() if loss_mesh is not None else None
         self.forward_model = None
+        self.diloco: DiLoCo | None = None  # built by parallelize() under outer = "diloco"
         self.stages, self.schedule, self.is_first, self.is_last = [], None, True, True
 
     def _sub(self, name: str):
@@ -70,8 +72,15 @@ class Layout:
 
     @property
     def grad_average_ranks(self) -> int:
-        """Ranks the data-parallel gradient reduction averages over (dp x cp)."""
-        return self.dims.dp * self.dims.cp
+        """Ranks the data-parallel gradient reduction averages over (dp x cp); 1 under DiLoCo,
+        whose replicas keep their own gradients."""
+        return 1 if self.cfg.outer == "diloco" else self.dims.dp * self.dims.cp
+
+    def after_optimizer_step(self, step: int, final: bool) -> None:
+        """DiLoCo's outer round: the fragments due after inner step `step` (all of them on the
+        run's last step, so the final weights are the replicas' common model)."""
+        if self.diloco is not None:
+            self.diloco.after_step(step, final)
 
     def parallelize(self, model, compute_dtype: torch.dtype, activation_checkpointing: str, compile_blocks: bool):
         """(module whose parameters and state dict are this rank's, module to call for training).
@@ -87,6 +96,8 @@ class Layout:
         )
         if self.dims.pp == 1:
             self.forward_model = parallelize(model, self.dims, self.mesh, self.cfg, **kwargs)
+            if self.cfg.outer == "diloco":
+                self.diloco = self._diloco(model)
             return model, self.forward_model
         self.stages = split_model(model, self.pp_mesh.get_local_rank(), self.dims.pp, self.cfg.pp_stages_per_rank)
         for stage in self.stages:
@@ -99,6 +110,22 @@ class Layout:
         self.is_first = any(stage.is_first for stage in self.stages)
         self.is_last = any(stage.is_last for stage in self.stages)
         return PipelineParts(self.stages), None
+
+    def _diloco(self, model) -> DiLoCo:
+        cfg = self.cfg
+        try:
+            return DiLoCo(
+                [p for p in model.parameters() if p.requires_grad],
+                outer_steps=cfg.outer_steps,
+                lr=cfg.outer_lr,
+                momentum=cfg.outer_momentum,
+                nesterov=cfg.outer_nesterov,
+                fragments=cfg.outer_fragments,
+                group=self.dp_mesh.get_group(),
+                join_timeout_s=cfg.outer_join_timeout_s,
+            )
+        except ConfigError as err:
+            raise err.within("parallel") from None
 
     @property
     def pipelined(self) -> bool:
@@ -156,9 +183,17 @@ class Layout:
         inputs, targets = batch[:2]
         return shard_sequence(inputs, targets, self.cp_rank, self.dims.cp, load_balance=self.cfg.cp_load_balance)
 
+    def reduce_step_stats(self, loss_sum: torch.Tensor, tokens: int) -> tuple[torch.Tensor, int]:
+        """A training step's loss statistics: the whole step's (reduce_loss_stats), except under
+        DiLoCo, whose inner steps communicate nothing: there they are this replica's own."""
+        if self.diloco is not None:
+            return loss_sum, tokens
+        return self.reduce_loss_stats(loss_sum, tokens)
+
     def reduce_loss_stats(self, loss_sum: torch.Tensor, tokens: int) -> tuple[torch.Tensor, int]:
         """(sum of token losses, token count) of the whole step from this rank's share. Under
-        pipelining only the last stage has the loss, so it is first summed over the pp group."""
+        pipelining only the last stage has the loss, so it is first summed over the pp group.
+        Under DiLoCo the sum runs over the replicas still members (a dropped one is left out)."""
         if self.world_size == 1:
             return loss_sum, tokens
         if self.pp_mesh is not None:
@@ -167,8 +202,9 @@ class Layout:
         stats = torch.stack(
             [loss_sum.to(torch.float64), torch.tensor(float(tokens), dtype=torch.float64, device=loss_sum.device)]
         )
-        if self.loss_group is not None:
-            dist.all_reduce(stats, group=self.loss_group)
+        group = self.diloco.group if self.diloco is not None else self.loss_group
+        if group is not None:
+            dist.all_reduce(stats, group=group)
         return stats[0].to(loss_sum.dtype), int(stats[1].item())
 
     def clip_grad_norm(self, params, max_norm: float) -> torch.Tensor:

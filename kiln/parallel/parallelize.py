@@ -246,6 +246,7 @@ def parallelize(
             experts_mesh = mesh[tuple(outside)] if outside else _NoMesh()
         apply_fsdp(model, shard_mesh, cfg, compute_dtype, experts_mesh)
         return model
-    if dims.dp_replicate > 1 and not (dims.tp > 1 or dims.pp > 1):
+    # Under DiLoCo the replicas step on their own gradients; kiln.parallel.diloco averages weights.
+    if dims.dp_replicate > 1 and not (dims.tp > 1 or dims.pp > 1) and cfg.outer == "none":
         return apply_ddp(model, dims.submesh(mesh, "dp_replicate"))
     return model

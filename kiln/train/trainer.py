@@ -27,6 +27,7 @@ from kiln.checkpoint import (
     read_manifest,
     resolve_checkpoint,
     restore_rng_state,
+    step_dirname,
 )
 from kiln.data.loader import TokenLoader
 from kiln.errors import ConfigError
@@ -360,6 +361,8 @@ class Trainer:
             self.layout.load_full_optimizer_state(self.model, self.optimizer, train_state["optimizer"])
         if train_state["scaler"]:
             self.scaler.load_state_dict(train_state["scaler"])
+        if self.layout.diloco is not None:
+            self._resume_diloco(train_state, manifest["step"])
         loop = dict(train_state["loop"])
         self.guard.load_state_dict(loop.pop("guard", {}))
         for key, value in loop.items():
@@ -371,6 +374,18 @@ class Trainer:
             if folder.resolve().parent == self.ckpt.root.resolve():
                 self.ckpt.rewind(self.step, self.best_step)
         return str(folder)
+
+    def _resume_diloco(self, train_state: dict, step: int) -> None:
+        if "diloco" not in train_state:
+            raise ConfigError("parallel.outer", "diloco cannot resume a checkpoint written without it")
+        self.layout.diloco.load_state_dict(train_state["diloco"])
+        if not self.is_main:
+            path = self._replica_file(step)
+            if not path.is_file():
+                raise ConfigError("resume", f"{path}: this replica's DiLoCo state is missing")
+            replica = torch.load(path, map_location=self.device, weights_only=True)
+            self.model.load_state_dict(replica["model"])
+            self.optimizer.load_state_dict(replica["optimizer"])
 
     def _init_from(self, path) -> None:
         try:
@@ -429,7 +444,7 @@ class Trainer:
                         self.scaler.scale(loss * (n_tokens / nominal)).backward()
             loss_sum += _local(loss.detach()).float() * n_tokens
             tokens += int(n_tokens)
-        loss_sum, tokens = self.layout.reduce_loss_stats(loss_sum, tokens)
+        loss_sum, tokens = self.layout.reduce_step_stats(loss_sum, tokens)
         params = [p for p in self.model.parameters() if p.grad is not None]
         self.scaler.unscale_(self.optimizer)
         # The data-parallel reduction averaged the ranks' gradients, so the nominal count of the step
@@ -460,6 +475,7 @@ class Trainer:
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
+        self.layout.after_optimizer_step(self.step, final=self.step == cfg.max_steps)
         # Tokens the loop consumed, a flagged step's included: with the loader position they say
         # where in the data the run is.
         self.tokens_seen += tokens
@@ -511,7 +527,26 @@ class Trainer:
 
     # ---- checkpoints -----------------------------------------------------------------------------
 
+    def _replica_file(self, step: int) -> Path:
+        """Under DiLoCo each replica's weights (mid-round) and inner optimizer state are its own:
+        ranks other than 0 keep theirs here, rank 0's are the checkpoint's."""
+        return self.out_dir / "diloco-replicas" / f"step-{step:08d}-rank-{self.rank}.pt"
+
+    def _save_replica(self) -> None:
+        path = self._replica_file(self.step)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(path.name + ".partial")  # a rank killed mid-write leaves no half file
+        torch.save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}, partial)
+        partial.replace(path)
+        for old in path.parent.glob(f"step-*-rank-{self.rank}.pt"):  # those of pruned checkpoints
+            step = int(old.name.split("-")[1])
+            if step < self.step and not (self.ckpt.root / step_dirname(step)).is_dir():
+                old.unlink()
+
     def save_checkpoint(self, is_best: bool = False, val_loss: float | None = None) -> None:
+        if self.layout.diloco is not None and not self.is_main:
+            self._save_replica()
+            return
         if not self.is_main and self.sharded_saver is None:
             return
         loop = {
@@ -530,6 +565,8 @@ class Trainer:
             "guard": self.guard.state_dict(),
         }
         train_state = {"scaler": self.scaler.state_dict(), "loop": loop}
+        if self.layout.diloco is not None:  # the anchor and the outer momentum, common to the replicas
+            train_state["diloco"] = self.layout.diloco.state_dict()
         manifest_extra = {
             "tokens_seen": self.tokens_seen,
             "val_loss": val_loss,
