@@ -8,9 +8,18 @@ from pathlib import Path
 import numpy as np
 
 
-def make_tiny_pack(root: Path, vocab: int = 64, train_docs: int = 200, val_docs: int = 40) -> Path:
+def make_tiny_pack(
+    root: Path,
+    vocab: int = 64,
+    train_docs: int = 200,
+    val_docs: int = 40,
+    rule: tuple[int, int] = (5, 3),
+    tokenizer_sha256: str = "test",
+) -> Path:
     """A pack in the contract's layout whose documents follow a fixed successor rule
-    (t -> 5t+3 mod vocab), so a model can learn it and the loss must fall."""
+    (t -> a*t+b mod vocab, `rule` = (a, b), default 5t+3), so a model can learn it and the loss must
+    fall; two rules make two domains of one vocabulary (continual pretraining)."""
+    a, b = rule
     rng = np.random.default_rng(0)
     for split, docs in (("train", train_docs), ("val", val_docs)):
         tokens = []
@@ -18,14 +27,14 @@ def make_tiny_pack(root: Path, vocab: int = 64, train_docs: int = 200, val_docs:
             t = int(rng.integers(1, vocab))
             for _ in range(int(rng.integers(10, 60))):
                 tokens.append(t)
-                t = (5 * t + 3) % (vocab - 1) + 1
+                t = (a * t + b) % (vocab - 1) + 1
             tokens.append(0)  # end of document
         (root / split).mkdir(parents=True)
         np.asarray(tokens, dtype="<u2").tofile(root / split / "synthetic-00000.bin")
         header = {
             "dtype": "uint16",
             "vocab_size": vocab,
-            "tokenizer_sha256": "test",
+            "tokenizer_sha256": tokenizer_sha256,
             "documents": docs,
             "tokens": len(tokens),
             "bytes": 3 * len(tokens),
@@ -33,7 +42,7 @@ def make_tiny_pack(root: Path, vocab: int = 64, train_docs: int = 200, val_docs:
         }
         (root / split / "synthetic-00000.json").write_text(json.dumps(header))
     (root / "mixture.json").write_text(
-        json.dumps({"vocab_size": vocab, "tokenizer_sha256": "test", "weights": {"synthetic": 1.0}})
+        json.dumps({"vocab_size": vocab, "tokenizer_sha256": tokenizer_sha256, "weights": {"synthetic": 1.0}})
     )
     return root
 
