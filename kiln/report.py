@@ -43,12 +43,15 @@ TRAIN_FIELDS = ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "hfu", "peak_m
 # Families of training keys ("grad_norm/attn", "sys/ram_mb"): each value must be a number, or null.
 TRAIN_PREFIXES = ("grad_norm/", "sys/")
 VAL_FIELDS = ("val_loss", "val_bpb", "val_tokens", "val_sequences", "tokens_seen")
+# The replay pack's split (train.replay): val_loss/replay, val_bpb/replay, ...
+VAL_FIELDS += tuple(f"{k}/replay" for k in VAL_FIELDS[:4])
 SHOWN_SKIPS = 5  # malformed lines listed by number in a warning; the rest are counted
 HEADLINE = (
     "steps",
     "tokens_seen",
     "final_val_loss",
     "final_val_bpb",
+    "final_val_loss/replay",  # train.replay: the earlier pack's split, where forgetting shows
     "best_val_loss",
     "best_step",
     "tokens_per_s",
@@ -376,7 +379,15 @@ def _training(run: Run, opts: ReportOptions, stage: str, config_table: str) -> P
         )
     vals = [r for r in m.val if _num(r.get("val_loss"))]
     if vals:
-        text.append(f"val loss {vals[-1]['val_loss']:.4f} at step {vals[-1]['step']}")
+        replays = [r["val_loss/replay"] for r in vals if _num(r.get("val_loss/replay"))]
+        text.append(
+            f"val loss {vals[-1]['val_loss']:.4f} at step {vals[-1]['step']}"
+            + (
+                f" (replay pack's split: {replays[0]:.4f} at the first evaluation -> {replays[-1]:.4f})"
+                if replays
+                else ""
+            )
+        )
     last = m.train[-1] if m.train else {}
     if _num(last.get("tokens_per_s")):
         text.append(

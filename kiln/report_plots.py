@@ -320,6 +320,10 @@ def _legend_svg(rows: list) -> list[str]:
 GROUP_ORDER = ("embed", "attn", "mlp", "norm", "head", "other")  # of grad_norm/<group>, as the trainer groups
 
 
+# train.replay's earlier pack, evaluated beside the run's own split: its rise is the forgetting.
+REPLAY_VAL = "val loss, replay pack"
+
+
 def _num(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
@@ -395,7 +399,11 @@ def training_plots(
             "Loss",
             "step",
             "loss (nats/token)",
-            [_series(t, "step", "loss", "train loss"), _series(v, "step", "val_loss", "val loss", markers=True)],
+            [
+                _series(t, "step", "loss", "train loss"),
+                _series(v, "step", "val_loss", "val loss", markers=True),
+                _series(v, "step", "val_loss/replay", REPLAY_VAL, markers=True, dashed=True),
+            ],
             log_y=log,
             vlines=marks,
         ),
@@ -407,6 +415,7 @@ def training_plots(
             [
                 _series(t, "tokens_seen", "loss", "train loss"),
                 _series(v, "tokens_seen", "val_loss", "val loss", markers=True),
+                _series(v, "tokens_seen", "val_loss/replay", REPLAY_VAL, markers=True, dashed=True),
             ],
             log_y=log,
         ),
@@ -415,7 +424,10 @@ def training_plots(
             "Validation bits per byte",
             "step",
             "bits/byte",
-            [_series(v, "step", "val_bpb", "val bpb", markers=True)],
+            [
+                _series(v, "step", "val_bpb", "val bpb", markers=True),
+                _series(v, "step", "val_bpb/replay", "val bpb, replay pack", markers=True, dashed=True),
+            ],
         ),
         Plot(
             f"{stage}-lr",

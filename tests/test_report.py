@@ -735,3 +735,23 @@ def test_post_training_stages_get_plots_and_cost_without_token_projections(tmp_p
     # 1800 s x 2 processes x 3 threads = 3 core-hours = $0.27; a DPO "token" may be a pair: no projection.
     assert "== SFT: cost ==\nmeasured: 2 CPU process(es) x 3 cores, 1,800 s wall, 3 CPU core-hours" in text
     assert "$0.27" in text and "projection" not in text.split("== SFT: cost ==")[1]
+
+
+def test_replay_split_is_drawn_beside_the_new_one(tmp_path):
+    """train.replay logs the earlier pack's split as val_loss/replay: its own dashed curve, and the
+    text says where it started and ended, so forgetting is visible."""
+    run = make_run(tmp_path / "run", full=False)
+    vals = val_records()
+    for i, r in enumerate(vals):
+        r["val_loss/replay"], r["val_bpb/replay"] = 3.0 + 0.1 * i, 1.5 + 0.05 * i
+    vals[2]["val_loss/replay"] = "high"  # malformed: the line is skipped, not drawn as text
+    write_lines(run / "pretrain" / "metrics.jsonl", train_records() + vals)
+    report = build_report(run)
+    page = Page(report.html())
+    replay = page.series("pretrain-loss", "val loss, replay pack")
+    assert [len(p) for p in replay] == [4]
+    assert [y for _, y in replay[0]] != [y for _, y in page.series("pretrain-loss", "val loss")[0]]
+    assert len(page.series("pretrain-loss-tokens", "val loss, replay pack")[0]) == 4
+    assert len(page.series("pretrain-val-bpb", "val bpb, replay pack")[0]) == 4
+    assert "replay pack's split: 3.0000 at the first evaluation -> 3.4000" in report.text()
+    assert "'val_loss/replay' is not a number" in " ".join(report.warnings)

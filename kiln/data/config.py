@@ -40,8 +40,15 @@ class TokenizerConfig:
     heldout_fraction: float = 0.02  # documents kept out of training to measure bytes per token
     max_train_bytes: int = 0  # 0: train on the whole corpus
     sentinels: int = 0  # <|sentinel_k|> tokens after the fixed special ones, for T5 span corruption
+    # An existing tokenizer (tokenizer.json, or a folder holding it) used instead of training one:
+    # continual pretraining keeps the earlier run's token ids (docs/continual.md).
+    path: str = ""
 
     def validate(self) -> None:
+        if self.path:
+            for key, default in (("min_frequency", 2), ("max_train_bytes", 0)):
+                if getattr(self, key) != default:
+                    raise ConfigError(key, f"trains a tokenizer, but path = {self.path!r} uses an existing one")
         # 256 byte symbols plus the reserved special tokens must fit before any merge.
         if self.vocab_size < 512:
             raise ConfigError("vocab_size", f"must be at least 512, got {self.vocab_size}")

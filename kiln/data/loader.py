@@ -249,18 +249,23 @@ class TokenLoader:
         return cached[1]
 
     def _next_train(self) -> list[np.ndarray]:
-        counters = np.arange(self.sequences, self.sequences + self.global_batch, dtype=np.uint64)
+        return self.draw(self.global_batch, range(self.rank * self.batch_size, (self.rank + 1) * self.batch_size))
+
+    def draw(self, count: int, mine) -> list[np.ndarray]:
+        """Advance the train stream by `count` global sequences and return the windows of those whose
+        offset (0-based, within the count) is in `mine`: every rank advances every cursor, but reads
+        only its own. A whole global batch is _next_train; kiln.data.replay draws shares of one."""
+        counters = np.arange(self.sequences, self.sequences + count, dtype=np.uint64)
         picks = np.searchsorted(self._cumulative, uniform_for_counters(self.seed, counters), side="right")
-        mine = range(self.rank * self.batch_size, (self.rank + 1) * self.batch_size)
         windows = []
         for j, pick in enumerate(picks):
             name = self._names[int(pick)]
             drawn = self.cursors[name]
             self.cursors[name] = drawn + 1
-            if j in mine:  # every rank advances every cursor, but reads only its own slice
+            if j in mine:
                 source = self.sources[name]
                 windows.append(source.window(int(self._permutation(name, drawn // source.count)[drawn % source.count])))
-        self.sequences += self.global_batch
+        self.sequences += count
         return windows
 
     # ---- val: fixed interleaved order ------------------------------------------------------
@@ -352,6 +357,10 @@ class TokenLoader:
         return state
 
     def load_state_dict(self, state: dict) -> None:
+        if "replay_fraction" in state:  # kiln.data.replay's state: two packs' positions
+            raise DataError(
+                "loader state is of a run with train.replay; resuming without it would not continue the same stream"
+            )
         mine = self.state_dict()
         for key in ("version", "split", "seq_len", "seed", "tokenizer_sha256"):
             if state.get(key) != mine[key]:

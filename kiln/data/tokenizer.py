@@ -24,7 +24,7 @@ from kiln.data.config import TokenizerConfig
 from kiln.data.corpus import choose_split_ids, iter_documents
 from kiln.data.readers import has_lone_surrogate
 from kiln.errors import DataError
-from kiln.files import publishing, write_text_atomic
+from kiln.files import copy_file_atomic, publishing, write_text_atomic
 from kiln.progress import progress_visible
 
 # Reserved first so their ids (0..n-1) never move when the vocabulary size changes, and later
@@ -422,8 +422,42 @@ def train_tokenizer(
     return stats
 
 
+def reuse_tokenizer(corpus_dir: Path, cfg: TokenizerConfig, out_dir: Path) -> dict:
+    """Copy the tokenizer at cfg.path into out_dir instead of training one (the token ids of an
+    earlier run, for continual pretraining), measured on this corpus's held-out documents."""
+    source = Path(cfg.path)
+    source = source / "tokenizer.json" if source.is_dir() else source
+    if not source.is_file():
+        raise DataError(f"tokenizer.path: {source}: no such tokenizer.json")
+    tok = Tokenizer.load(source)
+    if tok.vocab_size > cfg.vocab_size:
+        raise DataError(
+            f"tokenizer.path: {source} has {tok.vocab_size} token ids, more than tokenizer.vocab_size={cfg.vocab_size}"
+        )
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    copy_file_atomic(source, out_dir / "tokenizer.json")
+    heldout_ids = choose_split_ids(corpus_dir, cfg.heldout_fraction)
+    texts = [doc["text"] for doc in iter_documents(corpus_dir) if doc["id"] in heldout_ids]
+    n_bytes, n_tokens = measure_bytes_per_token(tok, texts)
+    stats = {
+        "vocab_size": tok.vocab_size,
+        "tokenizer_sha256": tok.sha256,  # the copy has the same bytes
+        "reused_from": str(source),
+        "heldout_documents": len(texts),
+        "heldout_bytes": n_bytes,
+        "heldout_tokens": n_tokens,
+        "bytes_per_token": round(n_bytes / n_tokens, 4) if n_tokens else None,
+    }
+    write_text_atomic(out_dir / "stats.json", json.dumps(stats, indent=2) + "\n")
+    return stats
+
+
 def train_tokenizer_from_corpus(corpus_dir: Path, cfg: TokenizerConfig, out_dir: Path) -> dict:
-    """Train on the corpus minus the held-out documents (corpus.choose_split_ids)."""
+    """Train on the corpus minus the held-out documents (corpus.choose_split_ids); with cfg.path,
+    reuse that tokenizer instead (reuse_tokenizer)."""
+    if cfg.path:
+        return reuse_tokenizer(corpus_dir, cfg, out_dir)
     heldout_ids = choose_split_ids(corpus_dir, cfg.heldout_fraction)
     heldout: dict[str, list[str]] = defaultdict(list)
 

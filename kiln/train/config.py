@@ -51,6 +51,23 @@ class GuardConfig:
 
 
 @dataclass
+class ReplayConfig:
+    """[train.replay]: a share of every batch drawn from an earlier run's pack (continual
+    pretraining), and that pack's validation split evaluated beside the new one (docs/continual.md)."""
+
+    pack: str = ""  # the earlier pack folder; "": no replay
+    fraction: float = 0.0  # share of training sequences drawn from it; 0: evaluate its split only
+
+    def validate(self) -> None:
+        if not 0 <= self.fraction < 1:
+            raise ConfigError(
+                "fraction", f"must be in [0, 1) (1 would train on the old pack alone), got {self.fraction}"
+            )
+        if self.fraction > 0 and not self.pack:
+            raise ConfigError("fraction", f"is {self.fraction} but pack is not set: name the earlier run's pack folder")
+
+
+@dataclass
 class TrainConfig:
     seq_len: int = 256
     micro_batch_size: int = 8
@@ -93,6 +110,7 @@ class TrainConfig:
     batch_ramp_steps: int = 0  # grow the global batch linearly over this many first steps; 0: off
     batch_ramp_start_tokens: int = 0  # global batch of the first step while ramping
     guard: GuardConfig = field(default_factory=GuardConfig)  # [train.guard]: loss-spike and NaN guard
+    replay: ReplayConfig = field(default_factory=ReplayConfig)  # [train.replay]: continual pretraining
 
     def validate(self) -> None:
         for key in (
@@ -179,10 +197,11 @@ class TrainConfig:
                     f"must be a multiple of seq_len*micro_batch_size={micro} (the batch grows "
                     f"in whole micro-batches), got {self.batch_ramp_start_tokens}",
                 )
-        try:
-            self.guard.validate()
-        except ConfigError as err:
-            raise err.within("guard") from None
+        for name in ("guard", "replay"):
+            try:
+                getattr(self, name).validate()
+            except ConfigError as err:
+                raise err.within(name) from None
 
     def _validate_offload(self) -> None:
         if self.optimizer_offload == "nvme" and self.optimizer != "adamw":

@@ -30,7 +30,8 @@ from kiln.checkpoint import (
     step_dirname,
 )
 from kiln.data.loader import TokenLoader
-from kiln.errors import ConfigError
+from kiln.data.replay import ReplayLoader, check_same_tokenizer
+from kiln.errors import ConfigError, DataError
 from kiln.files import write_text_atomic
 from kiln.model import ModelConfig, build_model, count_params, flops_per_token
 from kiln.model.config import arch_of
@@ -142,6 +143,9 @@ class Trainer:
             )
 
         self._batch_geometry()
+        if data is not None and cfg.replay.pack:
+            raise ConfigError("train.replay.pack", "replays a pretraining pack; this stage brings its own data")
+        self.replay_val_loader = None  # the replay pack's validation split (train.replay.pack)
         self.train_loader, self.val_loader = data if data is not None else self._pack_loaders()
         if wrap_data is not None:
             self.train_loader, self.val_loader = wrap_data(self.train_loader), wrap_data(self.val_loader)
@@ -193,6 +197,9 @@ class Trainer:
         found = self._find_checkpoint(resume)
         if found is None and init_from is not None:
             self._init_from(init_from)
+        elif found is None and cfg.replay.fraction > 0 and self.is_main:
+            # Allowed: a fresh model on a two-pack mixture is a mixture, not continual pretraining.
+            print(f"train.replay without init_from: a new model trains on {self.pack_dir} mixed with {cfg.replay.pack}")
         if prepare_model is not None:
             prepare_model(self.model)
         if found is not None and found[2] is not None:
@@ -282,6 +289,7 @@ class Trainer:
         self.last_val_bpb = None
         self.last_val_tokens = None  # what the last evaluation covered
         self.last_val_sequences = None
+        self.last_replay_val = None  # the replay pack's split at the last evaluation ({"val_loss/replay": ...})
         self.stopped_early = False
         self.lr_scale = 1.0  # lowered by the guard's rollbacks (lr_factor); saved with the loop state
 
@@ -297,9 +305,9 @@ class Trainer:
         yields the same batches every time (see TokenLoader.validation_batches)."""
         cfg = self.cfg
 
-        def make_loader(split: str):
+        def make_loader(split: str, pack_dir: Path = self.pack_dir):
             return TokenLoader(
-                self.pack_dir,
+                pack_dir,
                 split=split,
                 seq_len=cfg.seq_len,
                 batch_size=cfg.micro_batch_size,
@@ -308,7 +316,26 @@ class Trainer:
                 seed=cfg.seed,
             )
 
-        return make_loader("train"), make_loader("val")
+        train, val = make_loader("train"), make_loader("val")
+        if cfg.replay.pack:
+            train = self._replay_loaders(train, make_loader)
+        return train, val
+
+    def _replay_loaders(self, train: TokenLoader, make_loader) -> TokenLoader | ReplayLoader:
+        """The train stream mixed with train.replay.pack's (fraction > 0), and that pack's val split
+        as self.replay_val_loader; every way the pack can be wrong is one error naming the key."""
+        replay = self.cfg.replay
+        path = Path(replay.pack)
+        if not path.is_dir():
+            raise ConfigError("train.replay.pack", f"{path}: no such folder (the earlier run's pack stage folder)")
+        try:
+            self.replay_val_loader = make_loader("val", path)
+            check_same_tokenizer(train, self.replay_val_loader)
+            if replay.fraction == 0:  # its split is evaluated, nothing is replayed
+                return train
+            return ReplayLoader(train, make_loader("train", path), replay.fraction)
+        except DataError as err:
+            raise ConfigError("train.replay.pack", str(err)) from None
 
     def _find_checkpoint(self, resume: str):
         """(folder, manifest, full model state or None if sharded, train state) or None."""
@@ -485,16 +512,17 @@ class Trainer:
     # ---- validation ------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def evaluate(self) -> dict:
+    def evaluate(self, loader=None) -> dict:
         """val_loss (mean loss per token), val_bpb (bits per byte), and what they cover: val_tokens
         (tokens the loss counted) and val_sequences (windows, or a stage's examples). The set is
-        the whole validation split, or with eval_batches > 0 a fixed sample of that many global
-        batches spread over it (the sources' validation_batches)."""
+        the whole validation split of `loader` (default: the run's), or with eval_batches > 0 a
+        fixed sample of that many global batches spread over it (the sources' validation_batches)."""
+        loader = loader if loader is not None else self.val_loader
         self.model.eval()
         total, tokens, sequences = 0.0, 0, 0
         # A pipeline splits each batch into its microbatches: the smaller last batch must too.
         row_multiple = self.layout.cfg.microbatches if self.layout.pipelined else 1
-        for batch in self.val_loader.validation_batches(self.cfg.eval_batches, row_multiple):
+        for batch in loader.validation_batches(self.cfg.eval_batches, row_multiple):
             sequences += batch[0].shape[0]
             batch = self._batch_to_device(batch)
             with autocast(self.cfg.precision, self.device), self.layout.loss_context():
@@ -511,12 +539,15 @@ class Trainer:
         _, sequences = self.layout.reduce_loss_stats(torch.zeros((), dtype=torch.float64), sequences)
         # A source that is not split over the data-parallel ranks (world_size 1: a post stage's
         # held-out examples) is evaluated whole on each of them: count it once.
-        replicas = self.layout.dp_size // getattr(self.val_loader, "world_size", 1)
+        replicas = self.layout.dp_size // getattr(loader, "world_size", 1)
         if tokens == 0:
-            raise ConfigError("eval_batches", f"the validation split of {self.pack_dir} yielded no batches")
+            raise ConfigError(
+                "eval_batches",
+                f"the validation split of {getattr(loader, 'pack_dir', self.pack_dir)} yielded no batches",
+            )
         val_loss = total.item() / tokens
         # Bits per byte divides out the tokenizer: loss in nats per token -> bits per token -> per byte.
-        bytes_per_token = getattr(self.val_loader, "bytes_per_token", None)
+        bytes_per_token = getattr(loader, "bytes_per_token", None)
         val_bpb = val_loss / math.log(2) / bytes_per_token if bytes_per_token else float("nan")
         return {
             "val_loss": val_loss,
@@ -560,6 +591,7 @@ class Trainer:
             "last_val_bpb": self.last_val_bpb,
             "last_val_tokens": self.last_val_tokens,
             "last_val_sequences": self.last_val_sequences,
+            "last_replay_val": self.last_replay_val,
             "stopped_early": self.stopped_early,
             "lr_scale": self.lr_scale,
             "guard": self.guard.state_dict(),
@@ -714,6 +746,7 @@ class Trainer:
             "final_val_bpb": self.last_val_bpb,
             "val_tokens": self.last_val_tokens,
             "val_sequences": self.last_val_sequences,
+            **self._replay_summary(),
             "best_val_loss": self.best_val_loss if self.best_step >= 0 else None,
             "best_val_bpb": self.best_val_bpb if self.best_step >= 0 else None,
             "best_step": self.best_step,
@@ -742,6 +775,17 @@ class Trainer:
             "checkpoint": str(self.ckpt.root / self.ckpt.latest_name) if self.ckpt.latest_name else None,
         }
 
+    def _replay_summary(self) -> dict:
+        """The replay pack's split at the last evaluation (final_val_loss/replay, ...) and the share
+        of training sequences drawn from it; nothing without train.replay.pack."""
+        if self.replay_val_loader is None:
+            return {}
+        last = self.last_replay_val or {}
+        out = {f"final_{k}" if k.startswith(("val_loss", "val_bpb")) else k: v for k, v in last.items()}
+        out["replay_fraction"] = self.cfg.replay.fraction
+        out["replay_sequences"] = self.train_loader.old.sequences if isinstance(self.train_loader, ReplayLoader) else 0
+        return out
+
     # ---- guard responses and events ---------------------------------------------------------------
 
     def _event(self, type_: str, **details) -> None:
@@ -755,6 +799,9 @@ class Trainer:
     def _validate(self) -> bool:
         """Evaluate, log, print, update best/early-stopping state; True if the loss improved."""
         result = self.evaluate()
+        if self.replay_val_loader is not None:
+            self.last_replay_val = {f"{k}/replay": v for k, v in self.evaluate(self.replay_val_loader).items()}
+            result.update(self.last_replay_val)
         val_loss, val_bpb = result["val_loss"], result["val_bpb"]
         self.last_val_loss, self.last_val_bpb = val_loss, val_bpb
         self.last_val_tokens, self.last_val_sequences = result["val_tokens"], result["val_sequences"]
@@ -772,6 +819,7 @@ class Trainer:
             tqdm.write(
                 f"step {self.step} | val loss {val_loss:.4f} | val bpb {val_bpb:.4f} | "
                 f"on {result['val_tokens']} tokens, {result['val_sequences']} sequences"
+                + (f" | replay val loss {result['val_loss/replay']:.4f}" if "val_loss/replay" in result else "")
                 + (" | early stop" if self.stopped_early else ""),
                 file=sys.stdout,
             )

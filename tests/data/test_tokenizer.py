@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kiln.data.config import TokenizerConfig
-from kiln.data.corpus import stable_unit
+from kiln.data.corpus import choose_split_ids, stable_unit
 from kiln.data.tokenizer import (
     MAX_PIECE_CHARS,
     MAX_TRAIN_WORD_CHARS,
@@ -240,3 +240,30 @@ def test_long_texts_encode_in_pieces_to_the_ids_of_the_whole(trained):
     whole = tok.hf.encode(text, add_special_tokens=False).ids
     assert tok.encode(text) == whole
     assert tok.encode_batch(["short", text, "also short"])[1] == whole
+
+
+def test_path_reuses_an_existing_tokenizer(tmp_path, trained):
+    """tokenizer.path (continual pretraining): the earlier tokenizer's exact file, measured on this
+    corpus's held-out documents; the ids of a pack made with it match the earlier run's."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    records = [{"id": f"d{i}", "text": t, "source": "s", "meta": {}} for i, t in enumerate(synthetic_texts(60, seed=3))]
+    (corpus / "docs-00000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    folder, first = trained
+    cfg = TokenizerConfig(vocab_size=600, path=str(folder))
+    cfg.validate()
+    stats = train_tokenizer_from_corpus(corpus, cfg, tmp_path / "tok")
+    assert (tmp_path / "tok" / "tokenizer.json").read_bytes() == (folder / "tokenizer.json").read_bytes()
+    assert stats["tokenizer_sha256"] == first["tokenizer_sha256"] and stats["vocab_size"] == first["vocab_size"]
+    heldout = [r["text"] for r in records if r["id"] in choose_split_ids(corpus, cfg.heldout_fraction)]
+    assert stats["heldout_documents"] == len(heldout) > 0
+    tok = Tokenizer.load(folder)
+    assert stats["heldout_bytes"] == sum(len(t.encode("utf-8")) for t in heldout)
+    assert stats["heldout_tokens"] == sum(len(tok.encode(t, parse_special=False)) for t in heldout)
+    with pytest.raises(DataError, match="tokenizer.path: .*no such tokenizer.json"):
+        train_tokenizer_from_corpus(corpus, TokenizerConfig(path=str(tmp_path / "none")), tmp_path / "t2")
+    with pytest.raises(DataError, match="more than tokenizer.vocab_size=512"):
+        train_tokenizer_from_corpus(corpus, TokenizerConfig(vocab_size=512, path=str(folder)), tmp_path / "t3")
+    for key, value in (("min_frequency", 3), ("max_train_bytes", 100)):
+        with pytest.raises(ConfigError, match=f"{key}: trains a tokenizer, but path"):
+            TokenizerConfig(path=str(folder), **{key: value}).validate()

@@ -9,12 +9,18 @@ import numpy as np
 
 
 def make_tiny_pack(
-    root: Path, vocab: int = 64, train_docs: int = 200, val_docs: int = 40, step: int = 5, offset: int = 3
+    root: Path,
+    vocab: int = 64,
+    train_docs: int = 200,
+    val_docs: int = 40,
+    rule: tuple[int, int] = (5, 3),
+    tokenizer_sha256: str = "test",
 ) -> Path:
     """A pack in the contract's layout whose documents follow a fixed successor rule
-    (t -> (step*t + offset) mod (vocab-1) + 1), so a model can learn it and the loss must fall.
-    step=1, offset=-1 repeats one token through each document: its whole context says what a
-    masked token is."""
+    (t -> a*t+b mod vocab, `rule` = (a, b), default 5t+3), so a model can learn it and the loss must
+    fall; two rules make two domains of one vocabulary (continual pretraining). rule=(1, -1) repeats
+    one token through each document: its whole context says what a masked token is."""
+    a, b = rule
     rng = np.random.default_rng(0)
     for split, docs in (("train", train_docs), ("val", val_docs)):
         tokens = []
@@ -22,14 +28,14 @@ def make_tiny_pack(
             t = int(rng.integers(1, vocab))
             for _ in range(int(rng.integers(10, 60))):
                 tokens.append(t)
-                t = (step * t + offset) % (vocab - 1) + 1
+                t = (a * t + b) % (vocab - 1) + 1
             tokens.append(0)  # end of document
         (root / split).mkdir(parents=True)
         np.asarray(tokens, dtype="<u2").tofile(root / split / "synthetic-00000.bin")
         header = {
             "dtype": "uint16",
             "vocab_size": vocab,
-            "tokenizer_sha256": "test",
+            "tokenizer_sha256": tokenizer_sha256,
             "documents": docs,
             "tokens": len(tokens),
             "bytes": 3 * len(tokens),
@@ -37,7 +43,7 @@ def make_tiny_pack(
         }
         (root / split / "synthetic-00000.json").write_text(json.dumps(header))
     (root / "mixture.json").write_text(
-        json.dumps({"vocab_size": vocab, "tokenizer_sha256": "test", "weights": {"synthetic": 1.0}})
+        json.dumps({"vocab_size": vocab, "tokenizer_sha256": tokenizer_sha256, "weights": {"synthetic": 1.0}})
     )
     return root
 

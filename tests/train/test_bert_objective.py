@@ -26,7 +26,7 @@ def masked_lm(**extra):
 
 def test_masked_lm_pretraining_lowers_the_loss(tmp_path, tiny_pack_factory):
     # Each document repeats one token, so a masked token is what the rest of its row says.
-    pack = tiny_pack_factory(tmp_path / "pack", step=1, offset=-1)
+    pack = tiny_pack_factory(tmp_path / "pack", rule=(1, -1))
     cfg = tiny_train_config(
         lr=5e-3, max_steps=30, warmup_steps=5, micro_batch_size=8, global_batch_tokens=128, eval_every=30,
         ckpt_every=30, eval_batches=4, log_every=30,
