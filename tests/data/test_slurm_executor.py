@@ -20,7 +20,7 @@ from kiln.data.config import CurateConfig
 from kiln.data.curate import curate, input_files
 from kiln.data.slurm_executor import SLURM_DIR, array_tasks, plan_jobs
 from kiln.data.slurm_task import task
-from kiln.errors import ConfigError
+from kiln.errors import ConfigError, DataError
 
 BASH = shutil.which("bash")
 STEPS = ["normalize", "exact_dedup", "minhash_dedup", "pii"]  # two deduplicators: three phases
@@ -289,3 +289,25 @@ def test_kiln_data_dry_run_then_finish(tmp_path, monkeypatch, capsys):
     assert main(args) == 0
     assert "continuing the Slurm run" in capsys.readouterr().out
     assert json.loads((out / "DONE").read_text())["stats"]["docs_out"] > 0
+
+
+def test_jobs_refuse_what_slurm_would_not_run(tmp_path, monkeypatch, capsys):
+    inputs = make_inputs(tmp_path / "in", files=2)
+    out = tmp_path / "slurm"
+    cfg = config(inputs, dry_run=True)
+    curate(cfg, out, log=lambda _: None)
+    # A resolve started by hand before its phase finished must not decide on half the documents.
+    assert task([str(out), "--resolve", "0"]) == 2
+    assert "phase 0 has 5 unfinished tasks (first: 0)" in capsys.readouterr().err
+    assert not (out / "work" / "phase-0" / "dedup" / "resolved.json").exists()
+    monkeypatch.delenv("SLURM_ARRAY_TASK_ID", raising=False)
+    assert task([str(out), "--phase", "0"]) == 2
+    assert "SLURM_ARRAY_TASK_ID is not set" in capsys.readouterr().err
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "3")
+    assert task([str(out), "--phase", "0"]) == 2
+    assert "array task 3 is past the 5 tasks" in capsys.readouterr().err
+    assert task([str(tmp_path), "--finish"]) == 2 and "no Slurm plan here" in capsys.readouterr().err
+    # Another recipe into the same folder is refused instead of mixing two runs' tasks.
+    cfg.steps = ["normalize", "pii"]
+    with pytest.raises(DataError, match="holds a Slurm run of other steps"):
+        curate(cfg, out, log=lambda _: None)
