@@ -23,6 +23,7 @@ from typing import Any
 from kiln.data.corpus import build_corpus
 from kiln.data.curate import curate
 from kiln.data.pack import pack
+from kiln.data.slurm_executor import SLURM_DIR
 from kiln.data.tokenizer import Tokenizer, train_tokenizer_from_corpus
 from kiln.errors import ConfigError, DataError
 from kiln.files import write_text_atomic
@@ -149,6 +150,11 @@ def run_recipe(
         if rank == 0 or stage in RESUMABLE:
             stats = STAGE_RUNNERS[stage](recipe, out, resume=resume, init_from=init_from)
         seconds = round(time.time() - started, 1)
+        if stage == "data" and stats is None:
+            # Submitted to Slurm (or a dry run): not done; the same command again, once the jobs
+            # ended, finds every task done and finishes the stage (or resubmits what failed).
+            print(f"[{stage}] on Slurm: run this command again once the jobs have finished")
+            return results
         if rank == 0:
             print(f"[{stage}] finished in {seconds} s")
             if not (out / "stats.json").exists():
@@ -172,6 +178,9 @@ def _prepare_stage_dir(recipe: Recipe, stage: str, force: bool) -> None:
     a stale training stage moves to <stage>.previous-N, other stale or partial output is removed."""
     out = stage_dir(recipe, stage)
     marker = out / MARKER
+    if stage == "data" and not force and not marker.exists() and (out / "work" / SLURM_DIR).is_dir():
+        print(f"[{stage}] continuing the Slurm run in {out}")  # its finished tasks are kept
+        return
     if out.exists() and (marker.exists() or stage not in RESUMABLE or force):
         changes = _marker_changes(recipe, stage) if marker.exists() else None
         if not force and changes is not None and _extends(stage, changes):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 from dataclasses import dataclass, field
 
 from kiln.config import build
@@ -95,7 +96,41 @@ DEFAULT_STEPS = [
 ]
 
 
-EXECUTORS = ("local", "ray")
+EXECUTORS = ("local", "ray", "slurm")
+_SLURM_TIME = re.compile(r"^\d+(-\d{1,2}(:\d{2}){0,2}|(:\d{2}){0,2})$")  # M, M:S, H:M:S, D-H, D-H:M, D-H:M:S
+
+
+@dataclass
+class SlurmDataOptions:
+    """[data.slurm]: how the curation's job arrays are asked for (executor = "slurm" only)."""
+
+    job_name: str = "kiln-data"  # each job is <job_name>-<what>, e.g. kiln-data-phase-0
+    partition: str = ""
+    account: str = ""
+    qos: str = ""
+    time: str = ""  # per array task, D-HH:MM:SS; empty: the partition's default limit
+    cpus_per_task: int = 1  # a curation task is one process
+    mem: str = ""  # per array task, e.g. 4G; empty: the partition's default
+    tasks_per_job: int = 1  # curation tasks (shards) run one after another by one array task
+    max_array_size: int = 1001  # Slurm's MaxArraySize: a bigger phase is several arrays
+    sbatch_args: list[str] = field(default_factory=list)  # extra #SBATCH lines, e.g. "--constraint=cpu"
+    setup: list[str] = field(default_factory=list)  # shell lines run first (module load, venv)
+    python: str = "python"  # the interpreter with Kiln installed, as the nodes see it
+    dry_run: bool = False  # write the scripts and print the sbatch commands; submit nothing
+
+    def validate(self) -> None:
+        if self.time and not _SLURM_TIME.match(self.time):
+            raise ConfigError("slurm.time", f"must look like MM, HH:MM:SS or D-HH:MM:SS, got {self.time!r}")
+        for key in ("cpus_per_task", "tasks_per_job", "max_array_size"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"slurm.{key}", f"must be >= 1, got {getattr(self, key)}")
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+", self.job_name):
+            raise ConfigError("slurm.job_name", f"must be letters, digits, '.', '_' or '-', got {self.job_name!r}")
+        for i, arg in enumerate(self.sbatch_args):
+            if not arg.startswith("--") or "\n" in arg:
+                raise ConfigError(f"slurm.sbatch_args[{i}]", f"must be one long sbatch option, got {arg!r}")
+        if not self.python.strip():
+            raise ConfigError("slurm.python", "must name the interpreter, e.g. .venv/bin/python")
 
 
 @dataclass
@@ -107,8 +142,9 @@ class CurateConfig:
     params: dict = field(default_factory=dict)  # [data.params.<step>] tables: each step's fields
     tasks: int = 4  # shards of work; the unit of resumption
     workers: int = 2  # processes running tasks in parallel (local executor)
-    executor: str = "local"  # "local" (worker processes) or "ray" (pip install 'kiln[ray]')
+    executor: str = "local"  # "local" (worker processes), "ray" (pip install 'kiln[ray]') or "slurm"
     ray_address: str = ""  # "": start Ray here; "auto", "host:6379", "ray://host:10001": join
+    slurm: SlurmDataOptions = field(default_factory=SlurmDataOptions)  # executor = "slurm" only
 
     def input_specs(self) -> list[tuple[str, FieldMap | None]]:
         """(path, field map) per input; None for a plain-string input (the default fields)."""
@@ -141,6 +177,11 @@ class CurateConfig:
         if self.executor == "ray" and importlib.util.find_spec("ray") is None:
             # Fail at recipe load, not after the stages before `data` have run.
             raise ConfigError("executor", "\"ray\" needs Ray installed: pip install 'kiln[ray]'")
+        if self.executor != "slurm" and self.slurm != SlurmDataOptions():
+            raise ConfigError("slurm", f'applies to executor = "slurm" only, not {self.executor!r}')
+        if self.executor != "ray" and self.ray_address:
+            raise ConfigError("ray_address", f'applies to executor = "ray" only, not {self.executor!r}')
+        self.slurm.validate()
         for name in self.params:
             if name not in self.steps:
                 raise ConfigError(f"params.{name}", f"configures a step that is not in steps {self.steps}")

@@ -11,16 +11,19 @@ from kiln.data.fields import FieldMap
 from kiln.data.funnel import funnel_html, funnel_text
 from kiln.data.ray_executor import run_pipeline_ray
 from kiln.data.readers import check_layout, input_format, list_named_inputs
+from kiln.data.slurm_executor import run_pipeline_slurm
 from kiln.data.steps.bias import bias_rates
 from kiln.errors import ConfigError
 
 
-def curate(cfg: CurateConfig, out_dir: Path, default_inputs: list[Path] = (), log=print) -> dict:
+def curate(cfg: CurateConfig, out_dir: Path, default_inputs: list[Path] = (), log=print) -> dict | None:
     """Run the pipeline of `cfg` over `cfg.inputs` (or `default_inputs`) into `out_dir`.
 
     Writes out_dir/docs/*.jsonl (the curated documents, the input of the tokenizer and packer),
     out_dir/rejected/, out_dir/stats.json and out_dir/funnel.html (a chart of documents and bytes kept
-    per step); returns the stats and logs the funnel as text.
+    per step); returns the stats and logs the funnel as text. With executor = "slurm" it submits the
+    jobs (or only writes them: dry_run) and returns None, unless an earlier submission has finished
+    every task: then it returns that run's stats.
     """
     files = input_files(cfg) if cfg.inputs else [(Path(p), Path(p).name, None) for p in sorted(default_inputs)]
     if not files:
@@ -31,8 +34,17 @@ def curate(cfg: CurateConfig, out_dir: Path, default_inputs: list[Path] = (), lo
         stats = run_pipeline_ray(
             files, cfg.build_steps(), Path(out_dir), tasks=cfg.tasks, address=cfg.ray_address or None, log=log
         )
+    elif cfg.executor == "slurm":
+        stats = run_pipeline_slurm(cfg, files, Path(out_dir), log=log)
+        if stats is None:
+            return None
     else:
         stats = run_pipeline(files, cfg.build_steps(), Path(out_dir), tasks=cfg.tasks, workers=cfg.workers, log=log)
+    return write_report(stats, Path(out_dir), log)
+
+
+def write_report(stats: dict, out_dir: Path, log=print) -> dict:
+    """stats.json (with the bias step's rates) and funnel.html of a finished curation; logs the funnel."""
     for step in stats["steps"]:
         if step["name"] == "bias":  # rates per source and group beside the raw counters
             step["rates"] = bias_rates(step)

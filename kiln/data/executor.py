@@ -205,6 +205,24 @@ def run_pipeline(
     executor passes its own, and everything else (phases, markers, resolve, stats) stays here.
     """
     run_tasks = run_tasks or local_task_runner(workers)
+    out, shards = prepare_output(inputs, out, tasks)
+    phases = split_phases(steps)
+    started = time.perf_counter()
+    for phase in phases:
+        pending = pending_tasks(out, phase, tasks)
+        if len(pending) < tasks:
+            log(f"[data] phase {phase.index}: {tasks - len(pending)} of {tasks} tasks already done, skipping them")
+        if pending:
+            run_tasks(phase, pending, shards, out, phase is phases[-1])
+        resolve_phase(out, phase, tasks)
+    stats = merge_stats(out, phases, tasks)
+    stats["seconds"] = round(time.perf_counter() - started, 2)
+    (out / "stats.json").write_text(json.dumps(stats, indent=2))
+    return stats
+
+
+def prepare_output(inputs: list, out: Path, tasks: int) -> tuple[Path, list[list[tuple]]]:
+    """The absolute output folder, made ready, and each task's shard of (absolute file, name, ...)."""
     # Absolute paths: tasks may run in other working directories (other processes, other nodes).
     out = Path(out).absolute()
     for folder in ("docs", "rejected", "work"):
@@ -212,25 +230,25 @@ def run_pipeline(
     named = [
         (Path(p[0]).absolute(), *p[1:]) if isinstance(p, tuple) else (Path(p).absolute(), Path(p).name) for p in inputs
     ]
-    shards = assign_inputs(named, tasks)
-    phases = split_phases(steps)
-    started = time.perf_counter()
-    for phase in phases:
-        work = out / "work" / f"phase-{phase.index}"
-        work.mkdir(exist_ok=True)
-        pending = [t for t in range(tasks) if not (work / f"done-{t:05d}").exists()]
-        if len(pending) < tasks:
-            log(f"[data] phase {phase.index}: {tasks - len(pending)} of {tasks} tasks already done, skipping them")
-        if pending:
-            run_tasks(phase, pending, shards, out, phase is phases[-1])
-        if phase.dedup is not None and not (work / "dedup" / "resolved.json").exists():
-            # Once, in this process: it reads only the index files the tasks wrote, never the text.
-            resolved = phase.dedup.resolve(work / "dedup", tasks)
-            _write_jsonl_atomic(work / "dedup" / "resolved.json", [resolved])
-    stats = merge_stats(out, phases, tasks)
-    stats["seconds"] = round(time.perf_counter() - started, 2)
-    (out / "stats.json").write_text(json.dumps(stats, indent=2))
-    return stats
+    return out, assign_inputs(named, tasks)
+
+
+def task_done(out: Path, phase: int, task: int) -> bool:
+    return (out / "work" / f"phase-{phase}" / f"done-{task:05d}").exists()
+
+
+def pending_tasks(out: Path, phase: Phase, tasks: int) -> list[int]:
+    """The phase's tasks without a completion marker (and its work folder, made ready)."""
+    (out / "work" / f"phase-{phase.index}").mkdir(exist_ok=True)
+    return [t for t in range(tasks) if not task_done(out, phase.index, t)]
+
+
+def resolve_phase(out: Path, phase: Phase, tasks: int) -> None:
+    """A deduplicating phase's global decision, once, after all its tasks: it reads only the index
+    files the tasks wrote, never the text. Nothing to do for other phases or when already resolved."""
+    dedup = out / "work" / f"phase-{phase.index}" / "dedup"
+    if phase.dedup is not None and not (dedup / "resolved.json").exists():
+        _write_jsonl_atomic(dedup / "resolved.json", [phase.dedup.resolve(dedup, tasks)])
 
 
 def merge_stats(out: Path, phases: list[Phase], tasks: int) -> dict:
@@ -264,4 +282,14 @@ def merge_stats(out: Path, phases: list[Phase], tasks: int) -> dict:
     }
 
 
-__all__ = ["run_pipeline", "run_task", "local_task_runner", "split_phases", "merge_stats"]
+__all__ = [
+    "run_pipeline",
+    "run_task",
+    "local_task_runner",
+    "split_phases",
+    "merge_stats",
+    "prepare_output",
+    "pending_tasks",
+    "resolve_phase",
+    "task_done",
+]

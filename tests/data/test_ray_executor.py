@@ -3,9 +3,9 @@
 import json
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
+from kiln_testing.curation import make_inputs, read_folder, without_seconds
 
 from kiln.data.executor import run_pipeline
 from kiln.data.steps.base import Filter, build_step
@@ -38,27 +38,6 @@ def local_ray():
     ray.shutdown()
 
 
-def make_inputs(root: Path, files: int = 4, docs: int = 20) -> list[Path]:
-    """Documents with what each real step acts on: stray whitespace and control characters
-    (normalize), texts repeated across files (exact_dedup), emails and phone numbers (pii)."""
-    root.mkdir()
-    paths = []
-    for f in range(files):
-        lines = []
-        for d in range(docs):
-            text = (
-                f"Report number {d % 9}.\x07  Call (415) 555-{2600 + d % 9} or mail desk{d % 9}@example.org.  \n\n\n\n"
-            )
-            if d % 3 == 0:
-                text += f"Unique note {f}-{d}."
-            lines.append(json.dumps({"id": f"{f}-{d:02d}", "text": text, "source": "web", "meta": {}}))
-        lines.append('{"id": "broken"')  # malformed: quarantined by the reader in both executors
-        path = root / f"in-{f}.jsonl"
-        path.write_text("\n".join(lines) + "\n")
-        paths.append(path)
-    return paths
-
-
 def steps(explode_on=""):
     return [
         build_step("normalize", {}, "normalize"),
@@ -66,17 +45,6 @@ def steps(explode_on=""):
         Explode(explode_on=explode_on),
         build_step("pii", {}, "pii"),
     ]
-
-
-def read_folder(folder: Path) -> dict[str, list[dict]]:
-    return {p.name: [json.loads(line) for line in p.open()] for p in sorted(folder.glob("*.jsonl"))}
-
-
-def without_seconds(stats: dict) -> dict:
-    return {
-        **{k: v for k, v in stats.items() if k != "seconds"},
-        "steps": [{k: v for k, v in s.items() if k != "seconds"} for s in stats["steps"]],
-    }
 
 
 def test_ray_matches_local_executor(tmp_path):
