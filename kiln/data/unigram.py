@@ -20,9 +20,10 @@ UNK = "<unk>"
 SPACE = "\u2581"  # "▁": SentencePiece's stand-in for a space, so pieces can carry their spaces
 BYTE_TOKENS = [f"<0x{b:02X}>" for b in range(256)]
 _BYTE_TOKEN = re.compile(r"<0x[0-9A-F]{2}>")
-# A word with the one space before it, or a run of whitespace (kept apart from the next word but for
-# its last space, as in the BPE pre-split): pieces never cross a word, but learn indentation runs.
-UNIGRAM_SPLIT = r" ?\S+|\s+(?!\S)|\s+"
+# A word with the one space before it, whitespace up to a line break, or a run of whitespace (kept
+# apart from the next word but for its last space), as in the BPE pre-split: pieces never cross a
+# word, and the text splits where kiln.data.tokenizer.text_pieces cuts long texts.
+UNIGRAM_SPLIT = r" ?\S+|\s*[\r\n]+|\s+(?!\S)|\s+"
 # Reserved, <unk> and byte tokens only ever come from the added-token match or byte fallback. They
 # sit in the model's vocabulary (byte fallback looks its tokens up there), so a score this far below
 # any learned piece keeps the segmentation from choosing them for literal text such as "<0x41>" or

@@ -10,7 +10,8 @@ from kiln_testing.text import stdlib_texts
 from kiln_testing.tokenizer import train_tiny_tokenizer
 
 from kiln.data.config import TokenizerConfig
-from kiln.data.tokenizer import SENTINEL, SPECIAL_TOKENS, train_tokenizer
+from kiln.data.span import sentinel_ids
+from kiln.data.tokenizer import SENTINEL, SPECIAL_TOKENS, text_pieces, train_tokenizer
 from kiln.data.unigram import BYTE_TOKENS, SPACE, UNK
 from kiln.errors import ConfigError
 
@@ -49,6 +50,15 @@ def test_decode_of_encode_is_the_text(unigram, text):
     assert not set(ids) & set(range(len(SPECIAL_TOKENS) + SENTINELS))  # raw text injects no control token
 
 
+def test_long_texts_encoded_in_pieces_give_the_ids_of_the_whole(unigram):
+    text = "".join(HARD[:4]) * 3 + "x=1   \ny=2   \n" * 10  # cut after a newline that follows spaces
+    pieces = text_pieces(text, max_chars=40)
+    assert len(pieces) > 5 and "".join(pieces) == text
+    split = unigram.hf.pre_tokenizer.pre_tokenize_str
+    assert [w for piece in pieces for w, _ in split(piece)] == [w for w, _ in split(text)]
+    assert [i for piece in pieces for i in unigram.encode(piece)] == unigram.encode(text)
+
+
 def test_unseen_characters_become_their_utf8_bytes(unigram):
     ids = unigram.encode("中🎉", parse_special=False)
     assert [unigram.hf.id_to_token(i) for i in ids] == [f"<0x{b:02X}>" for b in "中🎉".encode("utf-8")]
@@ -65,7 +75,7 @@ def test_special_tokens_and_sentinels_sit_at_the_bpe_ids(unigram, tmp_path):
     assert model["type"] == "Unigram" and model["byte_fallback"] is True
     # Pieces carry their space as SentencePiece's "▁", and code indentation is learned whole.
     assert SPACE + "return" in unigram.hf.get_vocab()
-    assert f"<|sentinel_{SENTINELS - 1}|>" == unigram.hf.id_to_token(len(reserved) - 1)
+    assert sentinel_ids(unigram, SENTINELS).tolist() == [16, 17, 18]  # what T5 span corruption uses
 
 
 def test_the_space_stand_in_and_nfkc_are_the_documented_changes(unigram, tmp_path):
