@@ -34,10 +34,17 @@ class CorpusConfig:
             raise ConfigError("min_chars", f"must satisfy 0 < min_chars < max_chars={self.max_chars}")
 
 
+MIN_FREQUENCY = 2
+TOKENIZER_MODELS = ("bpe", "unigram")  # kiln.data.tokenizer, kiln.data.unigram
+NORMALIZATIONS = ("none", "nfkc")
+
+
 @dataclass
 class TokenizerConfig:
+    model: str = "bpe"  # "bpe" (byte-level BPE) or "unigram" (SentencePiece-style, byte fallback)
     vocab_size: int = 8192
-    min_frequency: int = 2
+    min_frequency: int = MIN_FREQUENCY  # BPE only
+    normalization: str = "none"  # unigram only: "none" or "nfkc" (lossy, docs/data.md#unigram)
     heldout_fraction: float = 0.02  # documents kept out of training to measure bytes per token
     max_train_bytes: int = 0  # 0: train on the whole corpus
     sentinels: int = 0  # <|sentinel_k|> tokens after the fixed special ones, for T5 span corruption
@@ -57,10 +64,24 @@ class TokenizerConfig:
             raise ConfigError(
                 "sentinels", f"must be in 0..vocab_size - 512 = {self.vocab_size - 512}, got {self.sentinels}"
             )
+        self._check_model_keys()
         if self.min_frequency < 1:
             raise ConfigError("min_frequency", f"must be >= 1, got {self.min_frequency}")
         if not 0 < self.heldout_fraction < 0.5:
             raise ConfigError("heldout_fraction", f"must be in (0, 0.5), got {self.heldout_fraction}")
+
+    def _check_model_keys(self) -> None:
+        """Refuse a key the chosen model does not use."""
+        if self.model not in TOKENIZER_MODELS:
+            raise ConfigError("model", f"must be one of {', '.join(TOKENIZER_MODELS)}, got {self.model!r}")
+        if self.normalization not in NORMALIZATIONS:
+            raise ConfigError(
+                "normalization", f"must be one of {', '.join(NORMALIZATIONS)}, got {self.normalization!r}"
+            )
+        if self.model == "bpe" and self.normalization != "none":
+            raise ConfigError("normalization", 'applies to model = "unigram" only (byte-level BPE keeps text as is)')
+        if self.model == "unigram" and self.min_frequency != MIN_FREQUENCY:
+            raise ConfigError("min_frequency", 'is a BPE merge threshold; model = "unigram" has none (leave it unset)')
 
 
 @dataclass

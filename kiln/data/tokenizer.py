@@ -23,6 +23,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from kiln.data.config import TokenizerConfig
 from kiln.data.corpus import choose_split_ids, iter_documents
 from kiln.data.readers import has_lone_surrogate
+from kiln.data.unigram import build_untrained_unigram, too_many_characters, unigram_trainer, with_byte_fallback
 from kiln.errors import DataError
 from kiln.files import copy_file_atomic, publishing, write_text_atomic
 from kiln.progress import progress_visible
@@ -333,6 +334,22 @@ def build_untrained() -> HFTokenizer:
     return tok
 
 
+def _untrained(cfg: TokenizerConfig, reserved: list[str]) -> tuple[HFTokenizer, trainers.Trainer]:
+    """The untrained tokenizer of cfg.model and its trainer; `reserved` get ids 0..n-1."""
+    # The tokenizers library draws its own bars (reading, counting pairs, merges) with ETAs; they
+    # appear only on a terminal, and never off rank 0.
+    if cfg.model == "unigram":
+        return build_untrained_unigram(cfg.normalization), unigram_trainer(cfg.vocab_size, reserved, progress_visible())
+    trainer = trainers.BpeTrainer(
+        vocab_size=cfg.vocab_size,
+        min_frequency=cfg.min_frequency,
+        special_tokens=reserved,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # all 256 bytes, even unseen ones
+        show_progress=progress_visible(),
+    )
+    return build_untrained(), trainer
+
+
 def count_documents(corpus_dir: Path) -> int:
     """Lines in the corpus's *.jsonl files: the document count up to blank lines, read at disk
     speed, which is far faster than tokenizing them. Only a progress bar's total uses it."""
@@ -366,17 +383,9 @@ def train_tokenizer(
     started = time.perf_counter()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    hf = build_untrained()
-    trainer = trainers.BpeTrainer(
-        vocab_size=cfg.vocab_size,
-        min_frequency=cfg.min_frequency,
-        # Added first, so they get ids 0..n-1; sentinels (T5 span corruption) follow them.
-        special_tokens=SPECIAL_TOKENS + [SENTINEL.format(k) for k in range(cfg.sentinels)],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # all 256 bytes, even unseen ones
-        # The tokenizers library draws its own bars (reading, counting pairs, merges) with ETAs;
-        # they appear only on a terminal, and never off rank 0.
-        show_progress=progress_visible(),
-    )
+    # Added first, so they get ids 0..n-1; sentinels (T5 span corruption) follow them.
+    reserved = SPECIAL_TOKENS + [SENTINEL.format(k) for k in range(cfg.sentinels)]
+    hf, trainer = _untrained(cfg, reserved)
     counted = {"documents": 0, "bytes": 0}
 
     def limited() -> Iterator[str]:
@@ -386,10 +395,18 @@ def train_tokenizer(
                 break
             counted["documents"] += 1
             counted["bytes"] += size
+            if cfg.model == "unigram":  # for the error when the vocabulary cannot hold every character
+                characters.update(text)
             yield from training_pieces(text)
 
+    characters: set[str] = set()
     with rust_threads():
-        hf.train_from_iterator(limited(), trainer=trainer, length=length)
+        try:
+            hf.train_from_iterator(limited(), trainer=trainer, length=length)
+        except Exception as err:  # the Rust side raises plain Exception with its message
+            raise too_many_characters(err, len(characters), cfg.vocab_size) or err from None
+    if cfg.model == "unigram":
+        hf = with_byte_fallback(hf, reserved, cfg.normalization)
     if counted["documents"] == 0:
         raise DataError(
             f"{out_dir}: no training text for the tokenizer "
@@ -405,6 +422,7 @@ def train_tokenizer(
         raise RuntimeError(f"special tokens got ids {ids}, expected 0..{len(SPECIAL_TOKENS) - 1}")
     heldout_bytes, heldout_tokens = measure_bytes_per_token(tok, list(heldout))
     stats = {
+        "model": cfg.model,
         "vocab_size": tok.vocab_size,
         "special_tokens": len(SPECIAL_TOKENS),
         "sentinels": cfg.sentinels,
