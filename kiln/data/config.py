@@ -54,7 +54,14 @@ class TokenizerConfig:
 
     def validate(self) -> None:
         if self.path:
-            for key, default in (("min_frequency", 2), ("max_train_bytes", 0), ("sentinels", 0)):
+            trained = (
+                ("min_frequency", 2),
+                ("max_train_bytes", 0),
+                ("sentinels", 0),
+                ("model", "bpe"),
+                ("normalization", "none"),
+            )
+            for key, default in trained:
                 if getattr(self, key) != default:
                     raise ConfigError(key, f"trains a tokenizer, but path = {self.path!r} uses an existing one")
         # 256 byte symbols plus the reserved special tokens must fit before any merge.
