@@ -19,9 +19,9 @@ import torch
 from tqdm import tqdm
 
 from kiln.checkpoint import (
-    CheckpointManager,
     ShardedSaver,
     capture_rng_state,
+    checkpoint_manager,
     complete_checkpoints,
     load_sharded,
     read_manifest,
@@ -39,6 +39,7 @@ from kiln.parallel.layout import Layout
 from kiln.parallel.parallelize import apply_activation_checkpointing
 from kiln.peft.load import load_into
 from kiln.progress import progress_enabled
+from kiln.storage import is_remote, join
 from kiln.train.config import TrainConfig
 from kiln.train.guard import GRAD_GROUPS, LossGuard, grad_group, group_grad_norms, respond
 from kiln.train.metrics import (
@@ -168,14 +169,19 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         self.model = build_model(model_cfg, device=self.device)
         self.model.train()
-        self.ckpt = CheckpointManager(
-            self.out_dir / "checkpoints",
+        self.ckpt = checkpoint_manager(
+            cfg.checkpoint_dir or self.out_dir / "checkpoints",
             cfg.keep_last,
             cfg.keep_best,
             convert_state=upgrade_layout,
             background=self.layout.cfg.async_checkpoint and not self.layout.sharded,
         )
         self.sharded_saver = None
+        if self.layout.sharded and is_remote(cfg.checkpoint_dir):
+            raise ConfigError(
+                "train.checkpoint_dir",
+                f"{cfg.checkpoint_dir}: sharded checkpoints (this layout) are written to local disk only",
+            )
         if self.layout.sharded:
             self.sharded_saver = ShardedSaver(self.ckpt, self.layout.cfg.async_checkpoint)
         # Dynamic loss scaling keeps small fp16 gradients from flushing to zero; bf16 has fp32's
@@ -368,7 +374,7 @@ class Trainer:
         restore_rng_state(manifest["rng"])
         if self.is_main:
             truncate_metrics(self.out_dir / "metrics.jsonl", self.step)
-            if folder.resolve().parent == self.ckpt.root.resolve():
+            if self.ckpt.holds(folder):
                 self.ckpt.rewind(self.step, self.best_step)
         return str(folder)
 
@@ -702,7 +708,7 @@ class Trainer:
             "threads": torch.get_num_threads() if self.device.type == "cpu" else None,
             "device_name": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None,
             "wall_s": time.perf_counter() - start_wall,
-            "checkpoint": str(self.ckpt.root / self.ckpt.latest_name) if self.ckpt.latest_name else None,
+            "checkpoint": str(join(self.ckpt.root, self.ckpt.latest_name)) if self.ckpt.latest_name else None,
         }
 
     # ---- guard responses and events ---------------------------------------------------------------
