@@ -20,6 +20,7 @@ import os
 import posixpath
 import shutil
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Iterable, Iterator
 
@@ -33,6 +34,30 @@ LOCAL_PROTOCOLS = (None, "file", "local")
 # from before the upload.
 DEFAULTS = {"s3": {"use_listings_cache": False}}
 _options: dict[str, dict] = {}
+
+
+# Credentials stay out of recipes: a recipe is copied into every run folder and checkpoint manifest.
+SECRET_OPTIONS = ("key", "secret", "token", "access_key", "secret_key", "session_token", "password")
+
+
+@dataclass
+class StorageConfig:
+    """[storage]: options of the file systems behind fsspec URLs."""
+
+    # [storage.s3]: s3fs options (endpoint_url for an S3-compatible server, client_kwargs, anon, ...)
+    s3: dict = field(default_factory=dict)
+
+    def validate(self) -> None:
+        for name in self.s3:
+            if name in SECRET_OPTIONS:
+                raise ConfigError(
+                    f"s3.{name}",
+                    "credentials do not belong in a recipe (it is copied into run folders and checkpoints); "
+                    "set AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN or an AWS profile",
+                )
+
+    def options(self) -> dict[str, dict]:
+        return {"s3": self.s3} if self.s3 else {}
 
 
 def configure(options: dict[str, dict]) -> None:
@@ -182,6 +207,12 @@ def fetch_file(url: str) -> Path:
     target = cache_path(parent_of(url), key) / name_of(url)
     if target.is_file() and target.stat().st_size == info.get("size"):
         return target
+    download_atomic(url, target)
+    return target
+
+
+def download_atomic(url: str, target: Path) -> None:
+    """Download `url` to `target` under a temporary name, renamed when complete."""
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile(dir=target.parent, prefix=f".{target.name}.", delete=False) as tmp:
         partial = Path(tmp.name)
@@ -190,7 +221,6 @@ def fetch_file(url: str) -> Path:
         os.replace(partial, target)
     finally:
         partial.unlink(missing_ok=True)
-    return target
 
 
 @contextlib.contextmanager

@@ -4,6 +4,7 @@ import pytest
 
 from kiln import storage
 from kiln.errors import ConfigError
+from kiln.recipe import load_recipe
 
 
 def test_paths_without_a_protocol_stay_local(tmp_path):
@@ -54,3 +55,21 @@ def test_republish_unpublishes_first(s3_bucket, tmp_path, monkeypatch):
         storage.publish_folder(tmp_path, f"{s3_bucket}/out", "DONE")
     # The old marker is gone before any new file went up: no marker over mixed old and new files.
     assert not storage.exists(f"{s3_bucket}/out/DONE")
+
+
+def test_recipe_storage_table_reaches_fsspec(s3_server, tmp_path):
+    recipe = tmp_path / "r.toml"
+    recipe.write_text(f'[storage.s3]\nendpoint_url = "{s3_server}"\nclient_kwargs = {{region_name = "eu-west-1"}}\n')
+    try:
+        load_recipe(recipe)
+        fs = storage.filesystem("s3://any")
+        assert fs.client_kwargs == {"region_name": "eu-west-1"} and fs.endpoint_url == s3_server
+    finally:
+        storage.configure({})
+
+
+def test_recipe_refuses_credentials(tmp_path):
+    recipe = tmp_path / "r.toml"
+    recipe.write_text('[storage.s3]\nsecret = "hunter2"\n')
+    with pytest.raises(ConfigError, match=r"storage\.s3\.secret: credentials do not belong in a recipe"):
+        load_recipe(recipe)

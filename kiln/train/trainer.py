@@ -117,7 +117,7 @@ class Trainer:
         if arch != "decoder" and loss_fn is None:
             raise ConfigError("model.arch", f"{arch!r} has no next-token objective; pass its loss_fn")
         cfg = self.cfg = train_cfg
-        self.pack_dir = Path(pack_dir) if pack_dir is not None else None
+        self.pack_dir = pack_dir if pack_dir is None or is_remote(pack_dir) else Path(pack_dir)
         self.out_dir = Path(out_dir)
         self.recipe_dict = recipe_dict
         self.loss_fn = loss_fn or next_token_loss
