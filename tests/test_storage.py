@@ -73,3 +73,22 @@ def test_recipe_refuses_credentials(tmp_path):
     recipe.write_text('[storage.s3]\nsecret = "hunter2"\n')
     with pytest.raises(ConfigError, match=r"storage\.s3\.secret: credentials do not belong in a recipe"):
         load_recipe(recipe)
+
+
+def test_endpoint_and_credentials_from_the_aws_environment(s3_server, monkeypatch):
+    s3fs = pytest.importorskip("s3fs")
+    storage.configure({})
+    for name, value in (
+        ("AWS_ENDPOINT_URL", s3_server),
+        ("AWS_ACCESS_KEY_ID", "env"),
+        ("AWS_SECRET_ACCESS_KEY", "env"),
+    ):
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    s3fs.S3FileSystem.clear_instance_cache()  # an instance made before the variables were set
+    try:
+        storage.filesystem("s3://kiln-env").mkdir("kiln-env")
+        storage.write_bytes("s3://kiln-env/a.txt", b"from the environment")
+        assert storage.read_text("s3://kiln-env/a.txt") == "from the environment"
+    finally:
+        s3fs.S3FileSystem.clear_instance_cache()

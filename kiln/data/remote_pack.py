@@ -11,18 +11,11 @@ import json
 from pathlib import Path
 
 from kiln import storage
+from kiln.checkpoint import sha256_file
 from kiln.errors import DataError
 
 MARKER = "stats.json"
 SPLITS = ("train", "val")
-
-
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def local_pack(pack_dir: str) -> Path:
@@ -56,7 +49,7 @@ def _fetch_shard(header_url: str, folder: Path) -> None:
     for attempt in (0, 1):
         if not bin_path.is_file() or attempt:
             storage.download_atomic(bin_url, bin_path)
-        if sha256_of(bin_path) == expected:
+        if sha256_file(bin_path) == expected:
             return
     bin_path.unlink()
     raise DataError(f"{bin_url}: sha256 does not match its header (corrupted shard)")
