@@ -127,7 +127,7 @@ class RemoteCheckpointManager(CheckpointManager):
         return storage.isfile(storage.join(self.root, name, MANIFEST_FILE))
 
     def holds(self, folder) -> bool:
-        return storage.is_remote(folder) and storage.parent_of(folder) == self.root
+        return storage.is_remote(folder) and storage.parent_of(str(folder).rstrip("/")) == self.root
 
     def begin(self, step: int) -> Path:
         """A local staging folder; it is uploaded by commit."""

@@ -329,7 +329,8 @@ class Trainer:
         elif resume == "auto":
             found = self.ckpt.load_newest_valid(quarantine=self.is_main)
         else:
-            folder = resolve_checkpoint(resume)
+            # A step folder of this run's remote root loads by its URL, so that resume rewinds the root.
+            folder = resume.rstrip("/") if is_remote(resume) and self.ckpt.holds(resume) else resolve_checkpoint(resume)
             found = (folder, *self.ckpt.load(folder))
         if found is None:
             if self.is_main:

@@ -128,9 +128,9 @@ def test_trainer_resumes_from_s3(s3_bucket, cache, tmp_path, tiny_pack_factory):
     model_cfg = ModelConfig(vocab_size=64, dim=32, n_layers=1, n_heads=4, max_seq_len=16)
     root = f"{s3_bucket}/run/checkpoints"
 
-    def run(out, max_steps, **kw):
+    def run(out, max_steps, resume="auto", **kw):
         cfg = tiny_train_config(max_steps=max_steps, ckpt_every=2, eval_every=2, eval_batches=1, **kw)
-        trainer = Trainer(model_cfg, cfg, pack, out, device="cpu")
+        trainer = Trainer(model_cfg, cfg, pack, out, device="cpu", resume=resume)
         trainer.fit()
         return trainer
 
@@ -147,3 +147,9 @@ def test_trainer_resumes_from_s3(s3_bucket, cache, tmp_path, tiny_pack_factory):
     _, local_weights, _ = load_weights(tmp_path / "c" / "checkpoints")
     for name, tensor in local_weights.items():
         assert torch.equal(s3_weights[name], tensor), name
+    # Resuming from a named step of the same root moves the later steps aside (rewind), as on disk.
+    with pytest.warns(UserWarning, match="newer than the resumed step 2"):
+        run(tmp_path / "a", 4, checkpoint_dir=root, resume=f"{root}/step-00000002")
+    assert storage.isfile(f"{root}/abandoned-step-00000004/manifest.json")
+    _, again, _ = load_weights(root)
+    assert all(torch.equal(again[name], tensor) for name, tensor in local_weights.items())
