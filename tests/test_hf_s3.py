@@ -13,6 +13,7 @@ from kiln.hf import export_checkpoint_to_hf  # noqa: E402
 from kiln.model import ModelConfig, build_model  # noqa: E402
 
 
+@pytest.mark.slow  # transformers import and model load (~18 s on 2 shared cores)
 def test_export_s3_checkpoint_to_s3_folder(s3_bucket, tmp_path, monkeypatch):
     monkeypatch.setenv("KILN_CACHE", str(tmp_path / "cache"))
     train_byte_bpe(tmp_path / "tokenizer.json", ["hello world, a tiny text"] * 5, vocab_size=320)

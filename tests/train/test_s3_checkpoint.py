@@ -123,6 +123,7 @@ def test_cached_copy_is_checked_again(s3_bucket, cache):
     assert torch.equal(weights["tok_embeddings.weight"], _model(1).state_dict()["tok_embeddings.weight"])
 
 
+@pytest.mark.slow  # three short training runs (~25 s on 2 shared cores)
 def test_trainer_resumes_from_s3(s3_bucket, cache, tmp_path, tiny_pack_factory):
     pack = tiny_pack_factory(tmp_path / "pack")
     model_cfg = ModelConfig(vocab_size=64, dim=32, n_layers=1, n_heads=4, max_seq_len=16)
