@@ -48,6 +48,7 @@ from kiln.model.rope import rope_scaling_from_hf, rope_scaling_to_hf
 from kiln.model.t5_config import T5Config
 from kiln.model.transformer import fuse_gate_up, fuse_qkv, split_gate_up, split_qkv
 from kiln.peft.load import plain_weights
+from kiln.storage import is_remote, staged_output
 
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -184,10 +185,16 @@ def _write_tokenizer(tokenizer_path, model_cfg: ModelConfig, out: Path, chat: bo
 
 def export_hf(
     model_cfg: ModelConfig, state_dict: dict[str, torch.Tensor], tokenizer_path, out_dir, chat: bool = False
-) -> Path:
+) -> Path | str:
     """Write a transformers-loadable folder. tokenizer_path (tokenizer.json or a folder holding it)
-    may be None to export weights only. Tensors keep the dtype they have in state_dict."""
-    out = Path(out_dir)
+    may be None to export weights only. Tensors keep the dtype they have in state_dict. An fsspec
+    URL out_dir is written locally and uploaded with config.json, what loaders look for, last."""
+    with staged_output(out_dir, "config.json") as out:
+        written = _export_hf_local(model_cfg, state_dict, tokenizer_path, out, chat)
+    return out_dir if is_remote(out_dir) else written
+
+
+def _export_hf_local(model_cfg: ModelConfig, state_dict: dict, tokenizer_path, out: Path, chat: bool) -> Path:
     if arch_of(model_cfg) == "bert":
         out.mkdir(parents=True, exist_ok=True)
         return _export_bert(model_cfg, state_dict, tokenizer_path, out)

@@ -23,6 +23,7 @@ from kiln.model.t5_config import T5Config
 from kiln.parallel.config import ParallelConfig
 from kiln.peft.config import PeftConfig
 from kiln.post.config import DistillConfig, DPOConfig, GRPOConfig, PPOConfig, RMConfig, SFTConfig, TaskConfig
+from kiln.storage import StorageConfig, configure
 from kiln.train.config import TrainConfig
 
 STAGES = ("corpus", "data", "tokenizer", "pack", "pretrain", "sample", "sft", "rm", "dpo", "ppo", "grpo", "distill")
@@ -62,6 +63,7 @@ class Recipe:
     ppo: PPOConfig = field(default_factory=PPOConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
     peft: PeftConfig = field(default_factory=PeftConfig)
+    storage: StorageConfig = field(default_factory=StorageConfig)
 
     @property
     def run_dir(self) -> Path:
@@ -107,6 +109,7 @@ def load_recipe(path: str | Path | None = None, overrides: list[str] | tuple[str
         recipe.validate()
     except ConfigError as err:
         raise ConfigError(err.key, err.message, source) from None
+    configure(recipe.storage.options())  # every fsspec URL the stages open uses them
     return recipe
 
 

@@ -4,8 +4,11 @@ import os
 
 import pytest
 import torch
+from kiln_testing.s3 import new_bucket, s3_options, start_server
 from kiln_testing.tokenizer import train_byte_bpe, train_tiny_tokenizer
 from kiln_testing.train import make_tiny_pack
+
+from kiln import storage
 
 # Tests compare numbers bit-for-bit in places; pin the thread count so results do not
 # depend on how many cores the machine reports.
@@ -49,3 +52,19 @@ def byte_tokenizer(tmp_path_factory):
     path = tmp_path_factory.mktemp("byte_tokenizer") / "tokenizer.json"
     train_byte_bpe(path, ["hello world. hello there."] * 4, vocab_size=270)
     return Tokenizer.load(path)
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """The endpoint URL of a moto S3 server the session started on 127.0.0.1 (skipped without moto)."""
+    server, endpoint = start_server()
+    yield endpoint
+    server.stop()
+
+
+@pytest.fixture
+def s3_bucket(s3_server):
+    """A fresh, empty s3:// bucket on the test server, with kiln.storage pointed at the server."""
+    storage.configure(s3_options(s3_server))
+    yield new_bucket(s3_server)
+    storage.configure({})

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1] / "kiln"
 # Lower layers never import higher ones. Within a layer, packages may import each other as long as
 # no cycle forms.
 LAYERS = {
-    "bottom": ["kiln", "kiln.errors", "kiln.config", "kiln.progress", "kiln.files", "kiln.checkpoint"],
+    "bottom": ["kiln", "kiln.errors", "kiln.config", "kiln.progress", "kiln.files", "kiln.storage", "kiln.checkpoint"],
     "model, data": ["kiln.model", "kiln.data"],
     "hf, peft, parallel": [
         "kiln.hf",

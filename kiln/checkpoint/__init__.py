@@ -1,6 +1,6 @@
 """Checkpoints, the bottom layer every stage may import: the folder format and its manifest,
 atomic publish, the run's checkpoints root, sharded (DCP) save and load, and what Kiln refuses to
-unpickle. Nothing here imports a layer above it; the model side (a ModelConfig from the manifest,
+unpickle, and roots on object stores (kiln.checkpoint.remote). Nothing here imports a layer above it; the model side (a ModelConfig from the manifest,
 older weight layouts) is kiln.model.weights."""
 
 from kiln.checkpoint.format import (
@@ -10,11 +10,9 @@ from kiln.checkpoint.format import (
     TRAIN_STATE_FILE,
     WEIGHTS_LAYOUT,
     CheckpointError,
-    complete_checkpoints,
     load_single_file_state,
     read_manifest,
     read_safetensors,
-    resolve_checkpoint,
     save_weights,
     sha256_file,
     step_dirname,
@@ -23,6 +21,13 @@ from kiln.checkpoint.format import (
     write_safetensors,
 )
 from kiln.checkpoint.manager import CheckpointManager
+from kiln.checkpoint.remote import (
+    RemoteCheckpointManager,
+    checkpoint_manager,
+    complete_checkpoints,
+    fetch_checkpoint,
+    resolve_checkpoint,
+)
 from kiln.checkpoint.rng import capture_rng_state, restore_rng_state
 from kiln.checkpoint.safety import SHARDED_DIR, WeightsOnlyLoadPlanner, check_sharded_pickles
 from kiln.checkpoint.sharded import ShardedSaver, load_sharded, load_sharded_weights
@@ -36,11 +41,14 @@ __all__ = [
     "WEIGHTS_LAYOUT",
     "CheckpointError",
     "CheckpointManager",
+    "RemoteCheckpointManager",
     "ShardedSaver",
     "WeightsOnlyLoadPlanner",
     "capture_rng_state",
     "check_sharded_pickles",
+    "checkpoint_manager",
     "complete_checkpoints",
+    "fetch_checkpoint",
     "load_sharded",
     "load_sharded_weights",
     "load_single_file_state",

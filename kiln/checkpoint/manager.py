@@ -28,6 +28,7 @@ from kiln.checkpoint.format import (
     write_text_atomic,
 )
 from kiln.checkpoint.safety import check_sharded_pickles
+from kiln.storage import join, name_of
 
 DAMAGED_DIR = "damaged"  # where resume moves checkpoints that fail verification
 
@@ -59,6 +60,13 @@ class CheckpointManager:
         self.background = background
         self._writer: threading.Thread | None = None
         self._writer_error: BaseException | None = None
+
+    def _complete(self) -> list:
+        return complete_checkpoints(self.root)
+
+    def holds(self, folder) -> bool:
+        """Whether `folder` is one of this root's step folders (resume rewinds only its own root)."""
+        return Path(folder).resolve().parent == self.root.resolve()
 
     def _pointer(self, name: str) -> str | None:
         path = self.root / name
@@ -99,7 +107,7 @@ class CheckpointManager:
             target=self._write_and_commit, args=(tmp, step, model_cfg, *state, is_best), name=f"checkpoint-{step}"
         )
         self._writer.start()
-        return self.root / step_dirname(step)
+        return join(self.root, step_dirname(step))
 
     def _write_and_commit(self, tmp, step, model_cfg, model_state, train_state, manifest_extra, is_best) -> None:
         try:
@@ -173,13 +181,13 @@ class CheckpointManager:
         """The newest checkpoint that verifies; damaged ones are skipped with a warning and, with
         `quarantine` (the one process that owns the folder), moved to `damaged/`."""
         self.finish()
-        for folder in reversed(complete_checkpoints(self.root)):
+        for folder in reversed(self._complete()):
             try:
                 return (folder, *self.load(folder))
             except CheckpointError as e:
-                where = f"moved to {self.quarantine(folder).relative_to(self.root)}" if quarantine else "left in place"
+                where = f"moved to {DAMAGED_DIR}/{name_of(self.quarantine(folder))}" if quarantine else "left in place"
                 warnings.warn(
-                    f"skipping checkpoint {folder.name}: {e}; {where}; falling back to an older one", stacklevel=2
+                    f"skipping checkpoint {name_of(folder)}: {e}; {where}; falling back to an older one", stacklevel=2
                 )
         return None
 
@@ -245,12 +253,12 @@ class CheckpointManager:
     def _prune(self, keep: str) -> None:
         """Keep the newest `keep_last`, the best, and `keep` (the folder just published: a root that
         still holds newer step folders must not delete it the moment `latest` names it)."""
-        folders = complete_checkpoints(self.root)
-        keep = {keep, *(p.name for p in folders[-self.keep_last :])}
+        folders = self._complete()
+        keep = {keep, *(name_of(p) for p in folders[-self.keep_last :])}
         if self.keep_best and self.best_name:
             keep.add(self.best_name)
         for folder in folders:
-            if folder.name not in keep:
+            if name_of(folder) not in keep:
                 self._discard(folder)
 
 

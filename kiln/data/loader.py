@@ -37,6 +37,8 @@ from typing import Iterator
 import numpy as np
 import torch
 
+from kiln import storage
+from kiln.data.remote_pack import local_pack
 from kiln.errors import ConfigError, DataError
 
 DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
@@ -150,7 +152,8 @@ class TokenLoader:
             raise ConfigError("rank", f"must be in [0, world_size={world_size}), got {rank}")
         if split not in ("train", "val"):
             raise ConfigError("split", f"must be 'train' or 'val', got {split!r}")
-        self.pack_dir = Path(pack_dir)
+        # A pack on an object store is read from its verified local copy (memory-mapped shards).
+        self.pack_dir = local_pack(pack_dir) if storage.is_remote(pack_dir) else Path(pack_dir)
         self.split, self.seq_len, self.batch_size = split, seq_len, batch_size
         self.rank, self.world_size, self.seed = rank, world_size, seed
         self.global_batch = batch_size * world_size

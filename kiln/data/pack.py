@@ -6,11 +6,12 @@ Layout (read by kiln.data.loader.TokenLoader):
     out_dir/train/<source>-00000.json  each document's tokens followed by <|endoftext|>
     out_dir/val/...                    same, for the validation documents
     out_dir/mixture.json               {"vocab_size", "tokenizer_sha256", "weights": {source: w}}
-    out_dir/stats.json
+    out_dir/stats.json                 written last; a remote pack is published with it last
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import time
@@ -24,6 +25,7 @@ from kiln.data.tokenizer import Tokenizer, count_documents
 from kiln.errors import ConfigError, DataError
 from kiln.files import publishing, write_text_atomic
 from kiln.progress import progress, progress_visible
+from kiln.storage import staged_output
 
 SPLITS = ("train", "val")
 # Documents per encode_batch call: big enough to keep the Rust thread pool busy, small enough
@@ -45,9 +47,11 @@ def write_shard(bin_path: Path, tokens: np.ndarray, header: dict) -> None:
     header exists is complete."""
     dtype = np.dtype({"uint16": "<u2", "uint32": "<u4"}[header["dtype"]])
     # A file write, not ndarray.tofile: that reports a full disk with no errno.
+    data = memoryview(np.ascontiguousarray(tokens, dtype=dtype))
     with publishing(bin_path) as tmp, open(tmp, "wb") as f:
-        f.write(memoryview(np.ascontiguousarray(tokens, dtype=dtype)))
-    header = {**header, "tokens": int(len(tokens))}
+        f.write(data)
+    # sha256: a copy of the shard (a remote pack's local cache, kiln.data.remote_pack) is checked against it.
+    header = {**header, "tokens": int(len(tokens)), "sha256": hashlib.sha256(data).hexdigest()}
     write_text_atomic(bin_path.with_suffix(".json"), json.dumps(header, indent=2) + "\n")
 
 
@@ -112,7 +116,14 @@ def mixture_weights(cfg: PackConfig, train_tokens: dict[str, int]) -> dict[str, 
     return {name: w / total for name, w in raw.items()}
 
 
-def pack(corpus_dir: Path, tokenizer_path: Path, cfg: PackConfig, out_dir: Path) -> dict:
+def pack(corpus_dir: Path, tokenizer_path: Path, cfg: PackConfig, out_dir: Path | str) -> dict:
+    """Pack `corpus_dir` into `out_dir`; an fsspec URL `out_dir` is written locally and uploaded
+    with stats.json last (kiln.storage.staged_output), the marker kiln.data.remote_pack reads."""
+    with staged_output(out_dir, "stats.json") as local:
+        return pack_local(corpus_dir, tokenizer_path, cfg, local)
+
+
+def pack_local(corpus_dir: Path, tokenizer_path: Path, cfg: PackConfig, out_dir: Path) -> dict:
     cfg.validate()
     started = time.perf_counter()
     corpus_dir, out_dir = Path(corpus_dir), Path(out_dir)

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Iterable, Iterator
 
+from kiln import storage
 from kiln.data.fields import DEFAULT_FIELDS, FieldMap, has_field, map_record
 from kiln.errors import DataError
 
@@ -77,6 +78,8 @@ def file_stem(path: Path) -> str:
 def _expand(entry: str | Path) -> list[tuple[Path, str]]:
     """Files of one input entry (file, folder or glob), sorted, each with its stable name."""
     text = str(entry)
+    if storage.is_remote(entry):
+        return _expand_remote(text)
     if any(ch in text for ch in "*?["):
         matches = sorted(Path(p) for p in glob.glob(text, recursive=True))
         files = [p for p in matches if p.is_file() and input_format(p)]
@@ -101,6 +104,25 @@ def _expand(entry: str | Path) -> list[tuple[Path, str]]:
             f"{path}: unknown input format; expected .jsonl/.ndjson (optionally .gz/.zst), .parquet, .txt or .md"
         )
     return [(path, path.name)]
+
+
+def _expand_remote(entry: str) -> list[tuple[Path, str]]:
+    """A remote entry's files (kiln.storage URLs), each copied to the local cache and named as the
+    same layout on local disk would name it, so ids and sources do not depend on where data lives."""
+    if any(ch in entry for ch in "*?["):
+        found = [(url, storage.name_of(url)) for url in storage.glob(entry)]
+    elif storage.isdir(entry):
+        base = entry.rstrip("/")
+        found = [(url, f"{storage.name_of(base)}/{url[len(base) + 1 :]}") for url in storage.walk_files(base)]
+        found = [(url, name) for url, name in found if not any(part.startswith(".") for part in name.split("/"))]
+    elif storage.isfile(entry):
+        found = [(entry, storage.name_of(entry))]
+    else:
+        raise DataError(f"{entry}: no such file or folder")
+    found = [(url, name) for url, name in found if input_format(Path(name))]
+    if not found:
+        raise DataError(f"{entry}: matches no JSONL, Parquet or text files")
+    return [(storage.fetch_file(url), name) for url, name in found]
 
 
 def list_named_inputs(paths: str | Path | Iterable[str | Path]) -> list[tuple[Path, str]]:

@@ -102,6 +102,9 @@ class TrainConfig:
     ckpt_every: int = 100
     keep_last: int = 2
     keep_best: bool = True
+    # "": <stage folder>/checkpoints; a local folder or an fsspec URL (s3://bucket/run/checkpoints),
+    # published manifest last on object stores (docs/storage.md)
+    checkpoint_dir: str = ""
     early_stop_patience: int = 0  # evaluations without improvement before stopping; 0: off
     peak_flops: float = 0.0  # per device, for MFU; 0: detect (measured matmul on CPU)
     threads: int = 0  # torch intra-op threads; 0: leave torch's default

@@ -19,9 +19,9 @@ import torch
 from tqdm import tqdm
 
 from kiln.checkpoint import (
-    CheckpointManager,
     ShardedSaver,
     capture_rng_state,
+    checkpoint_manager,
     complete_checkpoints,
     load_sharded,
     read_manifest,
@@ -41,6 +41,7 @@ from kiln.parallel.layout import Layout
 from kiln.parallel.parallelize import apply_activation_checkpointing
 from kiln.peft.load import load_into
 from kiln.progress import progress_enabled
+from kiln.storage import is_remote, join
 from kiln.train.config import TrainConfig
 from kiln.train.guard import GRAD_GROUPS, LossGuard, grad_group, group_grad_norms, respond
 from kiln.train.metrics import (
@@ -118,7 +119,7 @@ class Trainer:
         if arch != "decoder" and loss_fn is None:
             raise ConfigError("model.arch", f"{arch!r} has no next-token objective; pass its loss_fn")
         cfg = self.cfg = train_cfg
-        self.pack_dir = Path(pack_dir) if pack_dir is not None else None
+        self.pack_dir = pack_dir if pack_dir is None or is_remote(pack_dir) else Path(pack_dir)
         self.out_dir = Path(out_dir)
         self.recipe_dict = recipe_dict
         self.loss_fn = loss_fn or next_token_loss
@@ -173,14 +174,19 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         self.model = build_model(model_cfg, device=self.device)
         self.model.train()
-        self.ckpt = CheckpointManager(
-            self.out_dir / "checkpoints",
+        self.ckpt = checkpoint_manager(
+            cfg.checkpoint_dir or self.out_dir / "checkpoints",
             cfg.keep_last,
             cfg.keep_best,
             convert_state=upgrade_layout,
             background=self.layout.cfg.async_checkpoint and not self.layout.sharded,
         )
         self.sharded_saver = None
+        if self.layout.sharded and is_remote(cfg.checkpoint_dir):
+            raise ConfigError(
+                "train.checkpoint_dir",
+                f"{cfg.checkpoint_dir}: sharded checkpoints (this layout) are written to local disk only",
+            )
         if self.layout.sharded:
             self.sharded_saver = ShardedSaver(self.ckpt, self.layout.cfg.async_checkpoint)
         # Dynamic loss scaling keeps small fp16 gradients from flushing to zero; bf16 has fp32's
@@ -351,7 +357,8 @@ class Trainer:
         elif resume == "auto":
             found = self.ckpt.load_newest_valid(quarantine=self.is_main)
         else:
-            folder = resolve_checkpoint(resume)
+            # A step folder of this run's remote root loads by its URL, so that resume rewinds the root.
+            folder = resume.rstrip("/") if is_remote(resume) and self.ckpt.holds(resume) else resolve_checkpoint(resume)
             found = (folder, *self.ckpt.load(folder))
         if found is None:
             if self.is_main:
@@ -398,7 +405,7 @@ class Trainer:
         restore_rng_state(manifest["rng"])
         if self.is_main:
             truncate_metrics(self.out_dir / "metrics.jsonl", self.step)
-            if folder.resolve().parent == self.ckpt.root.resolve():
+            if self.ckpt.holds(folder):
                 self.ckpt.rewind(self.step, self.best_step)
         return str(folder)
 
@@ -772,7 +779,7 @@ class Trainer:
             "threads": torch.get_num_threads() if self.device.type == "cpu" else None,
             "device_name": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None,
             "wall_s": time.perf_counter() - start_wall,
-            "checkpoint": str(self.ckpt.root / self.ckpt.latest_name) if self.ckpt.latest_name else None,
+            "checkpoint": str(join(self.ckpt.root, self.ckpt.latest_name)) if self.ckpt.latest_name else None,
         }
 
     def _replay_summary(self) -> dict:
