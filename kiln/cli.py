@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import copy
 import importlib
+import os
 import sys
 from types import ModuleType
 from typing import Iterable, NamedTuple
@@ -194,6 +195,11 @@ def main(argv: list[str] | None = None) -> int:
     except FileNotFoundError as err:  # a path the command was given (or its inputs name) is missing
         print(f"kiln: error: {os_error_line(err)}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # Output piped into a command that stopped reading (`kiln recipes | head -3`): not an error
+        # worth a line; stdout goes to devnull so the interpreter's final flush does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except OSError as err:  # disk full, read-only, permission: the file system refused a write or read
         print(f"kiln: error: {os_error_line(err)}", file=sys.stderr)
         return OS_ERROR_EXIT

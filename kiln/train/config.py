@@ -114,7 +114,11 @@ class TrainConfig:
         """The line printed when the warmup was derived rather than set."""
         if self.warmup_steps >= 0:
             return None
-        return f"note: train.warmup_steps not set: warming up for {self.warmup()} steps ({WARMUP_FRACTION:.0%} of max_steps={self.max_steps}, at most {WARMUP_CAP})"
+        steps = f"{self.warmup()} step{'s' if self.warmup() != 1 else ''}"
+        return (
+            f"note: train.warmup_steps not set: warming up for {steps} "
+            f"({WARMUP_FRACTION:.0%} of max_steps={self.max_steps}, at most {WARMUP_CAP})"
+        )
 
     def validate(self) -> None:
         for key in (
