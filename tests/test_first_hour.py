@@ -5,15 +5,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from kiln_testing.train import make_tiny_pack, tiny_train_config
 
 from kiln.cli import EXAMPLES, VERBS, build_parser, main
 from kiln.config import read_toml
 from kiln.errors import ConfigError
+from kiln.model import ModelConfig
 from kiln.recipe import load_recipe
 from kiln.recipe_files import PACKAGED, packaged_recipes, resolve_recipe, summary
 from kiln.train.config import TrainConfig
 from kiln.train.schedule import lr_at
-from kiln.train.trainer import training_device
+from kiln.train.trainer import Trainer, training_device
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -162,3 +164,15 @@ def test_train_device():
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match=r"train.device: 'cuda:1' but torch sees no CUDA device"):
             training_device("cuda:1")
+
+
+def test_the_trainer_takes_train_device_and_notes_a_derived_warmup(tmp_path, capsys):
+    model = ModelConfig(vocab_size=64, dim=32, n_layers=1, n_heads=2, n_kv_heads=2, max_seq_len=16)
+    pack = make_tiny_pack(tmp_path / "pack")
+    cfg = tiny_train_config(device="cpu", warmup_steps=-1, max_steps=40)
+    trainer = Trainer(model, cfg, pack, tmp_path / "out")
+    assert trainer.device == torch.device("cpu")
+    assert "note: train.warmup_steps not set: warming up for 2 steps (5% of max_steps=40" in capsys.readouterr().out
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="train.device: 'cuda' but torch sees no CUDA device"):
+            Trainer(model, tiny_train_config(device="cuda"), pack, tmp_path / "out2")
