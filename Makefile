@@ -8,14 +8,26 @@ RECIPE ?= recipes/data-demo.toml
 
 .PHONY: setup demo lint test test-slow bench clean
 
+# pip shows its progress bar: a first install downloads a few hundred MB and takes minutes.
+PIP_INSTALL := $(PY) -m pip install --progress-bar on -c $(CONSTRAINTS)
+
+# make demo: the core and what the demo uses (README, "Install": size and time measured).
+# --no-compile: pip's bytecode for every torch module is ~150 MB; Python writes it for the modules
+# the demo imports, on first use.
+$(VENV)/.demo-installed: pyproject.toml $(CONSTRAINTS)
+	$(PYTHON) -m venv $(VENV)
+	$(PIP_INSTALL) --no-compile -e '.[demo]'
+	touch $@
+
+# make lint / test / test-slow / bench: everything the tests compare against (the test extra).
 $(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q -c $(CONSTRAINTS) -e '.[test]'
-	touch $@
+	$(PIP_INSTALL) -e '.[test]'
+	touch $@ $(VENV)/.demo-installed
 
 setup: $(VENV)/.installed
 
-demo: setup
+demo: $(VENV)/.demo-installed
 	$(VENV)/bin/kiln run $(RECIPE)
 
 lint: setup

@@ -22,7 +22,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from kiln.errors import ConfigError
+from kiln.errors import ConfigError, did_you_mean
 
 
 def read_toml(path: str | Path) -> dict[str, Any]:
@@ -41,6 +41,10 @@ def read_toml(path: str | Path) -> dict[str, Any]:
     except RecursionError:
         # tomllib parses nested arrays and inline tables recursively.
         raise ConfigError("recipe", "invalid TOML: arrays or tables nested too deeply", source) from None
+
+
+# The help of every verb's recipe argument: a file, or a recipe shipped in the package (kiln.recipe_files).
+RECIPE_HELP = "TOML recipe file, or the name of a packaged recipe (kiln recipes lists them)"
 
 
 def parse_override(item: str) -> tuple[str, Any]:
@@ -105,7 +109,9 @@ def build(cls: type, table: dict[str, Any], section: str, base=None):
     values = {}
     for key, value in table.items():
         if key not in hints:
-            raise ConfigError(f"{section}.{show_key(key)}", f"unknown key; known: {', '.join(hints)}")
+            raise ConfigError(
+                f"{section}.{show_key(key)}", f"unknown key{did_you_mean(key, hints)}; known: {', '.join(hints)}"
+            )
         refused = refusers[key](value) if key in refusers else None
         if refused:
             raise ConfigError(f"{section}.{key}", refused)

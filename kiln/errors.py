@@ -1,5 +1,7 @@
 """Errors that Kiln shows to users as one line naming what is wrong and where."""
 
+import difflib
+
 
 class ConfigError(ValueError):
     """A recipe or override value is unknown, of the wrong type, or impossible.
@@ -31,3 +33,10 @@ class DataError(ValueError):
 
 class TrainingDiverged(RuntimeError):
     """The guard fired more than `train.guard.max_events` times: the run is not recovering."""
+
+
+def did_you_mean(word: str, known) -> str:
+    """'; did you mean "x"?' for the closest of `known` to a misspelt `word`, or "" when none is close:
+    appended to an unknown-name error, so a typo is answered with its fix."""
+    close = difflib.get_close_matches(str(word), [str(k) for k in known], n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""

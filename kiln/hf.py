@@ -430,21 +430,21 @@ def add_parser(subparsers) -> None:
         "hf",
         help="Hugging Face folder (Llama, Qwen2, Mixtral, Qwen2-MoE, BERT or T5) that transformers loads",
     )
-    e.add_argument("checkpoint")
-    e.add_argument("out")
+    e.add_argument("checkpoint", help="Kiln checkpoint: a checkpoint folder, or a stage folder (runs/NAME/pretrain)")
+    e.add_argument("out", help="folder to write the Hugging Face model into (config.json, model.safetensors)")
     e.add_argument("--tokenizer", help="tokenizer.json (default: found next to the checkpoint)")
 
     e = fmt.add_parser("single", help="one-file checkpoint (model.safetensors + manifest), e.g. from a sharded one")
-    e.add_argument("checkpoint")
-    e.add_argument("out")
+    e.add_argument("checkpoint", help="Kiln checkpoint folder, sharded or not")
+    e.add_argument("out", help="folder to write the one-file checkpoint into")
 
     p = subparsers.add_parser("import", help="import a checkpoint from another format")
     fmt = p.add_subparsers(dest="format", required=True, metavar="FORMAT")
     i = fmt.add_parser(
         "hf", help="local Llama / Mistral / Qwen2 / Mixtral / Qwen2-MoE / BERT / T5 folder into a Kiln checkpoint"
     )
-    i.add_argument("folder")
-    i.add_argument("out")
+    i.add_argument("folder", help="local Hugging Face model folder (config.json and *.safetensors)")
+    i.add_argument("out", help="folder to write the Kiln checkpoint into")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -20,12 +20,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kiln.config import RECIPE_HELP
 from kiln.data.corpus import build_corpus
 from kiln.data.curate import curate
 from kiln.data.pack import pack
 from kiln.data.slurm_executor import SLURM_DIR
 from kiln.data.tokenizer import Tokenizer, train_tokenizer_from_corpus
-from kiln.errors import ConfigError, DataError
+from kiln.errors import ConfigError, DataError, did_you_mean
 from kiln.files import write_text_atomic
 from kiln.model.config import arch_of
 from kiln.parallel.dims import check_job_options, init_distributed
@@ -33,6 +34,7 @@ from kiln.parallel.launch import add_launch_parser, run_launch
 from kiln.parallel.plan import Workload
 from kiln.parallel.plan_cli import add_plan_parser, run_plan
 from kiln.recipe import POST_STAGES, STAGES, Recipe, load_recipe, recipe_to_dict
+from kiln.recipe_files import resolve_recipe
 from kiln.train.schedule import lr_at
 
 # Which recipe sections determine each stage's output, upstream included.
@@ -387,7 +389,7 @@ POST_VERBS = {
 
 
 def _recipe_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("recipe", nargs="?", default="recipes/tiny.toml", help="TOML recipe (default: recipes/tiny.toml)")
+    p.add_argument("recipe", nargs="?", default="tiny", help=RECIPE_HELP)
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=3e-4 model.n_layers=6")
     p.add_argument("--force", action="store_true", help="rebuild even if the stage is already done")
 
@@ -423,16 +425,18 @@ def run(args: argparse.Namespace) -> int:
     if args.verb == "launch":
         # The whole recipe is validated before a job is submitted; a path that exists only on the
         # cluster is passed through.
-        parallel = load_recipe(args.recipe, args.overrides).parallel if Path(args.recipe).is_file() else None
+        parallel = load_recipe(args.recipe, args.overrides).parallel if resolve_recipe(args.recipe).is_file() else None
         return run_launch(args, parallel)
     if args.verb == "plan":
         return run_plan(args, _plan_shape(args) if args.recipe else None)
+    recipe = load_recipe(args.recipe, args.overrides)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        # Started by torchrun (directly, or through `kiln launch`, Slurm or Kubernetes): join the job.
+        # Started by torchrun (directly, or through `kiln launch`, Slurm or Kubernetes): join the job,
+        # over gloo when train.device = "cpu" (the trainer then stays on the CPU), else NCCL on a GPU.
         import torch
 
-        init_distributed("cuda" if torch.cuda.is_available() else "cpu")
-    recipe = load_recipe(args.recipe, args.overrides)
+        on_gpu = recipe.train.device != "cpu" and torch.cuda.is_available()
+        init_distributed("cuda" if on_gpu else "cpu")
     if args.verb == "run":
         _run_all(recipe, args)
     else:
@@ -471,7 +475,9 @@ def parse_stages(text: str | None) -> list[str] | None:
     for name in stages:
         if name not in STAGES:
             raise ConfigError(
-                "--stages", f"unknown stage {name!r}; the stages are {', '.join(STAGES)}", "<command line>"
+                "--stages",
+                f"unknown stage {name!r}{did_you_mean(name, STAGES)}; the stages are {', '.join(STAGES)}",
+                "<command line>",
             )
     if not stages:
         raise ConfigError("--stages", f"names no stage; the stages are {', '.join(STAGES)}", "<command line>")

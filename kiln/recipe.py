@@ -16,13 +16,14 @@ from typing import Any
 
 from kiln.config import build, parse_override, read_toml, set_dotted, show_key
 from kiln.data.config import CorpusConfig, CurateConfig, PackConfig, TokenizerConfig
-from kiln.errors import ConfigError
+from kiln.errors import ConfigError, did_you_mean
 from kiln.infer.config import SampleConfig
 from kiln.model.config import ModelConfig, arch_of, model_family
 from kiln.model.t5_config import T5Config
 from kiln.parallel.config import ParallelConfig
 from kiln.peft.config import PeftConfig
 from kiln.post.config import DistillConfig, DPOConfig, GRPOConfig, PPOConfig, RMConfig, SFTConfig, TaskConfig
+from kiln.recipe_files import resolve_recipe
 from kiln.storage import StorageConfig, configure
 from kiln.train.config import TrainConfig
 
@@ -41,7 +42,9 @@ class RunConfig:
             raise ConfigError("name", f"must be a plain folder name, got {self.name!r}")
         for stage in self.stages:
             if stage not in STAGES:
-                raise ConfigError("stages", f"unknown stage {stage!r}; known: {', '.join(STAGES)}")
+                raise ConfigError(
+                    "stages", f"unknown stage {stage!r}{did_you_mean(stage, STAGES)}; known: {', '.join(STAGES)}"
+                )
 
 
 @dataclass
@@ -100,7 +103,7 @@ class Recipe:
 def load_recipe(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
     """Read a TOML recipe (or the defaults when ``path`` is None) and apply ``key=value`` overrides."""
     source = str(path) if path is not None else "<defaults>"
-    raw: dict[str, Any] = read_toml(path) if path is not None else {}
+    raw: dict[str, Any] = read_toml(resolve_recipe(path)) if path is not None else {}
     for item in overrides:
         key, value = parse_override(item)
         set_dotted(raw, key, value)
@@ -118,7 +121,7 @@ def recipe_from_dict(raw: dict[str, Any]) -> Recipe:
     sections = {}
     for name, table in raw.items():
         if name not in known:
-            raise ConfigError(show_key(name), f"unknown section; known: {', '.join(known)}")
+            raise ConfigError(show_key(name), f"unknown section{did_you_mean(name, known)}; known: {', '.join(known)}")
         if not isinstance(table, dict):
             raise ConfigError(name, "must be a table")
         cls = typing.get_type_hints(Recipe)[name]

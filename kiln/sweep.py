@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kiln.config import parse_value
+from kiln.config import RECIPE_HELP, parse_value
 from kiln.errors import ConfigError
 from kiln.model.config import PRESETS
 from kiln.pipeline import fingerprint, run_recipe, stage_dir
@@ -632,7 +632,7 @@ def format_table(result: SweepResult) -> str:
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("sweep", help="hyperparameter search with Optuna, each trial a real training run")
-    p.add_argument("recipe", nargs="?", default="recipes/tiny.toml", help="TOML recipe (default: recipes/tiny.toml)")
+    p.add_argument("recipe", nargs="?", default="tiny", help=RECIPE_HELP)
     p.add_argument("overrides", nargs="*", help="dotted overrides applied to every trial, e.g. train.max_steps=100")
     p.add_argument("--space", help='TOML file of searched keys, e.g. [train] lr = "loguniform:1e-4:1e-2"')
     p.add_argument(

@@ -122,7 +122,9 @@ def test_unknown_stage_is_named_before_any_work(tmp_path, capsys):
 
     assert main(["run", "recipes/tiny.toml", f'run.out_dir="{tmp_path}"', "--stages", "corpus,pretrian"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("kiln: error: <command line>: --stages: unknown stage 'pretrian'; the stages are corpus,")
+    assert err.startswith(
+        "kiln: error: <command line>: --stages: unknown stage 'pretrian' (did you mean 'pretrain'?); the stages are corpus,"
+    )
     assert "Traceback" not in err and not (tmp_path / "tiny" / "corpus").exists()
 
 

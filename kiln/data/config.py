@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 from kiln.config import build
 from kiln.data.fields import FieldMap
-from kiln.data.steps import build_step
-from kiln.errors import ConfigError
+from kiln.data.steps import STEPS, build_step
+from kiln.errors import ConfigError, did_you_mean
 
 BUILTIN_SOURCES = ("python_stdlib", "python_docs", "debian_docs")
 
@@ -94,6 +94,9 @@ class TokenizerConfig:
 @dataclass
 class PackConfig:
     val_fraction: float = 0.01  # documents (by stable hash of id) held out for validation
+    # fewest validation documents: a smaller split is widened to this (at most half the corpus), with
+    # a warning, because a loss over a handful of documents is mostly noise; 0: off
+    min_val_docs: int = 20
     mixture: dict[str, float] = field(default_factory=dict)  # source -> weight; empty: by token count
     shard_tokens: int = 16_777_216  # tokens per shard file
 
@@ -105,6 +108,8 @@ class PackConfig:
                 raise ConfigError(f"mixture.{name}", f"must be >= 0, got {weight}")
         if self.mixture and sum(self.mixture.values()) <= 0:
             raise ConfigError("mixture", "weights must not all be zero")
+        if self.min_val_docs < 0:
+            raise ConfigError("min_val_docs", f"must be >= 0, got {self.min_val_docs}")
         if self.shard_tokens <= 0:
             raise ConfigError("shard_tokens", f"must be positive, got {self.shard_tokens}")
 
@@ -210,6 +215,13 @@ class CurateConfig:
         if self.executor != "ray" and self.ray_address:
             raise ConfigError("ray_address", f'applies to executor = "ray" only, not {self.executor!r}')
         self.slurm.validate()
+        for name in self.steps:
+            # The bad value is in steps, so the error names that key (build_step would name the
+            # params table of a step that does not exist).
+            if name not in STEPS:
+                raise ConfigError(
+                    "steps", f"unknown step {name!r}{did_you_mean(name, STEPS)}; known: {', '.join(sorted(STEPS))}"
+                )
         for name in self.params:
             if name not in self.steps:
                 raise ConfigError(f"params.{name}", f"configures a step that is not in steps {self.steps}")

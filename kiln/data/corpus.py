@@ -99,6 +99,19 @@ def choose_split_ids(corpus_dir: Path, fraction: float) -> set[str]:
     return chosen
 
 
+def widen_split(corpus_dir: Path, chosen: set[str], min_docs: int) -> set[str]:
+    """`chosen` grown to min_docs documents (at most half the corpus) with the next documents in
+    stable-hash order, the order val_fraction takes them in: a larger fraction would pick the same."""
+    ranked = sorted((stable_unit(doc["id"]), doc["id"]) for doc in iter_documents(corpus_dir))
+    target = min(min_docs, len(ranked) // 2)
+    widened = set(chosen)
+    for _, doc_id in ranked:
+        if len(widened) >= target:
+            break
+        widened.add(doc_id)
+    return widened
+
+
 class Rejected(Exception):
     """A candidate file that cannot become a document; the message is the reason."""
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from kiln.data.config import PackConfig
-from kiln.data.corpus import choose_split_ids, iter_documents
+from kiln.data.corpus import choose_split_ids, iter_documents, widen_split
 from kiln.data.tokenizer import Tokenizer, count_documents
 from kiln.errors import ConfigError, DataError
 from kiln.files import publishing, write_text_atomic
@@ -131,6 +131,14 @@ def pack_local(corpus_dir: Path, tokenizer_path: Path, cfg: PackConfig, out_dir:
     dtype = token_dtype(tok.vocab_size)
     base_header = {"dtype": dtype_name(dtype), "vocab_size": tok.vocab_size, "tokenizer_sha256": tok.sha256}
     val_ids = choose_split_ids(corpus_dir, cfg.val_fraction)
+    if len(val_ids) < cfg.min_val_docs:
+        chosen = len(val_ids)
+        val_ids = widen_split(corpus_dir, val_ids, cfg.min_val_docs)
+        print(
+            f"warning: pack.val_fraction={cfg.val_fraction} holds out {chosen} document{'s' if chosen != 1 else ''}; "
+            f"validating on {len(val_ids)} (pack.min_val_docs={cfg.min_val_docs}, at most half the corpus). "
+            "A small validation split gives a noisy loss: add documents or raise pack.val_fraction"
+        )
     for split in SPLITS:  # a rerun must not leave a previous run's shards behind
         shutil.rmtree(out_dir / split, ignore_errors=True)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from kiln.config import finite_float
+from kiln.config import RECIPE_HELP, finite_float
 from kiln.errors import ConfigError
 from kiln.parallel.config import ParallelConfig
 
@@ -543,9 +543,7 @@ def add_launch_parser(verbs: argparse._SubParsersAction) -> argparse.ArgumentPar
     }
     for action, help_text in helps.items():
         a = actions.add_parser(action, help=help_text)
-        a.add_argument(
-            "recipe", nargs="?", default="recipes/tiny.toml", help="TOML recipe (default: recipes/tiny.toml)"
-        )
+        a.add_argument("recipe", nargs="?", default="tiny", help=RECIPE_HELP)
         a.add_argument("overrides", nargs="*", help="dotted overrides passed to `kiln pretrain`")
         a.add_argument(
             "--resume",

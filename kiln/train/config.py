@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 
 from kiln.errors import ConfigError
@@ -50,6 +51,13 @@ class GuardConfig:
             raise ConfigError("lr_factor", f"must be in (0, 1], got {self.lr_factor}")
 
 
+# A warmup left unset (train.warmup_steps = -1) is this share of max_steps, at most WARMUP_CAP steps:
+# 5% keeps the 600-step demo's 30 steps and leaves a short run (max_steps=30) most of its decay; the
+# cap is Llama 2's warmup (Touvron et al. 2023: 2000 steps at every size).
+WARMUP_FRACTION = 0.05
+WARMUP_CAP = 2000
+
+
 @dataclass
 class ReplayConfig:
     """[train.replay]: a share of every batch drawn from an earlier run's pack (continual
@@ -80,7 +88,8 @@ class TrainConfig:
     optimizer_offload_chunk_mb: int = 0  # nvme: optimizer state per streamed chunk, MiB; 0: 64
     lr: float = 3e-3
     min_lr_ratio: float = 0.1  # final lr = lr * min_lr_ratio
-    warmup_steps: int = 30
+    # -1: derived from max_steps (warmup(): WARMUP_FRACTION, at most WARMUP_CAP), noted at the start
+    warmup_steps: int = -1
     schedule: str = "cosine"  # cosine | wsd | constant
     decay_fraction: float = 0.2  # wsd: share of steps spent decaying at the end
     beta1: float = 0.9
@@ -88,6 +97,8 @@ class TrainConfig:
     eps: float = 1e-8
     weight_decay: float = 0.1  # applied to matrices only
     grad_clip: float = 1.0  # 0: off
+    # auto: CUDA when torch sees a GPU (each rank its own under torchrun), else the CPU; cpu; cuda; cuda:N
+    device: str = "auto"
     precision: str = "bf16"  # fp32 | bf16 | fp16 | fp8 (torchao float8 block linears, bf16 elsewhere)
     fp8_recipe: str = ""  # precision = "fp8" only: tensorwise | rowwise; "": tensorwise
     # none | selective | full (kiln.parallel.parallelize.apply_activation_checkpointing)
@@ -115,6 +126,21 @@ class TrainConfig:
     guard: GuardConfig = field(default_factory=GuardConfig)  # [train.guard]: loss-spike and NaN guard
     replay: ReplayConfig = field(default_factory=ReplayConfig)  # [train.replay]: continual pretraining
 
+    def warmup(self) -> int:
+        """The warmup the schedule uses: warmup_steps, or when it is -1 WARMUP_FRACTION of max_steps
+        (so a short run keeps a decay phase), at most WARMUP_CAP steps."""
+        return self.warmup_steps if self.warmup_steps >= 0 else min(WARMUP_CAP, int(self.max_steps * WARMUP_FRACTION))
+
+    def warmup_note(self) -> str | None:
+        """The line printed when the warmup was derived rather than set."""
+        if self.warmup_steps >= 0:
+            return None
+        steps = f"{self.warmup()} step{'s' if self.warmup() != 1 else ''}"
+        return (
+            f"note: train.warmup_steps not set: warming up for {steps} "
+            f"({WARMUP_FRACTION:.0%} of max_steps={self.max_steps}, at most {WARMUP_CAP})"
+        )
+
     def validate(self) -> None:
         for key in (
             "seq_len",
@@ -134,6 +160,8 @@ class TrainConfig:
                 f"must be a multiple of seq_len*micro_batch_size="
                 f"{self.seq_len * self.micro_batch_size}, got {self.global_batch_tokens}",
             )
+        if self.device not in ("auto", "cpu", "cuda") and not re.fullmatch(r"cuda:\d+", self.device):
+            raise ConfigError("device", f'must be "auto", "cpu", "cuda" or "cuda:N", got {self.device!r}')
         refused = refuse_bool_checkpointing(self.activation_checkpointing)
         if refused:
             raise ConfigError("activation_checkpointing", refused)
@@ -158,8 +186,10 @@ class TrainConfig:
                 raise ConfigError(key, f"must be a positive finite number, got {getattr(self, key)}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError("min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
-        if not 0 <= self.warmup_steps < self.max_steps:
-            raise ConfigError("warmup_steps", f"must be in [0, max_steps={self.max_steps}), got {self.warmup_steps}")
+        if self.warmup_steps != -1 and not 0 <= self.warmup_steps < self.max_steps:
+            raise ConfigError(
+                "warmup_steps", f"must be -1 (derived) or in [0, max_steps={self.max_steps}), got {self.warmup_steps}"
+            )
         if not 0 < self.decay_fraction <= 1:
             raise ConfigError("decay_fraction", f"must be in (0, 1], got {self.decay_fraction}")
         for key in ("beta1", "beta2"):

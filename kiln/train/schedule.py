@@ -18,15 +18,16 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     peak = cfg.lr
     floor = cfg.lr * cfg.min_lr_ratio
     done = step + 1  # steps of the schedule completed once this one is taken
-    if done <= cfg.warmup_steps:
+    warmup = cfg.warmup()
+    if done <= warmup:
         # Linear warmup: Adam's second-moment estimates are noisy for the first steps, and a
         # full-size update from them can push the freshly initialised network into a bad region.
-        return peak * done / cfg.warmup_steps
+        return peak * done / warmup
     if cfg.schedule == "constant":
         return peak
     if cfg.schedule == "cosine":
-        span = cfg.max_steps - cfg.warmup_steps
-        progress = min(1.0, (done - cfg.warmup_steps) / span)
+        span = cfg.max_steps - warmup
+        progress = min(1.0, (done - warmup) / span)
         return floor + 0.5 * (peak - floor) * (1.0 + math.cos(math.pi * progress))
     if cfg.schedule == "wsd":
         # Warmup-stable-decay (Hu et al. 2024, MiniCPM): hold the peak, then decay over the last
@@ -35,7 +36,7 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
         # cosine, while linear decay does slightly worse. Because the stable phase does not depend
         # on max_steps, a run can be extended and decayed later from any stable checkpoint.
         decay_steps = max(1, round(cfg.decay_fraction * cfg.max_steps))
-        decay_start = max(cfg.warmup_steps, cfg.max_steps - decay_steps)
+        decay_start = max(warmup, cfg.max_steps - decay_steps)
         if done <= decay_start:
             return peak
         progress = min(1.0, (done - decay_start) / (cfg.max_steps - decay_start))

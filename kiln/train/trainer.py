@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import sys
 import time
 import warnings
@@ -89,6 +90,26 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def training_device(choice: str) -> torch.device:
+    """train.device as a torch device: auto is CUDA when torch sees a GPU (under torchrun "cuda" is
+    the rank's own, set by init_distributed), else the CPU; a CUDA device torch cannot see is refused."""
+    if choice == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if choice.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                "train.device", f"{choice!r} but torch sees no CUDA device (torch {torch.__version__}); use cpu or auto"
+            )
+        index = torch.device(choice).index
+        if index is not None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise ConfigError(
+                "train.device", f"{choice!r} under torchrun: each rank uses its own GPU; use cuda or auto"
+            )
+        if index is not None and index >= torch.cuda.device_count():
+            raise ConfigError("train.device", f"{choice!r} but torch sees {torch.cuda.device_count()} CUDA devices")
+    return torch.device(choice)
+
+
 class Trainer:
     def __init__(
         self,
@@ -125,7 +146,7 @@ class Trainer:
         self.loss_fn = loss_fn or next_token_loss
         self.eval_loss_fn = eval_loss_fn or self.loss_fn
         self.after_fit = after_fit
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.device = torch.device(device) if device else training_device(cfg.device)
         if cfg.threads > 0:
             torch.set_num_threads(cfg.threads)
         self.layout = Layout(parallel, model_cfg, self.device)
@@ -212,6 +233,9 @@ class Trainer:
             self.model.load_state_dict(found[2])
         # fp8 swaps block linears for Float8Linear before checkpointing, compile and sharding wrap
         # them (torchtitan's order); the swap keeps parameter names, so it may follow the loads.
+        note = cfg.warmup_note()
+        if note and self.is_main:
+            print(note)
         self.fp8_linears = 0
         if cfg.precision == "fp8":
             self.fp8_linears, left_out = convert_to_fp8(self.model, cfg.fp8_recipe)

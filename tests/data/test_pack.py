@@ -36,7 +36,8 @@ def packed(tmp_path_factory):
     root = tmp_path_factory.mktemp("pack")
     records = make_corpus(root / "corpus")
     train_tokenizer([r["text"] for r in records], TokenizerConfig(vocab_size=512), root / "tok", heldout=[])
-    cfg = PackConfig(val_fraction=0.1, shard_tokens=2000)  # small shards: several files per source
+    # small shards: several files per source; min_val_docs=0: the split is the hash rule alone
+    cfg = PackConfig(val_fraction=0.1, shard_tokens=2000, min_val_docs=0)
     stats = pack(root / "corpus", root / "tok" / "tokenizer.json", cfg, root / "pack")
     return root, records, stats, cfg
 
@@ -92,7 +93,8 @@ def test_every_source_with_two_documents_gets_validation_data(tmp_path):
     records = make_corpus(tmp_path / "corpus", n=(30, 2))
     train_tokenizer([r["text"] for r in records], TokenizerConfig(vocab_size=512), tmp_path / "tok", heldout=[])
     # A fraction so small that the hash alone selects nothing.
-    stats = pack(tmp_path / "corpus", tmp_path / "tok", PackConfig(val_fraction=1e-6), tmp_path / "pack")
+    cfg = PackConfig(val_fraction=1e-6, min_val_docs=0)
+    stats = pack(tmp_path / "corpus", tmp_path / "tok", cfg, tmp_path / "pack")
     assert stats["sources"]["prose"]["val"]["documents"] == 1
     assert stats["sources"]["code"]["val"]["documents"] == 1
     assert stats["sources"]["code"]["train"]["documents"] == 1
@@ -114,7 +116,7 @@ def test_repack_is_deterministic_and_leaves_no_stale_shards(packed, tmp_path):
     again = {p.relative_to(tmp_path / "p"): p.read_bytes() for p in sorted((tmp_path / "p").rglob("*.bin"))}
     original = {p.relative_to(root / "pack"): p.read_bytes() for p in sorted((root / "pack").rglob("*.bin"))}
     assert again == original
-    pack(root / "corpus", root / "tok", PackConfig(val_fraction=cfg.val_fraction), tmp_path / "p")
+    pack(root / "corpus", root / "tok", PackConfig(val_fraction=cfg.val_fraction, min_val_docs=0), tmp_path / "p")
     assert sorted(p.name for p in (tmp_path / "p" / "train").glob("*.bin")) == ["code-00000.bin", "prose-00000.bin"]
 
 
@@ -173,4 +175,32 @@ def test_a_corpus_too_small_to_split_is_refused_with_the_minimum(tmp_path, sourc
     # A second document of one source is enough.
     extra = json.dumps({"id": "web-1", "text": "a second web document, " * 20, "source": "web"})
     (corpus / "docs-00000.jsonl").write_text("\n".join([*lines, extra]) + "\n")
-    assert pack(corpus, tmp_path / "tok" / "tokenizer.json", PackConfig(), tmp_path / "packed")["val"]["documents"] == 1
+    stats = pack(corpus, tmp_path / "tok" / "tokenizer.json", PackConfig(min_val_docs=0), tmp_path / "packed")
+    assert stats["val"]["documents"] == 1
+
+
+def test_a_validation_split_below_the_minimum_is_widened_with_a_warning(tmp_path, capsys):
+    """105 documents at val_fraction 0.01: the hash rule holds out a couple; pack.min_val_docs widens
+    the split to the next documents in hash order (the ones a larger fraction would take) and says so."""
+    records = make_corpus(tmp_path / "corpus", n=(105, 0))
+    train_tokenizer([r["text"] for r in records], TokenizerConfig(vocab_size=512), tmp_path / "tok", heldout=[])
+    by_hash = sorted(records, key=lambda r: stable_unit(r["id"]))
+    by_rule = [r for r in records if stable_unit(r["id"]) < 0.01] or by_hash[:1]
+    stats = pack(tmp_path / "corpus", tmp_path / "tok", PackConfig(min_val_docs=20), tmp_path / "pack")
+    assert stats["val"]["documents"] == 20 and stats["train"]["documents"] == 85
+    val_texts = {r["text"] for r in by_hash[:20]}
+    tok = Tokenizer.load(tmp_path / "tok" / "tokenizer.json")
+    stream, _, _ = read_stream(tmp_path / "pack" / "val", "prose")
+    ends = np.flatnonzero(stream == tok.eot_id)
+    starts = np.concatenate([[0], ends[:-1] + 1])
+    assert {tok.decode(stream[s:e].tolist()) for s, e in zip(starts, ends)} == val_texts
+    out = capsys.readouterr().out
+    assert f"warning: pack.val_fraction=0.01 holds out {len(by_rule)} document" in out
+    assert "validating on 20 (pack.min_val_docs=20" in out
+    # Off, or already met: the hash rule alone, no warning.
+    stats = pack(tmp_path / "corpus", tmp_path / "tok", PackConfig(min_val_docs=0), tmp_path / "p0")
+    assert stats["val"]["documents"] == len(by_rule) and "warning" not in capsys.readouterr().out
+    # A tiny corpus keeps at least half of its documents for training.
+    small = make_corpus(tmp_path / "small", n=(6, 0))
+    assert pack(tmp_path / "small", tmp_path / "tok", PackConfig(), tmp_path / "p1")["val"]["documents"] == 3
+    assert len(small) == 6

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import ClassVar, Iterable
 
 from kiln.config import build
-from kiln.errors import ConfigError
+from kiln.errors import ConfigError, did_you_mean
 
 STEPS: dict[str, type["Step"]] = {}
 
@@ -129,7 +129,7 @@ def build_step(name: str, params: dict, key: str) -> Step:
     """A configured step from its name and recipe table; errors name `key.<field>`. The built-in
     steps are registered by importing kiln.data.steps, which re-exports this function."""
     if name not in STEPS:
-        raise ConfigError(key, f"unknown step {name!r}; known: {', '.join(sorted(STEPS))}")
+        raise ConfigError(key, f"unknown step {name!r}{did_you_mean(name, STEPS)}; known: {', '.join(sorted(STEPS))}")
     step = build(STEPS[name], params, key)
     try:
         step.validate()
