@@ -23,6 +23,7 @@ from typing import Callable
 
 import torch
 
+from kiln.checkpoint import read_safetensors, write_safetensors
 from kiln.errors import ConfigError
 from kiln.post.config import RewardControls
 from kiln.post.evaluate import strip_stop
@@ -188,10 +189,10 @@ class ShapedReward:
         if not self.pending_restore:
             return
         self.pending_restore = False
-        taken = sorted(int(p.stem.split("_")[1]) for p in self.snapshots.glob("batch_*.pt"))
+        taken = sorted(int(p.stem.split("_")[1]) for p in self.snapshots.glob("batch_*.safetensors"))
         earlier = [i for i in taken if i < index]
         if earlier:
-            state = torch.load(self.snapshots / f"batch_{earlier[-1]:08d}.pt", map_location="cpu")
+            state = read_safetensors(self.snapshots / f"batch_{earlier[-1]:08d}.safetensors")
             self.model.load_state_dict(state)
 
     def end(self, index: int) -> dict | None:
@@ -206,7 +207,8 @@ class ShapedReward:
             record.update(refresh_reward_model(self.model, rows, self.cfg.rm_refresh_steps, self.cfg.rm_refresh_lr))
         if self.snapshots is not None:
             self.snapshots.mkdir(parents=True, exist_ok=True)
-            state = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
-            torch.save(state, self.snapshots / f"batch_{index:08d}.pt")
+            # Cloned: safetensors stores no shared storage (a tied head), and load_state_dict refills both.
+            state = {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+            write_safetensors(state, self.snapshots / f"batch_{index:08d}.safetensors")
         self.refreshes.append(record)
         return record

@@ -208,7 +208,7 @@ def test_refresh_on_verifier_labelled_samples_unlearns_the_hack(tok, model_cfg, 
         again.start(resumed=True)
         again.begin(index)
         assert all(torch.equal(v, want[k]) for k, v in rm.state_dict().items())
-    assert (tmp_path / REFRESH_DIR / "batch_00000001.pt").is_file()
+    assert (tmp_path / REFRESH_DIR / "batch_00000001.safetensors").is_file()
 
 
 # ---- the multi-head reward model -------------------------------------------------------------------
@@ -283,8 +283,8 @@ def test_rm_heads_then_grpo_and_ppo_with_every_control(tok, model_cfg, tmp_path)
         # mean of 0.1 * max(0, L - 1) lies between 0.1 * (mean L - 1) and 0.1 * mean L
         assert 0.1 * (r["length_tokens"] - 1) - 1e-6 <= r["length_penalty"] <= 0.1 * r["length_tokens"] + 1e-6
     assert sorted(p.name for p in (tmp_path / "grpo" / REFRESH_DIR).iterdir()) == [
-        "batch_00000000.pt",
-        "batch_00000001.pt",
+        "batch_00000000.safetensors",
+        "batch_00000001.safetensors",
     ]
 
     # PPO reads the same reward model: min over the heads, the length penalty, a refresh per cycle.

@@ -24,6 +24,7 @@ handles).
 from __future__ import annotations
 
 import bisect
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -109,8 +110,8 @@ class Bias(Filter):
             raise ConfigError("window", f"must be >= 0, got {self.window}")
         if self.max_hits < 0:
             raise ConfigError("max_hits", f"must be >= 0, got {self.max_hits}")
-        if self.max_rate < 0:
-            raise ConfigError("max_rate", f"must be >= 0, got {self.max_rate}")
+        if not 0 <= self.max_rate < math.inf:  # also refuses nan, which every comparison would pass
+            raise ConfigError("max_rate", f"must be a finite number >= 0, got {self.max_rate}")
         for group, path in self.identity_files.items():
             if not Path(path).is_file():
                 raise ConfigError(f"identity_files.{group}", f"no such file: {path}")

@@ -105,7 +105,7 @@ def test_groups_selectable_and_custom_lists(tmp_path):
     [
         ({"groups": ["politics"]}, "data.params.bias.groups[0]: unknown group 'politics'; known: " + ", ".join(GROUPS)),
         ({"window": -1}, "data.params.bias.window: must be >= 0"),
-        ({"max_rate": -1}, "data.params.bias.max_rate: must be >= 0"),
+        ({"max_rate": -1}, "data.params.bias.max_rate: must be a finite number >= 0"),
         ({"identity_files": {"x": "/nonexistent"}}, "data.params.bias.identity_files.x: no such file"),
         ({"negative_files": ["/nonexistent"]}, "data.params.bias.negative_files[0]: no such file"),
         ({"max_hit": 1}, "data.params.bias.max_hit: unknown key"),
