@@ -6,6 +6,7 @@ import importlib.util
 from dataclasses import dataclass, field
 
 from kiln.data.steps import build_step
+from kiln.data.warc import DEFAULT_EXTRACTOR, check_extractor
 from kiln.errors import ConfigError
 
 BUILTIN_SOURCES = ("python_stdlib", "python_docs", "debian_docs")
@@ -98,6 +99,7 @@ class CurateConfig:
     workers: int = 2  # processes running tasks in parallel (local executor)
     executor: str = "local"  # "local" (worker processes) or "ray" (pip install 'kiln[ray]')
     ray_address: str = ""  # "": start Ray here; "auto", "host:6379", "ray://host:10001": join
+    html_extractor: str = DEFAULT_EXTRACTOR  # main text of WARC inputs' HTML: "resiliparse" or "trafilatura"
 
     def validate(self) -> None:
         if self.tasks <= 0:
@@ -109,6 +111,7 @@ class CurateConfig:
         if self.executor == "ray" and importlib.util.find_spec("ray") is None:
             # Fail at recipe load, not after the stages before `data` have run.
             raise ConfigError("executor", "\"ray\" needs Ray installed: pip install 'kiln[ray]'")
+        check_extractor(self.html_extractor, installed=False)  # installed: checked once WARC inputs are listed
         for name in self.params:
             if name not in self.steps:
                 raise ConfigError(f"params.{name}", f"configures a step that is not in steps {self.steps}")

@@ -9,6 +9,7 @@ from kiln.data.executor import run_pipeline
 from kiln.data.funnel import funnel_html, funnel_text
 from kiln.data.ray_executor import run_pipeline_ray
 from kiln.data.readers import list_named_inputs
+from kiln.data.warc import check_extractor, is_warc
 from kiln.errors import ConfigError
 
 
@@ -23,12 +24,32 @@ def curate(cfg: CurateConfig, out_dir: Path, default_inputs: list[Path] = (), lo
     files = list_named_inputs(cfg.inputs) if cfg.inputs else [(Path(p), Path(p).name) for p in sorted(default_inputs)]
     if not files:
         raise ConfigError("data.inputs", "is empty and there is no corpus stage output to curate")
+    if any(is_warc(path) for path, _ in files):
+        try:  # before any task starts, not in every worker
+            check_extractor(cfg.html_extractor)
+        except ConfigError as err:
+            raise err.within("data") from None
+    read_options = {"html_extractor": cfg.html_extractor}
     if cfg.executor == "ray":
         stats = run_pipeline_ray(
-            files, cfg.build_steps(), Path(out_dir), tasks=cfg.tasks, address=cfg.ray_address or None, log=log
+            files,
+            cfg.build_steps(),
+            Path(out_dir),
+            tasks=cfg.tasks,
+            address=cfg.ray_address or None,
+            log=log,
+            read_options=read_options,
         )
     else:
-        stats = run_pipeline(files, cfg.build_steps(), Path(out_dir), tasks=cfg.tasks, workers=cfg.workers, log=log)
+        stats = run_pipeline(
+            files,
+            cfg.build_steps(),
+            Path(out_dir),
+            tasks=cfg.tasks,
+            workers=cfg.workers,
+            log=log,
+            read_options=read_options,
+        )
     (Path(out_dir) / "funnel.html").write_text(funnel_html(stats, f"Data funnel: {out_dir}"), encoding="utf-8")
     log(funnel_text(stats))
     return stats
