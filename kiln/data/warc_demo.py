@@ -14,7 +14,8 @@ The crawl holds what a real one holds besides pages: a `warcinfo` record, a `req
 plain-text responses (the Python docs' reST sources, `text/plain`) and pages whose charset is
 declared only in the HTML, or nowhere: two Chinese FAQ pages are re-encoded as GB18030, one with
 its `<meta charset>` rewritten and one with it removed (only a detector can read that one).
-Every record's date is its file's modification time and its id a UUID5 of its URL, so the same
+Responses carry `WARC-Identified-Payload-Type` as Common Crawl's do
+(`application/xhtml+xml` for DocBook's XHTML pages). Every record's date is its file's modification time and its id a UUID5 of its URL, so the same
 packages give the same bytes.
 """
 
@@ -85,6 +86,12 @@ def build_demo_warc(out: str | Path, python_pages: int = 120) -> dict:
                 http = StatusAndHeaders(f"GET {url} HTTP/1.1", [("Host", url.split("/")[2])], is_http_request=True)
             record_id = f"<urn:uuid:{uuid.uuid5(uuid.NAMESPACE_URL, kind + ':' + url)}>"
             headers = {"WARC-Date": date, "WARC-Record-ID": record_id}
+            if kind == "response":
+                # As Common Crawl records it: the type sniffed from the payload (DocBook's pages are XHTML).
+                sniffed = content_type.split(";")[0]
+                headers["WARC-Identified-Payload-Type"] = (
+                    "application/xhtml+xml" if b"xmlns" in body[:1024] else sniffed
+                )
             writer.write_record(
                 writer.create_warc_record(
                     url, kind, payload=io.BytesIO(body), http_headers=http, warc_headers_dict=headers
