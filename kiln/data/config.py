@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from kiln.config import build
 from kiln.data.fields import FieldMap
 from kiln.data.steps import STEPS, build_step
+from kiln.data.warc import DEFAULT_EXTRACTOR, check_extractor
 from kiln.errors import ConfigError, did_you_mean
 
 BUILTIN_SOURCES = ("python_stdlib", "python_docs", "debian_docs")
@@ -178,6 +179,7 @@ class CurateConfig:
     executor: str = "local"  # "local" (worker processes), "ray" (pip install 'kiln[ray]') or "slurm"
     ray_address: str = ""  # "": start Ray here; "auto", "host:6379", "ray://host:10001": join
     slurm: SlurmDataOptions = field(default_factory=SlurmDataOptions)  # executor = "slurm" only
+    html_extractor: str = DEFAULT_EXTRACTOR  # main text of WARC inputs' HTML: "resiliparse" or "trafilatura"
 
     def input_specs(self) -> list[tuple[str, FieldMap | None]]:
         """(path, field map) per input; None for a plain-string input (the default fields)."""
@@ -222,6 +224,7 @@ class CurateConfig:
                 raise ConfigError(
                     "steps", f"unknown step {name!r}{did_you_mean(name, STEPS)}; known: {', '.join(sorted(STEPS))}"
                 )
+        check_extractor(self.html_extractor, installed=False)  # installed: checked once WARC inputs are listed
         for name in self.params:
             if name not in self.steps:
                 raise ConfigError(f"params.{name}", f"configures a step that is not in steps {self.steps}")

@@ -14,6 +14,7 @@ from kiln.data.ray_executor import run_pipeline_ray
 from kiln.data.readers import check_layout, input_format, list_named_inputs
 from kiln.data.slurm_executor import run_pipeline_slurm
 from kiln.data.steps.bias import bias_rates
+from kiln.data.warc import check_extractor, is_warc
 from kiln.errors import ConfigError
 from kiln.storage import staged_output
 
@@ -32,6 +33,12 @@ def curate(cfg: CurateConfig, out_dir: Path | str, default_inputs: list[Path] = 
         raise ConfigError("data.inputs", "is empty and there is no corpus stage output to curate")
     for path, _, fields in files:
         check_layout(path, fields)  # a file in another dataset's layout: one line now, not N rejections
+    if any(is_warc(path) for path, *_ in files):
+        try:  # before any task starts, not in every worker
+            check_extractor(cfg.html_extractor)
+        except ConfigError as err:
+            raise err.within("data") from None
+    read_options = {"html_extractor": cfg.html_extractor}
     if cfg.executor == "slurm":
         if storage.is_remote(out_dir):
             raise ConfigError(
@@ -43,10 +50,24 @@ def curate(cfg: CurateConfig, out_dir: Path | str, default_inputs: list[Path] = 
     with staged_output(out_dir, "stats.json") as out:
         if cfg.executor == "ray":
             stats = run_pipeline_ray(
-                files, cfg.build_steps(), out, tasks=cfg.tasks, address=cfg.ray_address or None, log=log
+                files,
+                cfg.build_steps(),
+                out,
+                tasks=cfg.tasks,
+                address=cfg.ray_address or None,
+                log=log,
+                read_options=read_options,
             )
         else:
-            stats = run_pipeline(files, cfg.build_steps(), out, tasks=cfg.tasks, workers=cfg.workers, log=log)
+            stats = run_pipeline(
+                files,
+                cfg.build_steps(),
+                out,
+                tasks=cfg.tasks,
+                workers=cfg.workers,
+                log=log,
+                read_options=read_options,
+            )
         return write_report(stats, out, log, title=str(out_dir))
 
 

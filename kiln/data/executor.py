@@ -20,7 +20,7 @@ import json
 import os
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
@@ -35,6 +35,7 @@ class Phase:
     steps: list[Step]  # mappers and filters, in order
     dedup: Deduplicator | None  # ends the phase; applied as a filter at the start of the next one
     dedup_before: Deduplicator | None  # the previous phase's deduplicator
+    read_options: dict = field(default_factory=dict)  # read_documents keywords (html_extractor), phase 0 only
 
 
 def split_phases(steps: list[Step]) -> list[Phase]:
@@ -116,7 +117,8 @@ def _task_inputs(
 ) -> Iterator[dict]:
     if phase.index == 0:
         for path, name, *fields in shards:  # (file, stable name[, FieldMap])
-            for doc, rejection in read_documents(path, name=name, fields=fields[0] if fields else None):
+            fields = fields[0] if fields else None
+            for doc, rejection in read_documents(path, name=name, fields=fields, **phase.read_options):
                 if rejection is not None:
                     read_stats.reasons[rejection["reason"]] += 1
                     rejected.append({"step": "read", **rejection})
@@ -195,6 +197,7 @@ def run_pipeline(
     workers: int = 1,
     log=print,
     run_tasks: TaskRunner | None = None,
+    read_options: dict | None = None,
 ) -> dict:
     """Run `steps` over `inputs` into `out`; finished tasks of an earlier attempt are kept.
 
@@ -203,10 +206,12 @@ def run_pipeline(
     document ids, so it must not depend on where the data is mounted.
     `run_tasks` executes one phase's pending tasks (default: local worker processes); the Ray
     executor passes its own, and everything else (phases, markers, resolve, stats) stays here.
+    `read_options` are keywords of kiln.data.readers.read_documents (`html_extractor`).
     """
     run_tasks = run_tasks or local_task_runner(workers)
     out, shards = prepare_output(inputs, out, tasks)
     phases = split_phases(steps)
+    phases[0].read_options = dict(read_options or {})
     started = time.perf_counter()
     for phase in phases:
         pending = pending_tasks(out, phase, tasks)

@@ -75,6 +75,7 @@ def run_pipeline_ray(
     tasks: int = 1,
     address: str | None = None,
     log=print,
+    read_options: dict | None = None,
 ) -> dict:
     """kiln.data.executor.run_pipeline on Ray: one Ray task per (phase, task), one CPU each.
 
@@ -110,7 +111,7 @@ def run_pipeline_ray(
                 log(f"[data] phase {phase.index}: {len(failures)} of {len(pending)} tasks failed")
                 raise failures[0]
 
-        return run_pipeline(inputs, steps, out, tasks=tasks, log=log, run_tasks=run_tasks)
+        return run_pipeline(inputs, steps, out, tasks=tasks, log=log, run_tasks=run_tasks, read_options=read_options)
     finally:
         if started_ray:
             ray.shutdown()

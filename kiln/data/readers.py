@@ -38,6 +38,7 @@ from typing import IO, Iterable, Iterator
 
 from kiln import storage
 from kiln.data.fields import DEFAULT_FIELDS, FieldMap, has_field, map_record
+from kiln.data.warc import DEFAULT_EXTRACTOR, is_warc, read_warc
 from kiln.errors import DataError
 
 RAW_CHARS = 200  # enough of a bad record to recognise it in rejected/ without copying huge lines
@@ -51,8 +52,10 @@ Record = tuple[dict | None, dict | None]  # (document, None) or (None, rejection
 
 
 def input_format(path: Path) -> str | None:
-    """'jsonl', 'parquet' or 'text' from the file name, None if it is none of them."""
+    """'jsonl', 'parquet', 'text' or 'warc' from the file name, None if it is none of them."""
     name = path.name.lower()
+    if is_warc(name):
+        return "warc"
     for suffix in COMPRESSED_SUFFIXES:
         if name.endswith(suffix):
             name = name[: -len(suffix)]
@@ -101,7 +104,7 @@ def _expand(entry: str | Path) -> list[tuple[Path, str]]:
         raise DataError(f"{path}: no such file or folder")
     if input_format(path) is None:
         raise DataError(
-            f"{path}: unknown input format; expected .jsonl/.ndjson (optionally .gz/.zst), .parquet, .txt or .md"
+            f"{path}: unknown input format; expected .jsonl/.ndjson (optionally .gz/.zst), .parquet, .txt, .md, .warc or .warc.gz"
         )
     return [(path, path.name)]
 
@@ -156,12 +159,18 @@ def read_inputs(paths: str | Path | Iterable[str | Path], source: str | None = N
 
 
 def read_documents(
-    path: str | Path, source: str | None = None, name: str | None = None, fields: FieldMap | None = None
+    path: str | Path,
+    source: str | None = None,
+    name: str | None = None,
+    fields: FieldMap | None = None,
+    html_extractor: str = DEFAULT_EXTRACTOR,
 ) -> Iterator[Record]:
     """Yield `(doc, None)` for each good record of one file and `(None, rejection)` for each bad one.
 
     `name` is the file's stable name used in default ids (default: the file name); `fields` says
     which record fields make the document (kiln.data.fields; default: `text`, `id`, `source`, `meta`).
+    WARC files (kiln.data.warc) yield one document per HTML response, its main text found by
+    `html_extractor`.
     """
     fields = fields or DEFAULT_FIELDS
     path = Path(path)
@@ -171,6 +180,8 @@ def read_documents(
     name = name or path.name
     if fmt == "text":
         yield _read_text_file(path, source or path.parent.name, name)
+    elif fmt == "warc":
+        yield from read_warc(path, source or file_stem(path), name, html_extractor)
     elif fmt == "parquet":
         yield from _read_parquet(path, source or file_stem(path), name, fields)
     else:

@@ -37,6 +37,7 @@ def _plan(cfg: CurateConfig, files: list[tuple]) -> dict:
     return {
         "steps": list(cfg.steps),
         "params": cfg.params,
+        "html_extractor": cfg.html_extractor,
         "tasks": cfg.tasks,
         "tasks_per_job": cfg.slurm.tasks_per_job,
         "files": [
@@ -53,10 +54,14 @@ def load_plan(out: Path) -> tuple[CurateConfig, list[Phase], list[list[tuple]], 
     if not path.exists():
         raise DataError(f'{path}: no Slurm plan here; `kiln data` with executor = "slurm" writes it')
     plan = json.loads(path.read_text())
-    cfg = CurateConfig(steps=plan["steps"], params=plan["params"], tasks=plan["tasks"])
+    cfg = CurateConfig(
+        steps=plan["steps"], params=plan["params"], tasks=plan["tasks"], html_extractor=plan["html_extractor"]
+    )
     files = [(Path(p), name, FieldMap(**fields) if fields else None) for p, name, fields in plan["files"]]
     _, shards = prepare_output(files, out, cfg.tasks)
-    return cfg, split_phases(cfg.build_steps()), shards, plan
+    phases = split_phases(cfg.build_steps())
+    phases[0].read_options = {"html_extractor": cfg.html_extractor}  # as run_pipeline's read: WARC inputs
+    return cfg, phases, shards, plan
 
 
 def array_tasks(out: Path, phase_index: int, array_index: int) -> tuple[int, int]:
