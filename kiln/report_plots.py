@@ -358,7 +358,8 @@ def _system_plots(stage: str, t: list[dict]) -> list[Plot]:
     keys = _family(t, "sys/")
     util = [k for k in keys if k.endswith(("_percent", "_util"))]
     mem = [k for k in keys if k.endswith("_mb")]
-    rest = [k for k in keys if k not in util and k not in mem]
+    io = [k for k in keys if k.endswith("_bytes_per_s")]
+    rest = [k for k in keys if k not in util and k not in mem and k not in io]
 
     def name(k: str) -> str:
         return k[len("sys/") :]
@@ -366,6 +367,13 @@ def _system_plots(stage: str, t: list[dict]) -> list[Plot]:
     return [
         Plot(f"{stage}-sys-util", "System utilisation", "step", "%", [_series(t, "step", k, name(k)) for k in util]),
         Plot(f"{stage}-sys-memory", "System memory", "step", "MB", [_series(t, "step", k, name(k)) for k in mem]),
+        Plot(
+            f"{stage}-sys-io",
+            "Network and disk I/O",
+            "step",
+            "bytes/s",
+            [_series(t, "step", k, name(k).removesuffix("_bytes_per_s")) for k in io],
+        ),
         Plot(
             f"{stage}-sys-other",
             "Other system metrics",

@@ -53,7 +53,7 @@ from kiln.train.offload import NVMeAdamW
 from kiln.train.optim import build_optimizer
 from kiln.train.precision import PRECISION_DTYPES, autocast, check_fp8_device, convert_to_fp8
 from kiln.train.schedule import lr_at
-from kiln.train.system import system_metrics
+from kiln.train.system import prime_system_metrics, system_metrics
 from kiln.train.watchdog import Watchdog
 
 # Full activation checkpointing runs each block's forward twice. Training costs ~3 forwards per token
@@ -323,7 +323,7 @@ class Trainer:
         elif resume == "auto":
             found = self.ckpt.load_newest_valid(quarantine=self.is_main)
         else:
-            folder = resolve_checkpoint(resume)
+            folder = resolve_checkpoint(resume, pointer="latest")  # resume continues the newest
             found = (folder, *self.ckpt.load(folder))
         if found is None:
             if self.is_main:
@@ -558,6 +558,8 @@ class Trainer:
     def fit(self) -> dict:
         cfg = self.cfg
         self.watchdog = Watchdog(cfg.watchdog_s, self.out_dir, rank=self.rank, log_metrics=self.is_main)
+        if self.metrics:
+            prime_system_metrics()  # the first record's CPU and I/O figures then cover a real interval
         try:
             return self._fit()
         finally:
