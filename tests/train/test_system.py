@@ -6,9 +6,12 @@ import math
 import psutil
 import pytest
 import torch
+from kiln_testing.train import tiny_train_config
 
+from kiln.model.config import ModelConfig
 from kiln.train import system
 from kiln.train.system import prime_system_metrics, system_metrics
+from kiln.train.trainer import Trainer
 
 CPU_KEYS = {"sys/cpu_percent", "sys/proc_cpu_percent", "sys/ram_mb", "sys/rss_mb"}
 IO_KEYS = {
@@ -78,10 +81,6 @@ def test_io_keys_come_from_the_machine_counters():
 def test_first_record_after_start_up_has_a_real_cpu_interval(tmp_path, monkeypatch, tiny_pack_factory):
     """The Trainer primes the meter when it starts, so the first logged record's CPU figures
     cover the steps before it (training works the CPU, so they are above 0), not an empty interval."""
-    from kiln.model.config import ModelConfig
-    from kiln.train.trainer import Trainer
-    from kiln_testing.train import tiny_train_config
-
     monkeypatch.setattr(system, "_process", None)  # a fresh process: nothing primed yet
     pack = tiny_pack_factory(tmp_path / "pack")
     model = ModelConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, max_seq_len=32)
