@@ -29,7 +29,16 @@ LAYERS = {
     "train": ["kiln.train"],
     "stages": ["kiln.infer", "kiln.eval", "kiln.post"],
     "serve": ["kiln.serve"],
-    "top": ["kiln.recipe", "kiln.pipeline", "kiln.cli", "kiln.report", "kiln.report_plots", "kiln.sweep", "kiln.cost"],
+    "top": [
+        "kiln.recipe",
+        "kiln.pipeline",
+        "kiln.cli",
+        "kiln.report",
+        "kiln.report_plots",
+        "kiln.sweep",
+        "kiln.cost",
+        "kiln.stage_summary",
+    ],
 }
 # Edges that the layer order allows but the design does not.
 FORBIDDEN = [
