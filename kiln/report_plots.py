@@ -504,7 +504,7 @@ def fmt_value(value, key: str = "") -> str:
             return f"{value:.1f}%"
         if any(word in name for word in LOSS_WORDS):
             return f"{value:.4g}"
-        if value.is_integer() and abs(value) < 1e15:
+        if value.is_integer() and abs(value) < 1e6:
             return f"{int(value):,}"
         return fmt_num(value)
     if isinstance(value, (list, dict)):

@@ -38,6 +38,7 @@ LAYERS = {
         "kiln.sweep",
         "kiln.cost",
         "kiln.stage_summary",
+        "kiln.report_compare",
     ],
 }
 # Edges that the layer order allows but the design does not.
