@@ -77,10 +77,7 @@ def compare(runs: list, headline: tuple[str, ...], log: bool = False, max_points
         text += [" | ".join(fmt_value(v, k) for k, v in zip(["run", *keys], row)) for row in rows]
     for stage in stages:
         rows = [[label, *(_stage_row(r, stage).get(k) for k in STAGE_HEADLINE)] for label, r in zip(labels, runs)]
-        plots = "".join(
-            line_plot(p, max_points=max_points)
-            for p in _stage_plots(stage, runs, labels, log)
-        )
+        plots = "".join(line_plot(p, max_points=max_points) for p in _stage_plots(stage, runs, labels, log))
         body = table(["run", *STAGE_HEADLINE], rows, ["run", "loss", "val_loss", "val_loss", "steps"])
         sections.append((f"compare-{stage}", f"{stage}", f'<div class="plots">{plots}</div>' + body))
         text += ["", f"== {stage} ==", "run | " + " | ".join(STAGE_HEADLINE)]
