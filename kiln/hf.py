@@ -26,7 +26,14 @@ from pathlib import Path
 import torch
 
 from kiln import hf_bert
-from kiln.checkpoint import read_safetensors, save_weights, write_safetensors
+from kiln.checkpoint import (
+    loaded_line,
+    read_manifest,
+    read_safetensors,
+    resolve_checkpoint,
+    save_weights,
+    write_safetensors,
+)
 from kiln.data.chat import ChatTokens, has_kiln_chat_tokens, hf_tokenizer_config_extra
 from kiln.data.readers import read_json
 from kiln.data.tokenizer import HF_TOKENIZER_FILES, MASK, Tokenizer, find_tokenizer
@@ -448,6 +455,9 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.verb == "export":
+        folder = resolve_checkpoint(args.checkpoint)
+        print(loaded_line(folder, read_manifest(folder)))
     if args.verb == "export" and args.format == "single":
         cfg, state, manifest = plain_weights(args.checkpoint)
         save_weights(args.out, cfg, state, {"step": manifest.get("step"), "converted_from": str(args.checkpoint)})
@@ -457,6 +467,7 @@ def run(args: argparse.Namespace) -> int:
         tokenizer = Path(args.tokenizer) if args.tokenizer else find_tokenizer(args.checkpoint)
         export_checkpoint_to_hf(args.checkpoint, tokenizer, args.out)
         print(f"exported {args.checkpoint} -> {args.out}")
+        print(f"next: AutoModelForCausalLM.from_pretrained({str(args.out)!r}) in transformers, or kiln import hf")
         return 0
     import_hf_to_checkpoint(args.folder, args.out)
     print(f"imported {args.folder} -> {args.out}")

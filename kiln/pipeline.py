@@ -35,6 +35,7 @@ from kiln.parallel.plan import Workload
 from kiln.parallel.plan_cli import add_plan_parser, run_plan
 from kiln.recipe import POST_STAGES, STAGES, Recipe, load_recipe, recipe_to_dict
 from kiln.recipe_files import resolve_recipe
+from kiln.stage_summary import next_command, stage_lines
 from kiln.train.schedule import lr_at
 
 # Which recipe sections determine each stage's output, upstream included.
@@ -159,6 +160,8 @@ def run_recipe(
             return results
         if rank == 0:
             print(f"[{stage}] finished in {seconds} s")
+            for line in stage_lines(stage, out, stats):
+                print(line)
             if not (out / "stats.json").exists():
                 write_text_atomic(out / "stats.json", json.dumps(stats, indent=2, default=str))
             # Atomic: a kill mid-write must not leave an unreadable marker, which the next run would
@@ -317,13 +320,13 @@ def _pretrain(recipe: Recipe, out: Path, resume: str = "auto", init_from: str | 
 
 
 def _sample(recipe: Recipe, out: Path, **_) -> dict:
+    from kiln.checkpoint import loaded_line, resolve_checkpoint  # lazy: torch, for model stages only
     from kiln.infer.samples import sample_texts  # lazy: torch, for model stages only
     from kiln.peft.load import load_model  # lazy: torch, for model stages only
 
-    checkpoints = stage_dir(recipe, "pretrain") / "checkpoints"
-    best = checkpoints / "best"
-    source = checkpoints / best.read_text().strip() if best.exists() else checkpoints
+    source = resolve_checkpoint(stage_dir(recipe, "pretrain"))
     model, manifest = load_model(source)
+    print(loaded_line(source, manifest))
     tokenizer = Tokenizer.load(stage_dir(recipe, "tokenizer"))
     texts = sample_texts(model, tokenizer, recipe.sample)
     with open(out / "samples.txt", "w", encoding="utf-8") as f:
@@ -346,9 +349,7 @@ def init_checkpoint(recipe: Recipe, stage: str) -> Path:
             if (previous / name).is_dir():
                 return previous / name
         return previous / "checkpoints"
-    checkpoints = stage_dir(recipe, "pretrain") / "checkpoints"
-    best = checkpoints / "best"
-    return checkpoints / best.read_text().strip() if best.exists() else checkpoints
+    return stage_dir(recipe, "pretrain") / "checkpoints"
 
 
 def _post(stage: str):
@@ -502,19 +503,9 @@ def _run_all(recipe: Recipe, args: argparse.Namespace) -> None:
     _check_training_layout(recipe, stages or recipe.run.stages)
     results = run_recipe(recipe, stages, force=args.force)
     print(f"run folder: {recipe.run_dir}")
-    if "pretrain" in results:
-        summary = results["pretrain"]
-        keys = (
-            "steps",
-            "tokens_seen",
-            "final_val_loss",
-            "best_val_loss",
-            "final_val_bpb",
-            "val_tokens",
-            "tokens_per_s",
-            "mfu",
-        )
-        print("pretrain summary: " + json.dumps({k: summary.get(k) for k in keys}))
+    ran = [s for s in STAGES if s in results]
+    if ran and _rank_and_world()[0] == 0:
+        print(next_command(ran[-1], recipe.run.stages, args.recipe, stage_dir(recipe, ran[-1]), recipe.sample.prompt))
 
 
 def _run_stage(recipe: Recipe, args: argparse.Namespace) -> None:
@@ -531,3 +522,5 @@ def _run_stage(recipe: Recipe, args: argparse.Namespace) -> None:
     if upstream:
         run_recipe(recipe, upstream)
     run_recipe(recipe, [target], force=args.force, **extra)
+    if _rank_and_world()[0] == 0:
+        print(next_command(target, recipe.run.stages, args.recipe, stage_dir(recipe, target), recipe.sample.prompt))

@@ -24,7 +24,9 @@ from kiln.cost import CHINCHILLA_TOKENS_PER_PARAM, DEFAULT_PUE, check_options, c
 from kiln.data.funnel import funnel_html, funnel_text
 from kiln.data.readers import iter_jsonl
 from kiln.errors import ConfigError, DataError
-from kiln.recipe import STAGES
+from kiln.pipeline import STAGE_INPUTS
+from kiln.recipe import POST_STAGES, STAGES
+from kiln.report_compare import compare, default_out, write_page
 from kiln.report_plots import (
     MAX_POINTS,
     Plot,
@@ -672,13 +674,31 @@ def _samples(run: Run, opts: ReportOptions) -> Part | None:
 def _config(run: Run, opts: ReportOptions) -> Part | None:
     if not run.recipe:
         return None
+    used = used_sections(run)
     parts = [
         f"<h3>[{html.escape(name)}]</h3>" + kv_table(values)
         if isinstance(values, dict)
         else f"<h3>{html.escape(name)}</h3>" + kv_table({name: values})
         for name, values in run.recipe.items()
+        if name in used
     ]
-    return Part('<p class="note">The resolved recipe of the latest invocation (recipe.json).</p>' + "".join(parts))
+    unused = [name for name in run.recipe if name not in used]
+    note = "The resolved recipe of the latest invocation (recipe.json), the tables its stages read"
+    note += f"; not used by this run: {', '.join(unused)}." if unused else "."
+    return Part(f'<p class="note">{html.escape(note)}</p>' + "".join(parts))
+
+
+def used_sections(run: Run) -> set[str]:
+    """The recipe tables the run's stages read: [run], each stage's inputs (STAGE_INPUTS) over the
+    stages that ran, less a stage's own table when that stage did not run (the corpus of a run that
+    curated its own inputs), and [parallel] for a training run."""
+    ran = {name for name, status, _ in _stage_rows(run) if status != "not run"}
+    used = {"run"}
+    for stage in ran & set(STAGE_INPUTS):
+        used.update(STAGE_INPUTS[stage])
+    if ran & {"pretrain", *POST_STAGES}:
+        used.add("parallel")
+    return {name for name in used if name not in STAGES or name in ran}
 
 
 # ---------------------------------------------------------------- command line
@@ -686,8 +706,12 @@ def _config(run: Run, opts: ReportOptions) -> Part | None:
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("report", help="HTML report of a run: loss curves, throughput, data funnel, samples")
-    p.add_argument("run", help="run folder, e.g. runs/tiny")
-    p.add_argument("--out", help="HTML file to write (default: RUN/report.html)")
+    p.add_argument(
+        "run", nargs="+", help="run folder, e.g. runs/tiny; two or more: one page overlaying them (a sweep's trials)"
+    )
+    p.add_argument(
+        "--out", help="HTML file to write (default: RUN/report.html; several runs: compare.html beside them)"
+    )
     p.add_argument("--text", action="store_true", help="print a plain-text summary instead of writing HTML")
     p.add_argument("--loss-scale", choices=("linear", "log"), default="linear", help="y axis of the loss plots")
     p.add_argument(
@@ -722,11 +746,34 @@ def run(args) -> int:
         cores=args.cores,
         token_budget=args.tokens,
     )
+    if len(args.run) > 1:
+        return _run_compare(args, opts)
     if args.text:
-        print(build_report(args.run, opts).text())
+        print(build_report(args.run[0], opts).text())
         return 0
-    out, report = write_report(args.run, args.out, opts)
+    out, report = write_report(args.run[0], args.out, opts)
     for warning in report.warnings:
         print(f"kiln report: warning: {warning}", file=sys.stderr)
     print(f"wrote {out} ({len(report.parts)} sections); open it in a browser, no network needed")
+    return 0
+
+
+def compare_runs(run_dirs: list, opts: ReportOptions | None = None) -> tuple[str, str, list[str]]:
+    """(HTML page, plain-text table, warnings) overlaying two or more run folders (kiln.report_compare)."""
+    opts = opts or ReportOptions()
+    if len(run_dirs) < 2:
+        raise ConfigError("run", "an overlay needs two or more run folders")
+    runs = [Run(p, strict=opts.strict) for p in run_dirs]
+    return compare(runs, HEADLINE, opts.loss_scale == "log", opts.max_points)
+
+
+def _run_compare(args, opts: ReportOptions) -> int:
+    html_, text, warnings = compare_runs(args.run, opts)
+    if args.text:
+        print(text)
+        return 0
+    out = write_page(html_, Path(args.out) if args.out else default_out(args.run))
+    for warning in warnings:
+        print(f"kiln report: warning: {warning}", file=sys.stderr)
+    print(f"wrote {out} ({len(args.run)} runs overlaid); open it in a browser, no network needed")
     return 0

@@ -293,7 +293,8 @@ def _series_svg(s: Series, color: str, xs: list, ys: list, px, py, log_y: bool) 
             f'<polyline data-series="{esc(s.name)}" points="{points}" fill="none" '
             f'stroke="{color}" stroke-width="1.6"{dash}/>'
         )
-        if s.markers or len(seg) == 1:
+        # Few points (a short run, a sparse log_every): a marker on each, so every logged point shows.
+        if s.markers or len(xs) <= MARK_EVERY_POINT_UP_TO:
             out.extend(f'<circle cx="{a:.1f}" cy="{b:.1f}" r="2.5" fill="{color}"/>' for a, b in seg)
     return out
 
@@ -362,7 +363,8 @@ def _system_plots(stage: str, t: list[dict]) -> list[Plot]:
     keys = _family(t, "sys/")
     util = [k for k in keys if k.endswith(("_percent", "_util"))]
     mem = [k for k in keys if k.endswith("_mb")]
-    rest = [k for k in keys if k not in util and k not in mem]
+    io = [k for k in keys if k.endswith("_bytes_per_s")]
+    rest = [k for k in keys if k not in util and k not in mem and k not in io]
 
     def name(k: str) -> str:
         return k[len("sys/") :]
@@ -370,6 +372,13 @@ def _system_plots(stage: str, t: list[dict]) -> list[Plot]:
     return [
         Plot(f"{stage}-sys-util", "System utilisation", "step", "%", [_series(t, "step", k, name(k)) for k in util]),
         Plot(f"{stage}-sys-memory", "System memory", "step", "MB", [_series(t, "step", k, name(k)) for k in mem]),
+        Plot(
+            f"{stage}-sys-io",
+            "Network and disk I/O",
+            "step",
+            "bytes/s",
+            [_series(t, "step", k, name(k)) for k in io],
+        ),
         Plot(
             f"{stage}-sys-other",
             "Other system metrics",
@@ -480,18 +489,36 @@ def training_plots(
     return [p for p in plots if p.series]
 
 
+PERCENT_KEYS = ("mfu", "hfu")  # fractions of 1 shown as percentages
+PERCENT_SUFFIXES = ("_percent", "_util")  # already 0-100
+LOSS_WORDS = ("loss", "bpb", "ppl", "perplexity", "accuracy", "reward", "kl")
+MARK_EVERY_POINT_UP_TO = 60  # points in a series; more than that read as a line
+
+
 def fmt_value(value, key: str = "") -> str:
-    """A JSON value as a table cell's text (not yet escaped)."""
+    """A JSON value as a table cell's or summary tile's text (not yet escaped), one format per kind
+    of number: a fraction key (mfu) as a percentage, a percentage key (cpu_percent) with a % sign,
+    a loss-like value to 4 significant digits, a whole count with thousands separators, any other
+    float to 4 significant digits with an SI suffix from 10k on (fmt_num)."""
     if value is None:
         return "–"
     if isinstance(value, bool):
         return "yes" if value else "no"
+    name = key.rsplit("/", 1)[-1].rsplit(".", 1)[-1]
     if isinstance(value, int):
         return f"{value:,}"
     if isinstance(value, float):
-        if key == "mfu" and math.isfinite(value):
+        if not math.isfinite(value):
+            return str(value)
+        if name in PERCENT_KEYS:
             return f"{100 * value:.2f}%"
-        return f"{value:.6g}"
+        if name.endswith(PERCENT_SUFFIXES):
+            return f"{value:.1f}%"
+        if any(word in name for word in LOSS_WORDS):
+            return f"{value:.4g}"
+        if value.is_integer() and abs(value) < 1e6:
+            return f"{int(value):,}"
+        return fmt_num(value)
     if isinstance(value, (list, dict)):
         return json.dumps(value, ensure_ascii=False)
     return str(value)

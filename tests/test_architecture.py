@@ -38,6 +38,8 @@ LAYERS = {
         "kiln.report_plots",
         "kiln.sweep",
         "kiln.cost",
+        "kiln.stage_summary",
+        "kiln.report_compare",
     ],
 }
 # Edges that the layer order allows but the design does not.

@@ -531,12 +531,12 @@ def test_report_of_a_real_training_run(tmp_path, tiny_pack_factory):
         assert [len(pts) for pts in found] == ([numbers] if numbers else []), key
     summary = json.loads((run / "pretrain" / "summary.json").read_text())
     text = report.text()
-    assert f"final_val_loss {summary['final_val_loss']:.6g}, " in text
+    assert f"final_val_loss {summary['final_val_loss']:.4g}, " in text  # a loss: 4 significant digits
     assert "measured: 1 CPU process(es)" in text and f"{summary['wall_s']:,.0f} s wall" in text
     from kiln.checkpoint import complete_checkpoints, read_manifest
 
     folders = complete_checkpoints(run / "pretrain" / "checkpoints")
-    listed = "; ".join(f"{p.name} val {read_manifest(p)['val_loss']:.6g}" for p in folders)
+    listed = "; ".join(f"{p.name} val {read_manifest(p)['val_loss']:.4g}" for p in folders)
     assert len(folders) == 2 and f"{listed} (latest, best)" in text
 
 

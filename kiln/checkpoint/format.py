@@ -274,8 +274,11 @@ def complete_checkpoints(root: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def resolve_checkpoint(path) -> Path:
-    """A checkpoint folder from a folder, a checkpoints root (via `latest`) or a stage folder."""
+def resolve_checkpoint(path, pointer: str = "best") -> Path:
+    """A checkpoint folder from a folder, a checkpoints root or a stage folder (one holding
+    checkpoints/). The one rule for a root: the checkpoint its `pointer` file names (`best`, the
+    lowest validation loss, for every verb that loads a model; resume passes `latest`), else the
+    one `latest` names, else the newest complete step folder."""
     p = Path(path)
     if p.is_file() and p.name in (MANIFEST_FILE, MODEL_FILE):
         p = p.parent
@@ -292,17 +295,22 @@ def resolve_checkpoint(path) -> Path:
     if (p / "checkpoints").is_dir():
         p = p / "checkpoints"
     found = complete_checkpoints(p)
-    if (p / "latest").is_file():
-        name = (p / "latest").read_text().strip()
-        if (p / name / MANIFEST_FILE).is_file():
+    broken = []
+    for name_file in dict.fromkeys((pointer, "latest")):
+        name = (p / name_file).read_text().strip() if (p / name_file).is_file() else None
+        if name is not None and (p / name / MANIFEST_FILE).is_file():
+            if broken:
+                warnings.warn(f"{broken[0]}, which is not a complete checkpoint; using {name_file}", stacklevel=2)
             return p / name
-        # A process killed between moving checkpoints aside (rewind) and rewriting the pointer
-        # leaves it naming a folder that is gone; the newest complete one is what it would name.
-        if not found:
-            raise CheckpointError(f"{p / 'latest'}: names {name!r}, which is not a complete checkpoint")
+        if name is not None:
+            broken.append(f"{p / name_file} names {name!r}")
+    # A process killed between moving checkpoints aside (rewind) and rewriting the pointers leaves
+    # them naming a folder that is gone; the newest complete one is what they would name.
+    if broken and not found:
+        raise CheckpointError(f"{broken[0].replace(' names ', ': names ', 1)}, which is not a complete checkpoint")
+    if broken:
         warnings.warn(
-            f"{p / 'latest'} names {name!r}, which is not a complete checkpoint; "
-            f"using the newest complete one, {found[-1].name}",
+            f"{broken[0]}, which is not a complete checkpoint; using the newest complete one, {found[-1].name}",
             stacklevel=2,
         )
     if found:
@@ -310,6 +318,18 @@ def resolve_checkpoint(path) -> Path:
     raise CheckpointError(
         f"{path}: not a checkpoint folder, a checkpoints root, or a stage folder containing checkpoints/"
     )
+
+
+def _names(pointer: Path, folder: Path) -> bool:
+    return pointer.read_text().strip() == folder.name
+
+
+def loaded_line(folder: Path, manifest: dict) -> str:
+    """The one line every loading verb prints: which checkpoint folder, and the step it holds."""
+    step = manifest.get("step")
+    folder = Path(folder)
+    which = [n for n in ("best", "latest") if (folder.parent / n).is_file() and _names(folder.parent / n, folder)]
+    return f"loaded checkpoint {folder} (step {step if step is not None else '?'}{', ' + ' and '.join(which) if which else ''})"
 
 
 def restore_tied(state: dict, tied: dict, where: Path) -> dict:

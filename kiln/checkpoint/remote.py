@@ -76,27 +76,29 @@ def _mkdir(path: Path) -> Path:
     return path
 
 
-def resolve_checkpoint(path) -> Path:
-    """kiln.checkpoint.format.resolve_checkpoint for any path; a remote checkpoint (a folder, a
-    checkpoints root via `latest`, or a stage folder holding checkpoints/) comes back as its
-    verified local copy."""
+def resolve_checkpoint(path, pointer: str = "best") -> Path:
+    """kiln.checkpoint.format.resolve_checkpoint for any path, with its one rule for a root (the
+    folder `pointer` names, else `latest`'s, else the newest complete one); a remote checkpoint (a
+    folder, a checkpoints root, or a stage folder holding checkpoints/) comes back as its verified
+    local copy."""
     if not storage.is_remote(path):
-        return local.resolve_checkpoint(path)
+        return local.resolve_checkpoint(path, pointer)
     root = str(path).rstrip("/")
     if storage.isfile(storage.join(root, MANIFEST_FILE)):
         return fetch_checkpoint(root)
     if storage.isdir(storage.join(root, "checkpoints")):
         root = storage.join(root, "checkpoints")
     found = complete_checkpoints(root)
-    pointer = storage.join(root, "latest")
-    if storage.isfile(pointer):
-        name = storage.read_text(pointer).strip()
-        if storage.isfile(storage.join(root, name, MANIFEST_FILE)):
-            return fetch_checkpoint(storage.join(root, name))
-        if found:
-            warnings.warn(
-                f"{pointer} names {name!r}, which is not a complete checkpoint; using {found[-1]}", stacklevel=2
-            )
+    for name_file in dict.fromkeys((pointer, "latest")):
+        named = storage.join(root, name_file)
+        if storage.isfile(named):
+            name = storage.read_text(named).strip()
+            if storage.isfile(storage.join(root, name, MANIFEST_FILE)):
+                return fetch_checkpoint(storage.join(root, name))
+            if found:
+                warnings.warn(
+                    f"{named} names {name!r}, which is not a complete checkpoint; using {found[-1]}", stacklevel=2
+                )
     if found:
         return fetch_checkpoint(found[-1])
     raise CheckpointError(f"{path}: no published checkpoint (no step folder with its {MANIFEST_FILE})")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from kiln.checkpoint import resolve_checkpoint
+from kiln.checkpoint import loaded_line, resolve_checkpoint
 from kiln.config import finite_float
 from kiln.data.tokenizer import Tokenizer, find_tokenizer
 from kiln.errors import ConfigError
@@ -162,6 +162,7 @@ def run(args: argparse.Namespace) -> int:
     tasks = build_tasks(args, run_dir)
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     model, manifest = load_model(ckpt)
+    print(loaded_line(ckpt, manifest), file=sys.stderr)
     model.to(device)
     tokenizer = Tokenizer.load(args.tokenizer or find_tokenizer(ckpt))
     chat = {"yes": True, "no": False}.get(args.chat)

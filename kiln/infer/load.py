@@ -8,10 +8,12 @@ kiln.infer.config.SamplingParams. Errors name the command-line flag, since that 
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
 
+from kiln.checkpoint import loaded_line, resolve_checkpoint
 from kiln.data.tokenizer import Tokenizer, find_tokenizer
 from kiln.errors import ConfigError
 from kiln.infer.quant import quantize_model
@@ -73,7 +75,9 @@ def load_for_inference(checkpoint, tokenizer_path=None, opts: InferenceOptions |
     opts = opts or InferenceOptions()
     device = resolve_device(opts.device)
     dtype = resolve_dtype(opts, device)
-    model, _ = load_model(checkpoint)
+    folder = resolve_checkpoint(checkpoint)
+    model, manifest = load_model(folder)
+    print(loaded_line(folder, manifest), file=sys.stderr)  # stderr: stdout is the generated text
     tokenizer = Tokenizer.load(tokenizer_path or find_tokenizer(checkpoint))
     if tokenizer.vocab_size > model.cfg.vocab_size:
         raise ConfigError(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from kiln.checkpoint import read_manifest, resolve_checkpoint
+from kiln.checkpoint import loaded_line, read_manifest, resolve_checkpoint
 from kiln.errors import ConfigError
 from kiln.model.weights import model_config_from_dict
 from kiln.post.distill import Distill
@@ -42,6 +42,9 @@ def run(stage: Stage, resume: str = "auto") -> dict:
     data = stage.sources()
     before = stage.before()
     trainer = build_trainer(stage, data, resume)
+    if trainer.is_main:
+        folder = resolve_checkpoint(stage.init)
+        print(f"[{stage.name}] init: " + loaded_line(folder, read_manifest(folder)))
     stage.start(trainer)
     summary = trainer.fit()
     stats = stage.results(trainer, summary, before)

@@ -57,7 +57,7 @@ from kiln.train.offload import NVMeAdamW
 from kiln.train.optim import build_optimizer
 from kiln.train.precision import PRECISION_DTYPES, autocast, check_fp8_device, convert_to_fp8
 from kiln.train.schedule import lr_at
-from kiln.train.system import system_metrics
+from kiln.train.system import prime_system_metrics, system_metrics
 from kiln.train.watchdog import Watchdog
 
 # Full activation checkpointing runs each block's forward twice. Training costs ~3 forwards per token
@@ -381,8 +381,12 @@ class Trainer:
         elif resume == "auto":
             found = self.ckpt.load_newest_valid(quarantine=self.is_main)
         else:
-            # A step folder of this run's remote root loads by its URL, so that resume rewinds the root.
-            folder = resume.rstrip("/") if is_remote(resume) and self.ckpt.holds(resume) else resolve_checkpoint(resume)
+            # A step folder of this run's remote root loads by its URL, so that resume rewinds the root;
+            # a root resolves to `latest`: resume continues the newest.
+            if is_remote(resume) and self.ckpt.holds(resume):
+                folder = resume.rstrip("/")
+            else:
+                folder = resolve_checkpoint(resume, pointer="latest")
             found = (folder, *self.ckpt.load(folder))
         if found is None:
             if self.is_main:
@@ -658,6 +662,8 @@ class Trainer:
     def fit(self) -> dict:
         cfg = self.cfg
         self.watchdog = Watchdog(cfg.watchdog_s, self.out_dir, rank=self.rank, log_metrics=self.is_main)
+        if self.metrics:
+            prime_system_metrics()  # the first record's CPU and I/O figures then cover a real interval
         try:
             return self._fit()
         finally:

@@ -224,7 +224,8 @@ def test_rewind_sets_aside_newer_checkpoints(tmp_path):
     assert [p.name for p in complete_checkpoints(root)] == ["step-00000001", "step-00000002"]
     assert (root / "abandoned-step-00000003" / "manifest.json").is_file()
     assert manager.latest_name == "step-00000002" and manager.best_name == "step-00000001"
-    assert resolve_checkpoint(root).name == "step-00000002"
+    assert resolve_checkpoint(root, pointer="latest").name == "step-00000002"
+    assert resolve_checkpoint(root).name == "step-00000001"  # a loading verb takes `best`
 
 
 def test_stale_latest_pointer_falls_back_to_newest_complete(tmp_path):
