@@ -61,9 +61,11 @@ def test_save_list_load_roundtrip(s3_bucket, cache):
         "step-00000003",
         "step-00000004",
     ]
-    # Any reader of checkpoints takes the s3:// root: load_weights resolves it through `latest`.
+    # Any reader of checkpoints takes the s3:// root, by the local rule: `best` (step 1) for loading a
+    # model, `latest` (step 4) for resuming.
     _, weights, _ = load_weights(root)
-    assert torch.equal(weights["tok_embeddings.weight"], _model(4).state_dict()["tok_embeddings.weight"])
+    assert torch.equal(weights["tok_embeddings.weight"], models[1].state_dict()["tok_embeddings.weight"])
+    assert resolve_checkpoint(root, pointer="latest").name == "step-00000004"
 
 
 def test_killed_upload_leaves_no_checkpoint(s3_bucket, cache, monkeypatch):
