@@ -55,7 +55,7 @@ def _page(browser, base, key=None):
         page.fill("#apikey", key)
         page.dispatch_event("#apikey", "change")
     page.fill("#temperature", "0")
-    page.fill("#max_tokens", "24")
+    page.fill("#max_tokens", "256")  # the default; more than the context, so the page must cap it
     return page
 
 
