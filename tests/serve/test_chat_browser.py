@@ -5,6 +5,11 @@ code blocks, the note for a model without chat training, and the layout against 
 import argparse
 import json
 import shutil
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -30,11 +35,39 @@ def _chromium():
 
 
 @pytest.fixture(scope="module")
-def loaded(tmp_path_factory):
+def checkpoint(tmp_path_factory):
     root = tmp_path_factory.mktemp("browser")
-    tiny_checkpoint(root, root / "ckpt", max_seq_len=CONTEXT)
-    args = argparse.Namespace(checkpoint=str(root / "ckpt"), tokenizer=None, device="cpu", dtype="auto")
+    return tiny_checkpoint(root, root / "ckpt", max_seq_len=CONTEXT)
+
+
+@pytest.fixture(scope="module")
+def loaded(checkpoint):
+    args = argparse.Namespace(checkpoint=str(checkpoint), tokenizer=None, device="cpu", dtype="auto")
     return load_for_inference(args)
+
+
+@contextmanager
+def kiln_serve(checkpoint):
+    """`kiln serve CHECKPOINT` as its own process on a free port; yields the base URL."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [sys.executable, "-m", "kiln.serve.cli", "serve", str(checkpoint), "--port", str(port), "--device", "cpu"]
+    command += ["--served-model-name", "tiny"]  # the header holds the name: a long path would wrap it
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(1200):  # up to 60 s for torch to import and the model to load
+            assert process.poll() is None, process.stderr.read()
+            try:
+                if httpx.get(base + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.05)
+        yield base
+    finally:
+        process.terminate()
+        process.wait(30)
 
 
 @pytest.fixture(scope="module")
@@ -78,10 +111,9 @@ def _layout(page):
 
 
 @pytest.mark.slow
-def test_chat_page_in_chromium(loaded, browser, tmp_path):
+def test_chat_page_in_chromium(checkpoint, loaded, browser, tmp_path):
     model, tok = loaded
-    base_app = create_app(model, tok, model_name="tiny", chat_trained=False)
-    with serving(base_app) as (base, _):
+    with kiln_serve(checkpoint) as base:  # a checkpoint outside any chat stage's folder: a base model
         page = _page(browser, base)
         assert not page.is_visible("#keyfield")  # no key required: no key box
         assert page.is_visible("#note")  # no chat training: the page says so
