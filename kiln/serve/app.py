@@ -132,10 +132,12 @@ def create_app(
     max_batch: int = 32,
     max_waiting: int = 256,
     max_prefill_tokens: int = 8192,
+    chat_trained: bool = True,
 ) -> FastAPI:
     """The app for one model. api_keys: when given, /v1/* and the tokenizer endpoints need
     `Authorization: Bearer <key>`. max_tokens_limit (default: the model's context) caps a request's
-    max_tokens; max_batch rows decode together and max_waiting more requests queue (then 429)."""
+    max_tokens; max_batch rows decode together and max_waiting more requests queue (then 429).
+    chat_trained False: the chat page notes that the model has had no chat training."""
     limit = model.cfg.max_seq_len if max_tokens_limit is None else max_tokens_limit
     if any(v < 1 for v in (limit, max_body_bytes)):
         raise ConfigError("max_tokens_limit" if limit < 1 else "max_body_bytes", "must be >= 1")
@@ -149,6 +151,7 @@ def create_app(
         max_batch=max_batch,
         max_waiting=max_waiting,
         max_prefill_tokens=max_prefill_tokens,
+        chat_trained=chat_trained,
     )
     # Every route declares the error answers, so clients and schema-driven tests know their shape.
     errors = {status: {"model": ErrorResponse, "description": text} for status, text in ERROR_STATUSES.items()}

@@ -6,11 +6,31 @@ import argparse
 import os
 import sys
 
+from kiln.checkpoint.format import resolve_checkpoint
 from kiln.config import finite_float
 from kiln.data.chat import chat_stop_ids, render_prompt
 from kiln.errors import ConfigError
 from kiln.infer.cli import add_inference_args, load_for_inference
 from kiln.infer.engine import Engine
+
+# The post-training stages that train on conversations (kiln.recipe.POST_STAGES less rm, the reward
+# model): a checkpoint under a run's folder of one of them has had chat training. kiln.recipe is a
+# layer above the server; tests/serve/test_chat_cli.py checks the two lists agree.
+CHAT_STAGES = ("sft", "dpo", "ppo", "grpo", "distill")
+
+HELP = """commands:
+  /help          this list
+  /reset         clear the conversation (the system message stays)
+  /system TEXT   set the system message (and clear the conversation); /system alone removes it
+  /quit, /exit   leave (so does end of input, Ctrl-D)
+a line starting with // sends the rest, starting with /, as a message"""
+
+
+def chat_trained(checkpoint) -> bool:
+    """Whether the checkpoint comes from a stage that trains on chat: its folder lies in a stage
+    folder (run/<stage>/...) named in CHAT_STAGES."""
+    folder = resolve_checkpoint(checkpoint).resolve()
+    return any(part in CHAT_STAGES for part in folder.parts)
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
@@ -60,6 +80,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.max_waiting < 0:
         raise ConfigError("--max-waiting", f"must be >= 0, got {args.max_waiting}", "<command line>")
     model, tokenizer = load_for_inference(args)
+    trained = chat_trained(args.checkpoint)
     keys = list(args.api_key)
     if os.environ.get("KILN_API_KEY"):
         keys.append(os.environ["KILN_API_KEY"])
@@ -74,11 +95,12 @@ def run_serve(args: argparse.Namespace) -> int:
         max_batch=args.max_batch,
         max_waiting=args.max_waiting,
         max_prefill_tokens=args.max_prefill_tokens,
+        chat_trained=trained,
     )
     print(
         f"kiln serve: {name} on http://{args.host}:{args.port} (chat page at /, API at /v1, docs at /docs"
         f"{', API key required' if keys else ''}; {next(model.parameters()).dtype}"
-        f"{', weights ' + args.quant if args.quant else ''})",
+        f"{', weights ' + args.quant if args.quant else ''}{'' if trained else '; no chat training'})",
         file=sys.stderr,
         flush=True,
     )
@@ -100,9 +122,30 @@ def _fit(tokenizer, history: list[dict], want: int, max_seq_len: int, err) -> li
     return prompt if len(prompt) < max_seq_len else None
 
 
+def _command(text: str, start: list[dict], err) -> tuple[str, list[dict]]:
+    """(what to do: "quit", "reset" or "none"; the conversation's new start) for a /command line.
+    Confirmations and refusals go to err."""
+    word, _, rest = text.strip().partition(" ")
+    if word in ("/exit", "/quit"):
+        return "quit", start
+    if word == "/help":
+        print(HELP, file=err, flush=True)
+        return "none", start
+    if word == "/reset":
+        print("(conversation cleared" + (", system message kept)" if start else ")"), file=err, flush=True)
+        return "reset", start
+    if word == "/system":
+        start = [{"role": "system", "content": rest.strip()}] if rest.strip() else []
+        print("(system message " + ("set" if start else "removed") + "; conversation cleared)", file=err, flush=True)
+        return "reset", start
+    print(f"(unknown command {word}: /help lists the commands; // starts a message with /)", file=err, flush=True)
+    return "none", start
+
+
 def run_chat(args: argparse.Namespace, stdin=None, stdout=None, stderr=None) -> int:
-    """Read a message per line; print the streamed reply. /reset clears the history, /exit (or
-    end of input) quits. Without a terminal (input piped) only the replies go to stdout."""
+    """Read a message per line; print the streamed reply. Lines starting with / are commands
+    (/help lists them), never sent to the model. Without a terminal (input piped) only the replies
+    go to stdout."""
     stdin, stdout, err = stdin or sys.stdin, stdout or sys.stdout, stderr or sys.stderr
     if args.max_new_tokens < 1:
         raise ConfigError("--max-new-tokens", f"must be >= 1, got {args.max_new_tokens}", "<command line>")
@@ -114,7 +157,9 @@ def run_chat(args: argparse.Namespace, stdin=None, stdout=None, stderr=None) -> 
     history = list(start)
     interactive = stdin.isatty()
     if interactive:
-        print(f"kiln chat: {args.checkpoint} (/reset clears the history, /exit or Ctrl-D quits)", file=err)
+        print(f"kiln chat: {args.checkpoint} (/help lists the commands, /quit or Ctrl-D quits)", file=err)
+    if not chat_trained(args.checkpoint):
+        print("(this model has had no chat training: it continues text; `kiln sft` trains a chat model)", file=err)
     turn = 0
     while True:
         if interactive:
@@ -124,10 +169,14 @@ def run_chat(args: argparse.Namespace, stdin=None, stdout=None, stderr=None) -> 
         if not line:
             break
         text = line.rstrip("\r\n")
-        if text.strip() in ("/exit", "/quit"):
-            break
-        if text.strip() == "/reset":
-            history = list(start)
+        if text.startswith("//"):
+            text = text[1:]
+        elif text.startswith("/"):
+            action, start = _command(text, start, err)
+            if action == "quit":
+                break
+            if action == "reset":
+                history = list(start)
             continue
         if not text.strip():
             continue

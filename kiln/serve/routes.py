@@ -50,6 +50,7 @@ class ServeState:
     max_batch: int
     max_waiting: int
     max_prefill_tokens: int
+    chat_trained: bool = True
     eos_id: int = field(init=False)
     chat_stop: tuple[int, ...] | None = field(init=False)
     token_text: TokenText = field(init=False)
@@ -61,7 +62,9 @@ class ServeState:
         # A tokenizer with no chat format (no template, not Kiln's role tokens) still serves completions.
         self.chat_stop = chat_stop_ids(self.tokenizer) if chat_format(self.tokenizer) else None
         self.token_text = TokenText(self.tokenizer)
-        self.page = chat_page(self.model_name, auth=bool(self.api_keys))
+        self.page = chat_page(
+            self.model_name, auth=bool(self.api_keys), context=self.cfg.max_seq_len, chat_trained=self.chat_trained
+        )
 
     @property
     def cfg(self):

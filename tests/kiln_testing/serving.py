@@ -1,13 +1,35 @@
-"""A live `kiln serve` app on a free port, for the tests that need a real socket (uvicorn, httpx)."""
+"""A live `kiln serve` app on a free port, for the tests that need a real socket (uvicorn, httpx),
+and the tiny random checkpoint the serving tests load."""
 
 from __future__ import annotations
 
+import shutil
 import socket
 import threading
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 import httpx
+import torch
+
+from kiln.checkpoint import save_weights
+from kiln.model import ModelConfig, build_model
+from kiln_testing.tokenizer import train_tiny_tokenizer
+
+
+def tiny_checkpoint(root: Path, folder: Path, max_seq_len: int = 128) -> Path:
+    """A saved random checkpoint in folder with its tokenizer.json beside it, as `kiln serve` finds them."""
+    # Not the shared kiln_tokenizer (vocab 700): with that vocabulary this random model greedily
+    # emits <|pad|>, which the server leaves out of its text and Engine's text keeps.
+    tok = train_tiny_tokenizer(root / "tok", vocab_size=600)
+    torch.manual_seed(0)
+    cfg = ModelConfig(
+        vocab_size=tok.vocab_size, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=max_seq_len, init_std=0.2
+    )
+    save_weights(folder, cfg, build_model(cfg).state_dict(), {"step": 0})
+    shutil.copy(tok.path, folder / "tokenizer.json")
+    return folder
 
 
 @contextmanager

@@ -16,13 +16,10 @@ import openai
 import pytest
 import torch
 from kiln_testing.models import ForcesToken
-from kiln_testing.serving import serving
-from kiln_testing.tokenizer import train_tiny_tokenizer
+from kiln_testing.serving import serving, tiny_checkpoint
 
-from kiln.checkpoint import save_weights
 from kiln.data.chat import ChatTokens, render_prompt
 from kiln.infer.engine import Engine
-from kiln.model import ModelConfig, build_model
 from kiln.serve.app import create_app
 from kiln.serve.cli import add_parser as add_serve_parsers
 from kiln.serve.cli import load_for_inference, run_chat
@@ -36,17 +33,7 @@ LIMIT = 100
 def checkpoint(tmp_path_factory):
     """A saved checkpoint with its tokenizer.json beside it, as `kiln serve` finds them."""
     root = tmp_path_factory.mktemp("serve")
-    # Not the shared kiln_tokenizer (vocab 700): with that vocabulary this random model greedily
-    # emits <|pad|>, which the server leaves out of its text and Engine's text keeps, so
-    # test_token_id_prompts_batched_with_n would compare different things.
-    tok = train_tiny_tokenizer(root / "tok", vocab_size=600)
-    torch.manual_seed(0)
-    cfg = ModelConfig(
-        vocab_size=tok.vocab_size, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=128, init_std=0.2
-    )
-    save_weights(root / "ckpt", cfg, build_model(cfg).state_dict(), {"step": 0})
-    shutil.copy(tok.path, root / "ckpt" / "tokenizer.json")
-    return root / "ckpt"
+    return tiny_checkpoint(root, root / "ckpt")
 
 
 @pytest.fixture(scope="module")
