@@ -80,11 +80,39 @@ def matmul_peak(dtype: torch.dtype, size: int = 2048, reps: int = 10) -> float:
     return 2 * size**3 / best
 
 
-def kiln_step(cfg: ModelConfig, precision: str, compile: bool, seq: int, batch: int):
+def optimizer_profile(cfg: ModelConfig, repeats: int, steps: int) -> dict[str, list[float]]:
+    """Milliseconds per AdamW step, {train.optimizer_impl: [per round]}, over Kiln's parameter groups
+    with one fixed set of gradients. Both implementations take turns inside every round, the order
+    turning over, so load from other processes hits them alike."""
+    torch.manual_seed(0)
+    impls = ("foreach", "fused")
+    models = {impl: build_model(cfg) for impl in impls}
+    for model in models.values():
+        for p in model.parameters():
+            p.grad = torch.randn_like(p) * 1e-3
+    optimizers = {impl: build_optimizer(models[impl], TrainConfig(optimizer_impl=impl)) for impl in impls}
+    for opt in optimizers.values():  # the first step allocates the moments
+        opt.step()
+    times = {impl: [] for impl in impls}
+    for r in range(repeats):
+        for impl in impls[r % 2 :] + impls[: r % 2]:
+            start = time.perf_counter()
+            for _ in range(steps):
+                optimizers[impl].step()
+            times[impl].append((time.perf_counter() - start) / steps * 1e3)
+    return times
+
+
+def kiln_step(cfg: ModelConfig, precision: str, compile: bool, seq: int, batch: int, optimizer_impl: str):
     torch.manual_seed(0)
     model = build_model(cfg)
     train_cfg = TrainConfig(
-        seq_len=seq, micro_batch_size=batch, global_batch_tokens=seq * batch, precision=precision, compile=compile
+        seq_len=seq,
+        micro_batch_size=batch,
+        global_batch_tokens=seq * batch,
+        precision=precision,
+        compile=compile,
+        optimizer_impl=optimizer_impl,
     )
     optimizer = build_optimizer(model, train_cfg)
     # The same wrapping as Trainer with train.compile on: the loss function is compiled and the model
@@ -154,12 +182,13 @@ def run(
     steps: int,
     warmup: int,
     compile_modes: list[bool],
+    optimizer_impl: str,
 ):
     """({(side, compiled): [tokens/s per round]}, [CPU cores others used, per round (the most over
     its contenders)], {(side, compiled): seconds of the first, compiling, step})."""
     steps_of = {}
     for compiled in compile_modes:
-        steps_of[("kiln", compiled)] = kiln_step(cfg, precision, compiled, seq, batch)
+        steps_of[("kiln", compiled)] = kiln_step(cfg, precision, compiled, seq, batch, optimizer_impl)
         steps_of[("transformers", compiled)] = hf_step(cfg, precision, compiled)
     gen = torch.Generator().manual_seed(0)
     x = torch.randint(0, cfg.vocab_size, (batch, seq), generator=gen)
@@ -229,6 +258,13 @@ def main() -> None:
         help="leave out rounds in which other processes kept more CPU cores busy than this",
     )
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument(
+        "--optimizer-impl",
+        choices=["foreach", "fused"],
+        default="foreach",
+        help="Kiln's train.optimizer_impl in the timed steps (transformers keeps torch's default AdamW)",
+    )
+    parser.add_argument("--no-optimizer-profile", action="store_true", help="skip the fused vs foreach timing")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -254,6 +290,16 @@ def main() -> None:
         f"params={count_params(cfg) / 1e6:.2f}M ({count_params(cfg, non_embedding=True) / 1e6:.2f}M "
         f"non-embedding); {flops / 1e6:.1f} MFLOP/token"
     )
+    if not args.no_optimizer_profile:
+        opt_ms = optimizer_profile(cfg, args.repeats, max(args.steps, 3))
+        medians = {impl: statistics.median(ms) for impl, ms in opt_ms.items()}
+        rounds = "; ".join(f"{impl}: {', '.join(f'{m:.1f}' for m in ms)}" for impl, ms in opt_ms.items())
+        print(
+            f"\noptimizer step (AdamW over fp32 parameters, any precision): foreach {medians['foreach']:.1f} ms, "
+            f"fused {medians['fused']:.1f} ms, fused {medians['foreach'] / medians['fused']:.2f}x faster "
+            f"(median of {args.repeats} rounds; ms per round {rounds})"
+        )
+    print(f"Kiln steps below use train.optimizer_impl = {args.optimizer_impl!r}")
     precisions = ["fp32", "bf16"] if args.precision == "both" else [args.precision]
     compile_modes = [False] if args.no_compile else [False, True]
     summary = []
@@ -261,7 +307,15 @@ def main() -> None:
         dtype = torch.bfloat16 if precision == "bf16" else torch.float32
         peak = matmul_peak(dtype)
         rates, others, first_step = run(
-            cfg, args.batch, args.seq, precision, args.repeats, args.steps, args.warmup, compile_modes
+            cfg,
+            args.batch,
+            args.seq,
+            precision,
+            args.repeats,
+            args.steps,
+            args.warmup,
+            compile_modes,
+            args.optimizer_impl,
         )
         peak = max(peak, matmul_peak(dtype))  # before and after: a busy moment only lowers it
         clean = [busy <= args.max_others for busy in others]

@@ -798,6 +798,7 @@ class Trainer:
             "accum_steps": self.accum_steps,
             "pipeline_bubble": self.layout.bubble_fraction(),
             "precision": self.cfg.precision,
+            "optimizer_impl": self.cfg.optimizer_impl if self.cfg.optimizer == "adamw" else None,
             "fp8_linears": self.fp8_linears,
             "device": str(self.device),
             "guard_events": self.guard.events,

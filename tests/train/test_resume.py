@@ -43,7 +43,13 @@ SCRIPT = textwrap.dedent("""
 
 
 def _launch(
-    pack: Path, out: Path, precision: str, kill_at: int = 0, compile: bool = False, offload: str = "none"
+    pack: Path,
+    out: Path,
+    precision: str,
+    kill_at: int = 0,
+    compile: bool = False,
+    offload: str = "none",
+    impl: str = "foreach",
 ) -> subprocess.Popen:
     args = {
         "model": {"dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 16},
@@ -65,6 +71,7 @@ def _launch(
             "threads": 1,
             "compile": compile,
             "optimizer_offload": offload,
+            "optimizer_impl": impl,
         },
         "pack": str(pack),
         "out": str(out),
@@ -93,24 +100,26 @@ def _log(out: Path) -> list[dict]:
 
 
 @pytest.mark.parametrize(
-    "precision, compile, offload",
+    "precision, compile, offload, impl",
     [
-        ("fp32", False, "none"),
-        ("bf16", False, "none"),
+        ("fp32", False, "none", "foreach"),
+        ("bf16", False, "none", "foreach"),
+        # The fused AdamW kernel is compared with itself: both runs use it (it is not bit-equal to foreach).
+        pytest.param("bf16", False, "none", "fused", marks=pytest.mark.slow),
         # torch.compile (of the loss function with the model inside) must not break exactness either.
-        pytest.param("bf16", True, "none", marks=pytest.mark.slow),
+        pytest.param("bf16", True, "none", "foreach", marks=pytest.mark.slow),
         # AdamW's moments in swap files: the killed run's swap folder is stale, the checkpoint holds
         # the state, and the uninterrupted run it is compared with keeps its state in memory.
-        pytest.param("fp32", False, "nvme", marks=pytest.mark.slow),
+        pytest.param("fp32", False, "nvme", "foreach", marks=pytest.mark.slow),
     ],
 )
-def test_killed_and_resumed_run_equals_uninterrupted(tmp_path, precision, compile, offload, tiny_pack_factory):
+def test_killed_and_resumed_run_equals_uninterrupted(tmp_path, precision, compile, offload, impl, tiny_pack_factory):
     pack = tiny_pack_factory(tmp_path / "pack")
     straight, crashed = tmp_path / "straight", tmp_path / "crashed"
     # The two first runs are independent: run them side by side.
     procs = [
-        _launch(pack, straight, precision, compile=compile),
-        _launch(pack, crashed, precision, kill_at=8, compile=compile, offload=offload),
+        _launch(pack, straight, precision, compile=compile, impl=impl),
+        _launch(pack, crashed, precision, kill_at=8, compile=compile, offload=offload, impl=impl),
     ]
     assert [_finish(p) for p in procs] == [0, -signal.SIGKILL]
 
@@ -125,11 +134,12 @@ def test_killed_and_resumed_run_equals_uninterrupted(tmp_path, precision, compil
 
     stale = sorted((crashed / "optimizer_offload").glob("kiln-optim-*"))
     assert len(stale) == (offload == "nvme")
-    assert _finish(_launch(pack, crashed, precision, compile=compile, offload=offload)) == 0
+    assert _finish(_launch(pack, crashed, precision, compile=compile, offload=offload, impl=impl)) == 0
     if offload == "nvme":  # the resumed run removed its own swap folder, and only that
         assert sorted((crashed / "optimizer_offload").iterdir()) == stale
     summary = json.loads((crashed / "summary.json").read_text())
     assert summary["resumed_from"].endswith("step-00000006")
+    assert summary["optimizer_impl"] == impl
     assert not (root / ".tmp-step-00000008").exists()
 
     expected, got = _log(straight), _log(crashed)
