@@ -52,13 +52,8 @@ class MuonAdamW:
         # param_groups, which is all a scaler needs from an optimizer.
         self.param_groups = self.muon.param_groups + self.adamw.param_groups
 
-    @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self.muon.step()
+        loss = self.muon.step(closure)  # the closure (if any) is evaluated once, by Muon
         self.adamw.step()
         return loss
 
