@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from kiln.errors import ConfigError
 from kiln.model.config import AC_MODES
@@ -81,7 +81,11 @@ class TrainConfig:
     micro_batch_size: int = 8
     global_batch_tokens: int = 16384  # tokens per optimizer step, across ranks and accumulation
     max_steps: int = 300
-    optimizer: str = "adamw"  # adamw | lion | adafactor
+    optimizer: str = "adamw"  # adamw | lion | adafactor | muon (Muon on block matrices, AdamW on the rest)
+    muon_lr: float = 0.0  # muon: peak lr of the matrices; 0: 0.02 ("original"), lr ("match_rms_adamw")
+    muon_momentum: float = 0.95  # muon: momentum (Nesterov)
+    muon_ns_steps: int = 5  # muon: Newton-Schulz iterations per step
+    muon_adjust_lr: str = "original"  # muon: original (sqrt(max(1, out/in))) | match_rms_adamw (0.2 sqrt(max dim))
     # adamw: foreach (bit-equal to torch's single-tensor reference) | fused (one kernel per tensor
     # group, faster on CPU and CUDA, rounds differently; docs/pretrain.md "AdamW implementation")
     optimizer_impl: str = "foreach"
@@ -170,8 +174,9 @@ class TrainConfig:
             raise ConfigError("activation_checkpointing", refused)
         choices = {
             "activation_checkpointing": AC_MODES,
-            "optimizer": ("adamw", "lion", "adafactor"),
+            "optimizer": ("adamw", "lion", "adafactor", "muon"),
             "optimizer_impl": ("foreach", "fused"),
+            "muon_adjust_lr": ("original", "match_rms_adamw"),
             "optimizer_offload": ("none", "nvme"),
             "schedule": ("cosine", "wsd", "constant"),
             "precision": ("fp32", "bf16", "fp16", "fp8"),
@@ -213,6 +218,7 @@ class TrainConfig:
             if not 0 <= getattr(self, key) < math.inf:  # also refuses NaN
                 raise ConfigError(key, f"must be a finite number >= 0, got {getattr(self, key)}")
         self._validate_offload()
+        self._validate_muon()
         for name in self.loggers:
             if name not in LOGGERS:
                 raise ConfigError(
@@ -240,6 +246,19 @@ class TrainConfig:
             except ConfigError as err:
                 raise err.within(name) from None
 
+    def _validate_muon(self) -> None:
+        if self.optimizer != "muon":
+            for key in ("muon_lr", "muon_momentum", "muon_ns_steps", "muon_adjust_lr"):
+                if getattr(self, key) != _MUON_DEFAULTS[key]:
+                    raise ConfigError(key, f"is set but optimizer is {self.optimizer!r} (set optimizer = 'muon')")
+            return
+        if not 0 <= self.muon_lr < math.inf:
+            raise ConfigError("muon_lr", f"must be a finite number >= 0 (0: the default), got {self.muon_lr}")
+        if not 0 <= self.muon_momentum < 1:
+            raise ConfigError("muon_momentum", f"must be in [0, 1), got {self.muon_momentum}")
+        if not 1 <= self.muon_ns_steps < 100:  # torch's Muon refuses 100 or more
+            raise ConfigError("muon_ns_steps", f"must be in [1, 99], got {self.muon_ns_steps}")
+
     def _validate_offload(self) -> None:
         if self.optimizer_impl == "fused" and self.optimizer != "adamw":
             raise ConfigError("optimizer_impl", f"fused applies to adamw only; optimizer is {self.optimizer!r}")
@@ -253,3 +272,6 @@ class TrainConfig:
             for key in ("optimizer_offload_dir", "optimizer_offload_chunk_mb"):
                 if getattr(self, key):
                     raise ConfigError(key, "is set but optimizer_offload is 'none' (set it to 'nvme' to offload)")
+
+
+_MUON_DEFAULTS = {f.name: f.default for f in fields(TrainConfig) if f.name.startswith("muon_")}

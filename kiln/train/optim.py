@@ -9,6 +9,7 @@ from torch import nn
 
 from kiln.errors import ConfigError
 from kiln.train.config import TrainConfig
+from kiln.train.muon import MuonAdamW, build_muon
 from kiln.train.offload import DEFAULT_CHUNK_MB, NVMeAdamW
 
 # Devices with torch's fused AdamW kernel that Kiln trains on (torch >= 2.4 has the CPU one).
@@ -41,7 +42,7 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [g for g in groups if g["params"]]
 
 
-def build_optimizer(model: nn.Module, cfg: TrainConfig, offload_dir=None) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, cfg: TrainConfig, offload_dir=None) -> torch.optim.Optimizer | MuonAdamW:
     """The optimizer named by cfg.optimizer, over `param_groups(model, cfg.weight_decay)`.
 
     The learning rate set here is the peak; the trainer overwrites group["lr"] every step
@@ -51,14 +52,16 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, offload_dir=None) -> tor
     groups = param_groups(model, cfg.weight_decay)
     if not groups:
         raise ConfigError("optimizer", "the model has no trainable parameters")
+    devices = {p.device.type for g in groups for p in g["params"]}
+    foreach = devices <= {"cpu", "cuda"}
+    if cfg.optimizer == "muon":
+        return build_muon(model, groups, cfg, foreach)
     if cfg.optimizer == "adamw":
         # foreach batches the update over all tensors (few large ops instead of a Python loop of
         # small ones) and gives bit-identical results to the single-tensor reference
         # (tests/train/test_optim.py). fused runs one kernel per tensor list that reads and writes
         # each element once; it computes the same formula in a different order of operations, so it
         # is not bit-equal to the reference, only to itself (docs/pretrain.md "AdamW implementation").
-        devices = {p.device.type for g in groups for p in g["params"]}
-        foreach = devices <= {"cpu", "cuda"}
         if cfg.optimizer_offload == "nvme":
             return _nvme_adamw(groups, cfg, offload_dir, foreach)
         hyper = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
@@ -75,7 +78,7 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, offload_dir=None) -> tor
         # torch's Adafactor keeps factored second moments and no first moment (beta1 unused);
         # lr caps its relative step size (min(lr, 1/sqrt(t)) times the parameter RMS).
         return torch.optim.Adafactor(groups, lr=cfg.lr)
-    raise ConfigError("optimizer", f"must be one of adamw, lion, adafactor, got {cfg.optimizer!r}")
+    raise ConfigError("optimizer", f"must be one of adamw, lion, adafactor, muon, got {cfg.optimizer!r}")
 
 
 def _nvme_adamw(groups: list[dict], cfg: TrainConfig, offload_dir, foreach: bool) -> NVMeAdamW:

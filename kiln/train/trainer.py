@@ -157,6 +157,12 @@ class Trainer:
             )
         self.rank, self.world_size = self.layout.rank, self.layout.world_size
         self.is_main = self.rank == 0
+        if cfg.optimizer == "muon" and self.layout.sharded:
+            raise ConfigError(
+                "optimizer",
+                "muon needs whole matrices: torch.optim.Muon orthogonalises each one, not its FSDP or tensor-"
+                "parallel shards (data parallelism without sharding works)",
+            )
         if cfg.optimizer_offload == "nvme" and self.layout.sharded:
             raise ConfigError(
                 "optimizer_offload",
@@ -483,7 +489,7 @@ class Trainer:
         cfg = self.cfg
         lr = lr_at(self.step, cfg) * self.lr_scale
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * group.get("lr_ratio", 1.0)  # Muon's groups: their own peak (kiln.train.muon)
         # Each micro-batch's mean loss is weighted by its share of the step's tokens. The share is
         # computed against a nominal count (the first micro-batch's count times the number of
         # micro-batches: the only one known before the last backward) and corrected after, so
