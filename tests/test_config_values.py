@@ -284,7 +284,9 @@ def test_generate_200000_samples_is_refused_with_the_kv_cache_estimate(long_cont
         "4000",
     ]
     assert main([str(a) for a in argv]) == 2
-    err = capsys.readouterr().err.strip()
+    # The loaded-checkpoint line comes first; the refusal is one line after it.
+    loaded, err = capsys.readouterr().err.strip().split("\n")
+    assert loaded.startswith("loaded checkpoint ")
     assert re.fullmatch(
         r"kiln: error: <command line>: --num-samples: the KV cache \(200000 samples x \d+ tokens\) and prefill "
         r"logits would need [\d,.]+ GiB, more than the [\d,.]+ GiB available on cpu",
