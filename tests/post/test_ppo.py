@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from kiln.checkpoint import complete_checkpoints, save_weights
+from kiln.checkpoint import complete_checkpoints, resolve_checkpoint, save_weights
 from kiln.data.chat import render_prompt
 from kiln.errors import ConfigError
 from kiln.infer.engine import Engine
@@ -177,8 +177,9 @@ def test_ppo_stage_moves_the_policy_towards_the_reward(tok, model_cfg, tmp_path)
     assert [r["cycle"] for r in records if r["kind"] == "ppo"] == [0, 1, 2, 3]
     assert [r["cycle"] for r in records if r["kind"] == "rollout"] == [0, 1, 2, 3]
 
-    # The training checkpoint holds actor and critic; the export is the actor's weights alone.
-    _, state, _ = load_weights(tmp_path / "ppo")
+    # The training checkpoint holds actor and critic; the export is the final actor's weights alone
+    # (the stage folder itself resolves to `best`, so the final step is named by `latest`).
+    _, state, _ = load_weights(resolve_checkpoint(tmp_path / "ppo", pointer="latest"))
     assert any(k.startswith("critic.") for k in state)
     _, exported, _ = load_weights(tmp_path / "ppo" / "policy")
     assert set(exported) == {k for k in state if not k.startswith("critic.")}
