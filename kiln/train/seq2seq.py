@@ -21,7 +21,7 @@ def span_corruption_data(
     model's eos and start (pad) ids. One process: the sources are not split over ranks yet."""
     if world_size > 1:
         raise ConfigError("parallel", f"T5 pretraining runs on one process, got {world_size} ranks")
-    if train_cfg.activation_checkpointing:
+    if train_cfg.activation_checkpointing != "none":
         raise ConfigError("train.activation_checkpointing", "is not supported for T5 models")
     layout = span_layout(train_cfg.seq_len)
     if max(layout.input_length, layout.target_length) > model_cfg.max_seq_len:

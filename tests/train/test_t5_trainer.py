@@ -4,14 +4,19 @@ falls, the checkpoint is a T5 one, and a resumed run continues the same noise st
 import json
 
 import numpy as np
+import pytest
 import torch
 from kiln_testing.train import tiny_train_config
 
+from kiln.data.config import TokenizerConfig
 from kiln.data.loader import TokenLoader
 from kiln.data.span import SpanCorruptionSource
+from kiln.data.tokenizer import train_tokenizer
+from kiln.errors import ConfigError
 from kiln.model.t5_config import T5Config
 from kiln.peft.load import load_model
 from kiln.train.objective import seq2seq_loss
+from kiln.train.seq2seq import span_corruption_data
 from kiln.train.trainer import Trainer
 
 # The pack's ids are 0..63; 64.. are the sentinels, 1 the decoder start (pad), 0 the eos.
@@ -55,3 +60,19 @@ def test_resumed_t5_run_equals_an_uninterrupted_one(tmp_path, tiny_pack_factory)
     again, _ = load_model(tmp_path / "resumed" / "checkpoints")
     for (name, a), b in zip(whole.state_dict().items(), again.state_dict().values()):
         assert torch.equal(a, b), name
+
+
+def test_span_corruption_data_accepts_no_checkpointing_and_refuses_the_rest(tmp_path, tiny_pack_factory):
+    """`kiln pretrain` of a T5 builds its sources here: the default mode ("none") runs, a real mode is
+    refused by key (the T5 blocks have no checkpointing wrapper)."""
+    pack = tiny_pack_factory(tmp_path / "pack")
+    texts = ["def f(x):\n    return x + 1\n"] * 50
+    train_tokenizer(texts, TokenizerConfig(vocab_size=600, sentinels=16), tmp_path / "tok", heldout=texts[:2])
+    cfg = tiny_train_config(seq_len=32, global_batch_tokens=128)
+    assert cfg.activation_checkpointing == "none"
+    train, val = span_corruption_data(pack, tmp_path / "tok" / "tokenizer.json", cfg, CFG)
+    assert isinstance(train, SpanCorruptionSource) and isinstance(val, SpanCorruptionSource)
+    for mode in ("selective", "full"):
+        refused = tiny_train_config(seq_len=32, global_batch_tokens=128, activation_checkpointing=mode)
+        with pytest.raises(ConfigError, match="train.activation_checkpointing"):
+            span_corruption_data(pack, tmp_path / "tok" / "tokenizer.json", refused, CFG)
