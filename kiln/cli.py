@@ -35,7 +35,7 @@ VERBS: dict[str, Verb] = {
     "corpus": Verb("kiln.pipeline", "build the built-in corpus of real text"),
     "data": Verb("kiln.pipeline", "curate documents: filter, deduplicate, scrub (runs the data stage)"),
     "classifier": Verb("kiln.data.classifier", "train the data quality classifier used by the quality_classifier step"),
-    "tokenizer": Verb("kiln.pipeline", "train a byte-level BPE tokenizer"),
+    "tokenizer": Verb("kiln.pipeline", "train a tokenizer (byte-level BPE, or unigram with tokenizer.model)"),
     "pack": Verb("kiln.pipeline", "tokenize the corpus into memory-mapped token shards"),
     "pretrain": Verb("kiln.pipeline", "pretrain the model on the packed shards"),
     "sft": Verb("kiln.pipeline", "supervised fine-tuning on conversations and the verifiable tasks"),

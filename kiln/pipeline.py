@@ -404,7 +404,7 @@ def add_parser(subparsers) -> None:
     _recipe_args(
         subparsers.add_parser("data", help="curate documents: filter, deduplicate, scrub (runs the data stage)")
     )
-    p = subparsers.add_parser("tokenizer", help="train a byte-level BPE tokenizer")
+    p = subparsers.add_parser("tokenizer", help="train a tokenizer (byte-level BPE, or unigram with tokenizer.model)")
     tok = p.add_subparsers(dest="action", required=True, metavar="ACTION")
     _recipe_args(tok.add_parser("train", help="train on the run's corpus"))
     _recipe_args(subparsers.add_parser("pack", help="tokenize the corpus into memory-mapped token shards"))
