@@ -84,8 +84,14 @@ def test_first_record_after_start_up_has_a_real_cpu_interval(tmp_path, monkeypat
     monkeypatch.setattr(system, "_process", None)  # a fresh process: nothing primed yet
     pack = tiny_pack_factory(tmp_path / "pack")
     model = ModelConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, max_seq_len=32)
+    # 40 steps (a few hundred ms): the machine-wide figure comes from /proc/stat's clock ticks (10 ms),
+    # so an interval of a few milliseconds can read 0.0 however busy the CPU was.
+    steps = 40
     Trainer(
-        model, tiny_train_config(max_steps=3, log_every=3, eval_every=3, ckpt_every=3), pack, tmp_path / "out"
+        model,
+        tiny_train_config(max_steps=steps, log_every=steps, eval_every=steps, ckpt_every=steps),
+        pack,
+        tmp_path / "out",
     ).fit()
     records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     first = next(r for r in records if "sys/proc_cpu_percent" in r)
