@@ -138,7 +138,7 @@ def kiln_command(args, port: int) -> list[str]:
 def vllm_command(args, port: int) -> list[str]:
     return [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(args.export),
             "--served-model-name", "bench", "--port", str(port), "--dtype", args.vllm_dtype,
-            "--max-num-seqs", str(max(args.concurrency)), "--disable-log-requests", *args.vllm_arg]  # fmt: skip
+            "--max-num-seqs", str(max(args.concurrency)), *args.vllm_arg]  # fmt: skip
 
 
 def vllm_env() -> dict:
@@ -146,6 +146,9 @@ def vllm_env() -> dict:
     # KV-cache space in GiB; the model is tiny, 1 GiB holds far more than 32 streams need.
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "auto")
+    # vLLM keeps one core for its API process by default, leaving one of two for the model; kiln serve's
+    # model thread uses both (torch's default), so vLLM gets both too.
+    env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     env.pop("PYTHONPATH", None)
     return env
 
