@@ -29,12 +29,20 @@ import asyncio
 import json
 import math
 import os
+import shutil
 import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import torch
+
+from kiln.checkpoint import save_weights
+from kiln.data.tokenizer import find_tokenizer
+from kiln.model import build_model
+from kiln.model.weights import load_weights
 
 PROMPTS = [
     "def ",
@@ -293,7 +301,30 @@ def print_table(results: dict, concurrency: list[int]) -> None:
     print(f"\nCPU: {cpu_line()}")
 
 
+def randomised_checkpoint(args) -> None:
+    """--random-std: a checkpoint of --ckpt's shape and tokenizer with random weights (seed 0) in
+    <export>-random/kiln, exported to <export>-random/hf; both are served instead. A briefly trained
+    model repeats one token greedily, which makes the greedy comparison weak; random weights with a
+    large std give varied tokens, so every step's argmax is compared."""
+    cfg, _state, _manifest = load_weights(args.ckpt)
+    tokenizer = find_tokenizer(args.ckpt)
+    root = Path(str(args.export).rstrip("/") + "-random")  # <export>-random/{kiln,hf}, made anew
+    shutil.rmtree(root, ignore_errors=True)
+    folder = root / "kiln"
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.uniform_(0.5, 1.5) if "norm" in name else p.normal_(0, args.random_std)
+    save_weights(folder, cfg, model.state_dict(), {"step": 0})
+    shutil.copy(tokenizer, folder / "tokenizer.json")
+    print(f"random weights (std {args.random_std}) of {args.ckpt}'s shape -> {folder}", flush=True)
+    args.ckpt, args.export = folder, root / "hf"
+
+
 def ensure_export(args) -> None:
+    if args.random_std is not None:
+        randomised_checkpoint(args)
     if Path(args.export).exists():
         return
     print(f"exporting {args.ckpt} -> {args.export}", flush=True)
@@ -305,6 +336,7 @@ def parse_args(argv=None):
     p.add_argument("--ckpt", required=True, help="Kiln checkpoint (folder, checkpoints root or stage folder)")
     p.add_argument("--export", required=True, help="its HF export (made here when missing)")
     p.add_argument("--vllm-python", default="/work/vllm-venv/bin/python", help="python of the vLLM venv")
+    p.add_argument("--random-std", type=float, help="serve random weights of --ckpt's shape (this std) instead")
     p.add_argument("--skip-vllm", action="store_true", help="measure kiln serve alone")
     p.add_argument("--concurrency", type=lambda s: [int(v) for v in s.split(",")], default=[1, 8, 32])
     p.add_argument("--requests-per-client", type=int, default=2)
