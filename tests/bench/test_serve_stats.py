@@ -47,3 +47,11 @@ def test_timings_from_streamed_chunks():
     assert stats["ttft_p99"] == pytest.approx(0.1 + 0.4 * 0.99)
     assert stats["itl_p50"] == pytest.approx(0.2)  # gaps 0.2, 0.3, 0.1
     assert stats["itl_p99"] == pytest.approx(0.2 + 0.1 * 0.98)
+
+
+def test_compare_texts_tells_a_cut_character_from_a_different_token():
+    compare = bench["compare_texts"]
+    assert compare("ab c", "ab c") == "equal"
+    assert compare("ab c\ufffd", "ab c") == "equal but the last character"
+    assert compare("ab c", "ab d") == "differ"
+    assert compare("ab c\ufffd", "ab d") == "differ"
