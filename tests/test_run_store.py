@@ -9,7 +9,7 @@ import pytest
 from kiln_testing.recipes import mini_overrides
 from kiln_testing.s3 import s3_options
 
-from kiln import pipeline, run_store, storage
+from kiln import pipeline, storage
 from kiln.checkpoint import resolve_checkpoint
 from kiln.errors import ConfigError
 from kiln.recipe import load_recipe
@@ -144,3 +144,30 @@ def test_tiny_run_on_s3_trains_resumes_and_skips(s3_bucket, s3_server, cache):
     assert storage.isfile(f"{pretrain}/DONE")
     assert pipeline.run_recipe(recipe)["pack"] == again["pack"]
     assert all(pipeline.is_done(recipe, s) for s in ("corpus", "tokenizer", "pack", "pretrain"))
+
+
+def test_sharded_checkpoints_are_refused_by_run_out_dir(s3_bucket, s3_server, cache, tiny_pack_factory, monkeypatch):
+    """A sharded layout (one-rank FSDP with offload, run on the CPU by lifting only the device
+    check) writes DCP checkpoints, which go to local disk only: refused naming run.out_dir."""
+    import torch.distributed as dist
+
+    from kiln.parallel.config import ParallelConfig
+
+    shape = ["model.dim=32", "model.n_layers=2", "model.n_heads=4", "model.max_seq_len=16", "train.seq_len=16"]
+    batch = ["train.micro_batch_size=2", "train.global_batch_tokens=64", "train.precision=fp32"]
+    recipe = s3_recipe(s3_bucket, s3_server, 'run.stages=["pretrain"]', *shape, *batch, "parallel.offload=true")
+    tiny_pack_factory(pipeline.stage_dir(recipe, "pack"))
+    check = ParallelConfig.check_options
+    monkeypatch.setattr(
+        ParallelConfig, "check_options", lambda self, dp_shard, device_type: check(self, dp_shard, None)
+    )
+    out = pipeline.stage_dir(recipe, "pretrain")
+    out.mkdir(parents=True)
+    try:
+        with pytest.raises(
+            ConfigError, match=r"^run.out_dir: the pretrain stage cannot keep its checkpoints there: s3://"
+        ):
+            pipeline._pretrain(recipe, out)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
