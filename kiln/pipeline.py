@@ -6,6 +6,8 @@ whose marker matches; a stage whose inputs changed is rebuilt, and so, through t
 everything downstream of it. A training stage's earlier output is never deleted: it moves to
 <stage>.previous-N. Pretraining without a marker resumes from its newest complete checkpoint, and
 so does a finished pretraining whose only change is a larger train.max_steps (extending the run).
+With run.out_dir on an object store (s3://), the stages run in local staging copies and are
+published with DONE last (kiln/run_store.py).
 """
 
 from __future__ import annotations
@@ -15,11 +17,11 @@ import dataclasses
 import hashlib
 import json
 import os
-import shutil
 import time
 from pathlib import Path
 from typing import Any
 
+from kiln import run_store, storage
 from kiln.config import RECIPE_HELP
 from kiln.data.corpus import build_corpus
 from kiln.data.curate import curate
@@ -35,6 +37,7 @@ from kiln.parallel.plan import Workload
 from kiln.parallel.plan_cli import add_plan_parser, run_plan
 from kiln.recipe import POST_STAGES, STAGES, Recipe, load_recipe, recipe_to_dict
 from kiln.recipe_files import resolve_recipe
+from kiln.run_store import MARKER
 from kiln.stage_summary import next_command, stage_lines
 from kiln.train.schedule import lr_at
 
@@ -62,7 +65,6 @@ STAGE_INPUTS = {
         for stage in POST_STAGES
     },
 }
-MARKER = "DONE"
 RESUMABLE = ("pretrain", *POST_STAGES)  # stages that continue from their own checkpoints
 # The one key whose increase continues a finished stage from its checkpoints instead of starting
 # it again: the steps already taken are the steps the longer run takes first.
@@ -107,17 +109,25 @@ def _reason(changes: dict[str, tuple] | None, force: bool) -> str:
 
 
 def stage_dir(recipe: Recipe, stage: str) -> Path:
-    return recipe.run_dir / stage
+    """The stage's local folder (the staging copy of a stage on an object store)."""
+    return run_store.local_run_dir(recipe) / stage
 
 
 def is_done(recipe: Recipe, stage: str) -> bool:
-    marker = stage_dir(recipe, stage) / MARKER
-    if not marker.exists():
+    text = run_store.read_marker(recipe, stage)
+    if text is None:
         return False
     try:
-        return json.loads(marker.read_text())["fingerprint"] == fingerprint(recipe, stage)
-    except (ValueError, KeyError):
+        return json.loads(text)["fingerprint"] == fingerprint(recipe, stage)
+    except (ValueError, KeyError, TypeError):
         return False
+
+
+def _inputs_of(recipe: Recipe, stage: str) -> list[str]:
+    """The earlier stages whose folders the stage reads."""
+    docs = "data" if "data" in recipe.run.stages else "corpus"
+    needs = {"data": ["corpus"], "tokenizer": [docs], "pack": [docs, "tokenizer"], "pretrain": ["pack", "tokenizer"]}
+    return needs.get(stage, ["tokenizer"] if stage == "sample" else [])
 
 
 def run_recipe(
@@ -133,21 +143,28 @@ def run_recipe(
     # Under torchrun every rank runs this function; only pretraining needs them all. Rank 0 runs the
     # other stages and owns the run folder's files while the other ranks wait at a barrier.
     rank, world = _rank_and_world()
+    run_store.check_stages(recipe, wanted)
     if rank == 0:
-        recipe.run_dir.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(recipe.run_dir / "recipe.json", json.dumps(recipe_to_dict(recipe), indent=2))
+        run_dir = run_store.local_run_dir(recipe)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        text = json.dumps(recipe_to_dict(recipe), indent=2)
+        write_text_atomic(run_dir / "recipe.json", text)
+        run_store.write_recipe(recipe, text)
     for stage in (s for s in STAGES if s in wanted):
         out = stage_dir(recipe, stage)
         marker = out / MARKER
         if not force and is_done(recipe, stage):
             if rank == 0:
-                print(f"[{stage}] done already in {out}, skipping")
-            results[stage] = json.loads(marker.read_text()).get("stats", {})
+                print(f"[{stage}] done already in {run_store.published(recipe, stage)}, skipping")
+            results[stage] = json.loads(run_store.read_marker(recipe, stage)).get("stats", {})
             continue
         if rank == 0:
             _prepare_stage_dir(recipe, stage, force)
-            print(f"[{stage}] -> {out}")
+            where = run_store.published(recipe, stage)
+            print(f"[{stage}] -> {where}" + (f" (staged in {out})" if where != out else ""))
         _barrier(world)
+        for upstream in _inputs_of(recipe, stage):
+            run_store.fetch_stage(recipe, upstream)  # a stage published on the store: its local copy
         started = time.time()
         stats = None
         if rank == 0 or stage in RESUMABLE:
@@ -173,8 +190,11 @@ def run_recipe(
                 "stats": stats,
             }
             write_text_atomic(marker, json.dumps(done, indent=2, default=str))
+            run_store.publish_stage(recipe, stage)  # on an object store: every file, then DONE
         _barrier(world)
-        results[stage] = stats if stats is not None else json.loads(marker.read_text()).get("stats", {})
+        results[stage] = (
+            stats if stats is not None else json.loads(run_store.read_marker(recipe, stage)).get("stats", {})
+        )
     return results
 
 
@@ -182,36 +202,36 @@ def _prepare_stage_dir(recipe: Recipe, stage: str, force: bool) -> None:
     """Make the stage's folder ready to run into: an extended stage keeps its folder (and resumes),
     a stale training stage moves to <stage>.previous-N, other stale or partial output is removed."""
     out = stage_dir(recipe, stage)
-    marker = out / MARKER
-    if stage == "data" and not force and not marker.exists() and (out / "work" / SLURM_DIR).is_dir():
+    marker_text = run_store.read_marker(recipe, stage)
+    if stage == "data" and not force and marker_text is None and (out / "work" / SLURM_DIR).is_dir():
         print(f"[{stage}] continuing the Slurm run in {out}")  # its finished tasks are kept
         return
-    if out.exists() and (marker.exists() or stage not in RESUMABLE or force):
-        changes = _marker_changes(recipe, stage) if marker.exists() else None
+    if run_store.stage_exists(recipe, stage) and (marker_text is not None or stage not in RESUMABLE or force):
+        changes = _marker_changes(recipe, stage) if marker_text is not None else None
         if not force and changes is not None and _extends(stage, changes):
             key = EXTENDS[stage]
             old, new = changes[key]
             print(f"[{stage}] extending the run: {key}: {old} -> {new}; resuming from its newest checkpoint")
             _print_schedule_change(recipe, old)
+            run_store.fetch_stage(recipe, stage)  # its metrics and logs continue in the staging copy
             with open(out / EXTENSIONS_LOG, "a") as f:
-                f.write(json.dumps(json.loads(marker.read_text())) + "\n")
-            marker.unlink()
+                f.write(json.dumps(json.loads(marker_text)) + "\n")
+            run_store.unpublish(recipe, stage)
             (out / "stats.json").unlink(missing_ok=True)
         elif stage in RESUMABLE:
             # Checkpoints cost compute to remake: every earlier output of a training stage is kept.
-            previous = _next_previous(out)
-            out.rename(previous)
+            previous = run_store.move_to_previous(recipe, stage)
             print(f"[{stage}] {_reason(changes, force)}; earlier output kept in {previous}")
         else:  # stale or partial output of a stage that cannot resume: rebuild from scratch
-            if marker.exists():
+            if marker_text is not None:
                 print(f"[{stage}] {_reason(changes, force)}; rebuilding")
-            shutil.rmtree(out)
+            run_store.remove_stage(recipe, stage)
     out.mkdir(parents=True, exist_ok=True)
 
 
 def _marker_changes(recipe: Recipe, stage: str) -> dict[str, tuple] | None:
     try:
-        recorded = json.loads((stage_dir(recipe, stage) / MARKER).read_text()).get("inputs")
+        recorded = json.loads(run_store.read_marker(recipe, stage) or "").get("inputs")
     except (ValueError, AttributeError):
         return None
     return changed_keys(recorded, stage_inputs(recipe, stage)) if isinstance(recorded, dict) else None
@@ -223,13 +243,6 @@ def _extends(stage: str, changes: dict[str, tuple]) -> bool:
         return False
     old, new = changes[key]
     return isinstance(old, int) and isinstance(new, int) and new > old
-
-
-def _next_previous(out: Path) -> Path:
-    n = 1
-    while (previous := out.with_name(f"{out.name}.previous-{n}")).exists():
-        n += 1
-    return previous
 
 
 def _print_schedule_change(recipe: Recipe, old_steps: int) -> None:
@@ -305,17 +318,29 @@ def _pretrain(recipe: Recipe, out: Path, resume: str = "auto", init_from: str | 
     elif arch_of(model_cfg) == "t5":  # span corruption and the seq2seq loss
         tokenizer = stage_dir(recipe, "tokenizer") / "tokenizer.json"
         family = t5_trainer_kwargs(stage_dir(recipe, "pack"), tokenizer, recipe.train, model_cfg, _rank_and_world()[1])
-    trainer = Trainer(
-        model_cfg,
-        recipe.train,
-        stage_dir(recipe, "pack"),
-        out,
-        recipe_dict=recipe_to_dict(recipe),
-        resume=resume,
-        init_from=init_from,
-        parallel=recipe.parallel,
-        **family,
-    )
+    train_cfg = recipe.train
+    if run_store.remote_run(recipe) and not train_cfg.checkpoint_dir:
+        # Straight to the store, manifest last: a killed run resumes from there on any machine.
+        ckpts = storage.join(run_store.published(recipe, "pretrain"), run_store.CHECKPOINTS)
+        train_cfg = dataclasses.replace(train_cfg, checkpoint_dir=ckpts)
+    try:
+        trainer = Trainer(
+            model_cfg,
+            train_cfg,
+            stage_dir(recipe, "pack"),
+            out,
+            recipe_dict=recipe_to_dict(recipe),
+            resume=resume,
+            init_from=init_from,
+            parallel=recipe.parallel,
+            **family,
+        )
+    except ConfigError as err:
+        if train_cfg is recipe.train or err.key != "train.checkpoint_dir":
+            raise
+        raise ConfigError(
+            "run.out_dir", f"the pretrain stage cannot keep its checkpoints there: {err.message}"
+        ) from None
     return trainer.fit()
 
 
@@ -324,7 +349,7 @@ def _sample(recipe: Recipe, out: Path, **_) -> dict:
     from kiln.infer.samples import sample_texts  # lazy: torch, for model stages only
     from kiln.peft.load import load_model  # lazy: torch, for model stages only
 
-    source = resolve_checkpoint(stage_dir(recipe, "pretrain"))
+    source = resolve_checkpoint(run_store.published(recipe, "pretrain"))
     model, manifest = load_model(source)
     print(loaded_line(source, manifest))
     tokenizer = Tokenizer.load(stage_dir(recipe, "tokenizer"))
@@ -502,7 +527,7 @@ def _run_all(recipe: Recipe, args: argparse.Namespace) -> None:
     stages = parse_stages(args.stages)
     _check_training_layout(recipe, stages or recipe.run.stages)
     results = run_recipe(recipe, stages, force=args.force)
-    print(f"run folder: {recipe.run_dir}")
+    print(f"run folder: {run_store.remote_run(recipe) or run_store.local_run_dir(recipe)}")
     ran = [s for s in STAGES if s in results]
     if ran and _rank_and_world()[0] == 0:
         print(next_command(ran[-1], recipe.run.stages, args.recipe, stage_dir(recipe, ran[-1]), recipe.sample.prompt))

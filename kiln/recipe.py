@@ -24,7 +24,7 @@ from kiln.parallel.config import ParallelConfig
 from kiln.peft.config import PeftConfig
 from kiln.post.config import DistillConfig, DPOConfig, GRPOConfig, PPOConfig, RMConfig, SFTConfig, TaskConfig
 from kiln.recipe_files import resolve_recipe
-from kiln.storage import StorageConfig, configure
+from kiln.storage import StorageConfig, configure, is_remote
 from kiln.train.config import TrainConfig
 
 STAGES = ("corpus", "data", "tokenizer", "pack", "pretrain", "sample", "sft", "rm", "dpo", "ppo", "grpo", "distill")
@@ -70,6 +70,11 @@ class Recipe:
 
     @property
     def run_dir(self) -> Path:
+        """The local run folder; a remote run.out_dir is `kiln run`'s alone (kiln/run_store.py)."""
+        if is_remote(self.run.out_dir):
+            raise ConfigError(
+                "run.out_dir", f"{self.run.out_dir}: this command writes a local run folder; use a local path"
+            )
         return Path(self.run.out_dir) / self.run.name
 
     def validate(self) -> None:

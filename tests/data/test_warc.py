@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import re
 import subprocess
 import sys
@@ -11,7 +12,9 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from kiln_testing.s3 import KEYS
 
+from kiln import storage
 from kiln.data import warc_demo
 from kiln.data.config import CurateConfig
 from kiln.data.curate import curate
@@ -19,6 +22,7 @@ from kiln.data.readers import read_documents
 from kiln.data.steps import build_step
 from kiln.data.warc import read_warc
 from kiln.errors import ConfigError
+from kiln.model.weights import load_weights
 
 pytest.importorskip("warcio", reason="WARC input needs warcio (pip install 'kiln[data]')")
 pytest.importorskip("resiliparse", reason="the default HTML extractor is resiliparse (pip install 'kiln[data]')")
@@ -251,3 +255,54 @@ def test_crawl_demo_recipe_end_to_end(tmp_path):
     evals = [json.loads(line) for line in (run_dir / "pretrain" / "metrics.jsonl").read_text().splitlines()]
     val = [r["val_loss"] for r in evals if r["kind"] == "val"]
     assert len(val) >= 2 and val[-1] < val[0], val
+
+
+@pytest.mark.slow
+@needs_debian_html
+def test_crawl_demo_recipe_on_s3(tmp_path, s3_bucket, s3_server):
+    """The same recipe with s3:// paths: the crawl read from the store and every stage folder
+    published there; a second `kiln run` finds everything done."""
+    warc = tmp_path / "debian-html.warc.gz"
+    subprocess.run([sys.executable, "-m", "kiln.data.warc_demo", str(warc)], check=True, capture_output=True)
+    storage.upload(warc, f"{s3_bucket}/crawl/debian-html.warc.gz")
+    env = {
+        **os.environ,
+        "AWS_ACCESS_KEY_ID": KEYS["key"],
+        "AWS_SECRET_ACCESS_KEY": KEYS["secret"],
+        "AWS_DEFAULT_REGION": "eu-west-1",
+        "KILN_CACHE": str(tmp_path / "cache"),
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "kiln.cli",
+        "run",
+        "recipes/crawl-demo.toml",
+        f'run.out_dir="{s3_bucket}/runs"',
+        f'data.inputs=["{s3_bucket}/crawl/debian-html.warc.gz"]',
+        f'storage.s3.endpoint_url="{s3_server}"',
+        # A short chain: the storage is under test here, not how far the loss falls.
+        "tokenizer.vocab_size=1024",
+        "train.max_steps=6",
+        "train.warmup_steps=2",
+        "train.eval_every=3",
+        "train.ckpt_every=3",
+        "sample.max_new_tokens=8",
+    ]
+    first = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    assert first.returncode == 0, first.stderr[-3000:]
+    run = f"{s3_bucket}/runs/crawl-demo"
+    stages = ("data", "tokenizer", "pack", "pretrain", "sample")
+    for stage in stages:
+        assert storage.isfile(f"{run}/{stage}/DONE"), stage
+    rows = {row["name"]: row for row in json.loads(storage.read_text(f"{run}/data/stats.json"))["steps"]}
+    assert rows["read"]["reasons"] == {"not_html": 2}
+    assert storage.isfile(f"{run}/pretrain/checkpoints/step-00000006/manifest.json")
+    _, weights, manifest = load_weights(f"{run}/pretrain")
+    assert manifest["step"] == 6 and weights["tok_embeddings.weight"].shape[0] == 1024
+    assert "--- sample 0" in storage.read_text(f"{run}/sample/samples.txt")
+    second = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    assert second.returncode == 0, second.stderr[-3000:]
+    for stage in stages:
+        assert f"[{stage}] done already in {run}/{stage}, skipping" in second.stdout
+    assert "finished in" not in second.stdout
