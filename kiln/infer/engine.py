@@ -292,8 +292,8 @@ class Engine:
 
     compile_decode=True decodes with a static-shape step compiled by torch.compile
     (kiln.infer.static_decode): the first request of each (batch, cache length bucket) pays the
-    compile (seconds to a minute), later ones run the compiled graph. The graph holds the weights as
-    they were when it was compiled, so make a new Engine after changing them."""
+    compile (seconds to a minute on a CPU), later ones run the compiled graph. Greedy and seeded
+    tokens are the eager engine's (tests/infer/test_static_decode.py)."""
 
     def __init__(self, model, tokenizer=None, compile_decode: bool = False):
         self.model = model

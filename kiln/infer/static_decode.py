@@ -84,8 +84,8 @@ class _StaticLayerCache:
         positions, mask = self.cache._step
         slots = positions[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])  # [B, kv_heads, T, hd]
         k_all, v_all = self.cache.k[self.index], self.cache.v[self.index]
-        k_all.scatter_(2, slots, k)
-        v_all.scatter_(2, slots, v)
+        k_all.scatter_(2, slots, k.to(k_all.dtype))
+        v_all.scatter_(2, slots, v.to(v_all.dtype))
         return k_all, v_all, {"attn_mask": mask}
 
 
@@ -93,14 +93,16 @@ class CompiledDecoder:
     """The model's decode step, compiled on first use (dynamic=False, fullgraph=True: a graph break or
     a shape that would need one fails loudly instead of running half eager). Holds one compiled
     function; torch.compile caches a graph per input shape, and the bucketed cache lengths keep those
-    few. With inductor's freezing the weights are folded into the graph (prepacked for oneDNN), so a
-    model whose weights change afterwards needs a new CompiledDecoder (a new Engine)."""
+    few. Inductor's C++ wrapper (cpp_wrapper) calls the kernels from C++ instead of a Python function:
+    at one token per step the Python wrapper's per-kernel overhead is a measurable part of the step
+    (docs/benchmarks.md). The weights are read as graph inputs, not folded in (no freezing), so the
+    graph stays right if they change in place; guards recompile if they are replaced."""
 
     def __init__(self, model, backend: str = "inductor"):
         check_compilable(model)
         self.model = model
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, _RECOMPILE_LIMIT)
-        options = {"freezing": True} if backend == "inductor" else None
+        options = {"cpp_wrapper": True} if backend == "inductor" else None
         self._step = torch.compile(self._forward, backend=backend, dynamic=False, fullgraph=True, options=options)
 
     def _forward(self, tokens: torch.Tensor, lengths: torch.Tensor, k: list[torch.Tensor], v: list[torch.Tensor]):
@@ -116,7 +118,11 @@ class StaticDecode:
 
     def __init__(self, decoder: CompiledDecoder, cache):
         self.decoder = decoder
-        self.k, self.v = [k.clone() for k in cache.k.unbind(0)], [v.clone() for v in cache.v.unbind(0)]
+        # On the CPU the keys and values are kept in float32 whatever the model's dtype: attention for
+        # one query runs 5-7x faster in float32 than in bf16 there (docs/benchmarks.md).
+        dtype = torch.float32 if cache.k.device.type == "cpu" else cache.k.dtype
+        self.k = [k.to(dtype, copy=True) for k in cache.k.unbind(0)]
+        self.v = [v.to(dtype, copy=True) for v in cache.v.unbind(0)]
         self.lengths = torch.tensor(cache.lengths, device=cache.k.device)
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
