@@ -123,6 +123,9 @@ def contenders(base, export_dir: Path, schemes: list[str], compiled: bool) -> di
         if compiled:
             out[f"kiln {name} compiled"] = kiln_generate(copy.deepcopy(base).to(dtype), compile_decode=True)
     out["kiln bf16 prepacked"] = kiln_generate(prepack_bf16(copy.deepcopy(base).to(torch.bfloat16)))
+    if compiled:
+        packed = prepack_bf16(copy.deepcopy(base).to(torch.bfloat16))
+        out["kiln bf16 prepacked compiled"] = kiln_generate(packed, compile_decode=True)
     for scheme in schemes:
         kind, _, group = scheme.partition("-g")
         model = quantize_model(copy.deepcopy(base).to(torch.bfloat16), kind, int(group) if group else None)
@@ -165,7 +168,7 @@ def report_speed(rates: dict, others: list[float], max_others: float, batch: int
     for name, per_round in rates.items():
         base = "transformers fp32" if "fp32" in name else "transformers bf16"
         ratio = "" if name.startswith("transformers") else f"  {medians[name] / medians[base]:5.2f}x vs {base}"
-        if name.endswith(" compiled"):
+        if name.endswith(" compiled") and name.removesuffix(" compiled") in medians:
             ratio += f", {medians[name] / medians[name.removesuffix(' compiled')]:4.2f}x vs eager"
         spread = ", ".join(f"{v:.0f}" + ("" if ok else "*") for v, ok in zip(per_round, clean))
         print(f"  {name:22s} {medians[name]:7.1f}{ratio}   (rounds: {spread})")
@@ -427,7 +430,7 @@ def main() -> None:
                 f"bf16 prepacked {med['kiln bf16 prepacked'] / med['transformers bf16']:.2f}x"
                 + "".join(
                     f", {d} compiled {med[f'kiln {d} compiled'] / med[f'transformers {d}']:.2f}x"
-                    for d in ("fp32", "bf16")
+                    for d in ("fp32", "bf16", "bf16 prepacked")
                     if f"kiln {d} compiled" in med
                 )
                 + "".join(

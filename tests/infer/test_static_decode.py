@@ -5,6 +5,7 @@ The fast tests trace with dynamo's "eager" backend (the graph is captured, shape
 recompiles are counted exactly as with inductor, but nothing is code-generated); one slow test runs
 inductor itself."""
 
+import copy
 import dataclasses
 
 import pytest
@@ -13,6 +14,7 @@ from torch._dynamo.utils import counters
 
 from kiln.errors import ConfigError
 from kiln.infer.engine import Engine
+from kiln.infer.quant import prepack_bf16
 from kiln.infer.static_decode import CompiledDecoder, cache_length
 from kiln.model import ModelConfig, build_model
 from kiln.model.config import RopeScaling
@@ -115,4 +117,15 @@ def test_inductor_greedy_equals_eager():
     torch._dynamo.reset()
     counters.clear()
     assert_same(Engine(model).generate(PROMPTS, **kwargs), engine.generate(PROMPTS, **kwargs))
+    assert graphs_and_recompiles() == (1, 0)
+
+
+def test_prepacked_bf16_weights_compile_and_give_the_unpacked_tokens():
+    """PackedLinear's opaque oneDNN weight reaches the graph through the kiln::packed_linear op;
+    prepacking is bit-identical to F.linear, so the tokens are those of the plain bf16 model."""
+    model = tiny_model().to(torch.bfloat16)
+    kwargs = dict(max_new_tokens=20, temperature=0)
+    plain = compiled_engine(model).generate(PROMPTS, **kwargs)
+    packed = prepack_bf16(copy.deepcopy(model))
+    assert_same(plain, compiled_engine(packed).generate(PROMPTS, **kwargs))
     assert graphs_and_recompiles() == (1, 0)
