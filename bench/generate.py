@@ -171,7 +171,7 @@ def report_speed(rates: dict, others: list[float], max_others: float, batch: int
         if name.endswith(" compiled") and name.removesuffix(" compiled") in medians:
             ratio += f", {medians[name] / medians[name.removesuffix(' compiled')]:4.2f}x vs eager"
         spread = ", ".join(f"{v:.0f}" + ("" if ok else "*") for v, ok in zip(per_round, clean))
-        print(f"  {name:22s} {medians[name]:7.1f}{ratio}   (rounds: {spread})")
+        print(f"  {name:28s} {medians[name]:7.1f}{ratio}   (rounds: {spread})")
     return medians
 
 
@@ -429,7 +429,7 @@ def main() -> None:
                 f"bf16 {med['kiln bf16'] / med['transformers bf16']:.2f}x, "
                 f"bf16 prepacked {med['kiln bf16 prepacked'] / med['transformers bf16']:.2f}x"
                 + "".join(
-                    f", {d} compiled {med[f'kiln {d} compiled'] / med[f'transformers {d}']:.2f}x"
+                    f", {d} compiled {med[f'kiln {d} compiled'] / med['transformers ' + d.split()[0]]:.2f}x"
                     for d in ("fp32", "bf16", "bf16 prepacked")
                     if f"kiln {d} compiled" in med
                 )
