@@ -26,6 +26,9 @@ at batch 1 with and without the draft (bf16, prepacked).
     python bench/generate.py                      # speed at batch 1 and 8, perplexity table
     python bench/generate.py --batches 1 --rounds 3 --skip-ppl
     python bench/generate.py --speculative
+
+Kiln with the compiled static-shape decode step (Engine(compile_decode=True)) runs beside the eager
+engine in fp32 and bf16 (--skip-compiled leaves it out); its first call, in the warm-up, compiles.
 """
 
 from __future__ import annotations
@@ -58,6 +61,18 @@ def machine_busy_seconds() -> float:
     return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
+def cpu_model() -> str:
+    """The CPU's model name and the vector flags that matter to torch's kernels (from /proc/cpuinfo)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = dict(line.split(":", 1) for line in f.read().split("\n\n")[0].splitlines() if ":" in line)
+    except OSError:
+        return "unknown"
+    info = {k.strip(): v.strip() for k, v in info.items()}
+    flags = [f for f in info.get("flags", "").split() if f.startswith(("avx512", "amx")) or f in ("avx2", "fma")]
+    return f"{info.get('model name', 'unknown')} (flags: {' '.join(flags)})"
+
+
 def timed(fn) -> tuple[float, float]:
     """(wall seconds, CPU cores other processes kept busy meanwhile)."""
     machine, ours = machine_busy_seconds(), sum(os.times()[:2])
@@ -88,8 +103,8 @@ def hf_generate(model):
     return run
 
 
-def kiln_generate(model):
-    engine = Engine(model)
+def kiln_generate(model, compile_decode: bool = False):
+    engine = Engine(model, compile_decode=compile_decode)
 
     def run(prompts: torch.Tensor, new: int) -> list[list[int]]:
         return [c.ids for c in engine.generate(prompts.tolist(), new, temperature=0)]
@@ -97,7 +112,7 @@ def kiln_generate(model):
     return run
 
 
-def contenders(base, export_dir: Path, schemes: list[str]) -> dict:
+def contenders(base, export_dir: Path, schemes: list[str], compiled: bool) -> dict:
     from transformers import AutoModelForCausalLM
 
     out = {}
@@ -105,7 +120,12 @@ def contenders(base, export_dir: Path, schemes: list[str]) -> dict:
         hf = AutoModelForCausalLM.from_pretrained(export_dir, dtype=dtype, attn_implementation="sdpa").eval()
         out[f"transformers {name}"] = hf_generate(hf)
         out[f"kiln {name}"] = kiln_generate(copy.deepcopy(base).to(dtype))
+        if compiled:
+            out[f"kiln {name} compiled"] = kiln_generate(copy.deepcopy(base).to(dtype), compile_decode=True)
     out["kiln bf16 prepacked"] = kiln_generate(prepack_bf16(copy.deepcopy(base).to(torch.bfloat16)))
+    if compiled:
+        packed = prepack_bf16(copy.deepcopy(base).to(torch.bfloat16))
+        out["kiln bf16 prepacked compiled"] = kiln_generate(packed, compile_decode=True)
     for scheme in schemes:
         kind, _, group = scheme.partition("-g")
         model = quantize_model(copy.deepcopy(base).to(torch.bfloat16), kind, int(group) if group else None)
@@ -116,8 +136,11 @@ def contenders(base, export_dir: Path, schemes: list[str]) -> dict:
 def decode_rates(runs: dict, prompts: torch.Tensor, new: int, rounds: int):
     """{name: [decode tokens/s per round]}, [busiest other-process load per round]."""
     batch = prompts.shape[0]
-    for run in runs.values():  # warm up allocator, oneDNN primitives, lazy imports
-        run(prompts, 4)
+    for name, run in runs.items():  # warm up allocator, oneDNN primitives, lazy imports; compile
+        # The full length, so that the compiled decoders trace the cache length the rounds use.
+        warm, _ = timed(lambda: run(prompts, new))
+        if "compiled" in name:
+            print(f"  [batch {batch}] {name}: first call (compiles the decode step) {warm:.1f} s")
     names = list(runs)
     rates, others = {n: [] for n in names}, []
     for r in range(rounds):
@@ -145,8 +168,10 @@ def report_speed(rates: dict, others: list[float], max_others: float, batch: int
     for name, per_round in rates.items():
         base = "transformers fp32" if "fp32" in name else "transformers bf16"
         ratio = "" if name.startswith("transformers") else f"  {medians[name] / medians[base]:5.2f}x vs {base}"
+        if name.endswith(" compiled") and name.removesuffix(" compiled") in medians:
+            ratio += f", {medians[name] / medians[name.removesuffix(' compiled')]:4.2f}x vs eager"
         spread = ", ".join(f"{v:.0f}" + ("" if ok else "*") for v, ok in zip(per_round, clean))
-        print(f"  {name:22s} {medians[name]:7.1f}{ratio}   (rounds: {spread})")
+        print(f"  {name:28s} {medians[name]:7.1f}{ratio}   (rounds: {spread})")
     return medians
 
 
@@ -347,6 +372,9 @@ def main() -> None:
         default=0.25,
         help="leave out rounds in which other processes kept more CPU cores busy than this",
     )
+    parser.add_argument(
+        "--skip-compiled", action="store_true", help="leave out Kiln with the compiled decode step (compile_decode)"
+    )
     parser.add_argument("--ckpt", default="runs/tiny/pretrain")
     parser.add_argument("--pack", default="runs/tiny/pack")
     parser.add_argument("--ppl-windows", type=int, default=128)
@@ -359,6 +387,7 @@ def main() -> None:
 
     import transformers
 
+    print(f"CPU: {cpu_model()}, {os.cpu_count()} logical cores")
     print(
         f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.get_num_threads()} "
         f"threads, CPU capability {torch.backends.cpu.get_cpu_capability()}, load average "
@@ -383,7 +412,7 @@ def main() -> None:
 
         with tempfile.TemporaryDirectory() as export_dir:
             export_hf(cfg, base.state_dict(), None, export_dir)
-            runs = contenders(base, Path(export_dir), [s for s in args.schemes.split(",") if s])
+            runs = contenders(base, Path(export_dir), [s for s in args.schemes.split(",") if s], not args.skip_compiled)
         gen = torch.Generator().manual_seed(1)
         check = torch.randint(0, cfg.vocab_size, (4, args.prompt_len), generator=gen)
         same = runs["kiln fp32"](check, 32) == runs["transformers fp32"](check, 32)
@@ -399,6 +428,11 @@ def main() -> None:
                 f"  batch {batch}: fp32 {med['kiln fp32'] / med['transformers fp32']:.2f}x, "
                 f"bf16 {med['kiln bf16'] / med['transformers bf16']:.2f}x, "
                 f"bf16 prepacked {med['kiln bf16 prepacked'] / med['transformers bf16']:.2f}x"
+                + "".join(
+                    f", {d} compiled {med[f'kiln {d} compiled'] / med['transformers ' + d.split()[0]]:.2f}x"
+                    for d in ("fp32", "bf16", "bf16 prepacked")
+                    if f"kiln {d} compiled" in med
+                )
                 + "".join(
                     f", {s} {med[f'kiln {s}'] / med['transformers bf16']:.2f}x" for s in args.schemes.split(",") if s
                 )

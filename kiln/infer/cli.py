@@ -38,6 +38,16 @@ def add_inference_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_compile_decode_arg(p: argparse.ArgumentParser) -> None:
+    """--compile-decode, shared with `kiln chat` and `kiln serve` (which refuses it)."""
+    p.add_argument(
+        "--compile-decode",
+        action="store_true",
+        help="decode with a static-shape step compiled by torch.compile: faster per token, the first "
+        "request pays the compile (docs/inference.md#compiled-decode)",
+    )
+
+
 def inference_options(args: argparse.Namespace) -> InferenceOptions:
     return InferenceOptions(
         device=getattr(args, "device", "auto"),
@@ -66,6 +76,7 @@ def add_parser(subparsers) -> None:
     add_inference_args(p)
     p.add_argument("--draft", help="draft checkpoint for speculative decoding (same tokenizer, smaller model)")
     p.add_argument("--draft-tokens", type=int, default=4, help="tokens the draft proposes per step")
+    add_compile_decode_arg(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -91,6 +102,12 @@ def run(args: argparse.Namespace) -> int:
         cfg.validate()
     except ConfigError as err:
         raise ConfigError("--" + err.key.replace("_", "-"), err.message, "<command line>") from None
+    if args.compile_decode and args.draft:
+        raise ConfigError(
+            "--compile-decode",
+            "does not apply to speculative decoding (--draft); use one or the other",
+            "<command line>",
+        )
     model, tokenizer = load_for_inference(args)
     try:
         if args.draft:
@@ -98,7 +115,9 @@ def run(args: argparse.Namespace) -> int:
                 model, load_draft(args.draft, model, args.draft_tokens), tokenizer, k=args.draft_tokens
             )
         else:
-            engine = Engine(model, tokenizer)
+            engine = Engine(model, tokenizer, compile_decode=args.compile_decode)
+            if args.compile_decode:
+                print("compiling the decode step (once per batch size and cache length)...", file=sys.stderr)
         texts = sample_texts(model, tokenizer, cfg, engine)
     except ConfigError as err:
         flag = {"draft": "--draft", "k": "--draft-tokens", "sample.prompt": "--prompt"}.get(

@@ -23,6 +23,7 @@ from kiln.errors import ConfigError
 from kiln.infer.config import SamplingParams
 from kiln.infer.sampling import sample_next_tokens
 from kiln.infer.seq2seq import prefill_seq2seq
+from kiln.infer.static_decode import CompiledDecoder, cache_length
 
 
 class KVCache:
@@ -287,11 +288,17 @@ def _encoder_decoder(model) -> bool:
 
 class Engine:
     """Generation from a kiln Transformer (or T5: kiln.infer.seq2seq) with a KV cache. tokenizer (anything with encode/decode)
-    is needed for text, stop strings and string prompts."""
+    is needed for text, stop strings and string prompts.
 
-    def __init__(self, model, tokenizer=None):
+    compile_decode=True decodes with a static-shape step compiled by torch.compile
+    (kiln.infer.static_decode): the first request of each (batch, cache length bucket) pays the
+    compile (seconds to a minute on a CPU), later ones run the compiled graph. Greedy and seeded
+    tokens are the eager engine's (tests/infer/test_static_decode.py)."""
+
+    def __init__(self, model, tokenizer=None, compile_decode: bool = False):
         self.model = model
         self.tokenizer = tokenizer
+        self.decoder = CompiledDecoder(model) if compile_decode else None
 
     def generate(
         self,
@@ -397,7 +404,7 @@ class Engine:
 
             cache, logits, tokens = prefill_seq2seq(model, prompts, max_new_tokens, make_cache)
         else:
-            cache, logits, tokens = self._prefill_decoder(prompts, max_new_tokens)
+            cache, logits, tokens = self._prefill_decoder(prompts, max_new_tokens, static=self.decoder is not None)
         seen = None
         if params.repetition_penalty != 1.0:  # over the decoder's tokens (the prompt's, for a decoder-only model)
             seen = torch.zeros(len(prompts), logits.shape[-1], dtype=torch.bool, device=device)
@@ -406,13 +413,16 @@ class Engine:
                 seen[:, 0] = torch.tensor([0 in p for p in prompts], device=device)  # 0 was the padding id
         return cache, logits, seen
 
-    def _prefill_decoder(self, prompts, max_new_tokens):
+    def _prefill_decoder(self, prompts, max_new_tokens, static: bool = False):
         model = self.model
         device = next(model.parameters()).device
         lengths = [len(p) for p in prompts]
         batch, longest = len(prompts), max(lengths)
         # A row's last token is sampled but never fed back, so it needs no slot.
-        cache = KVCache.for_model(model, batch, min(model.cfg.max_seq_len, longest + max_new_tokens - 1))
+        slots = min(model.cfg.max_seq_len, longest + max_new_tokens - 1)
+        if static:  # a few cache lengths, so that requests of different lengths share compiled graphs
+            slots = cache_length(slots, model.cfg.max_seq_len)
+        cache = KVCache.for_model(model, batch, slots)
         tokens = torch.zeros(batch, longest, dtype=torch.long, device=device)
         for row, prompt in enumerate(prompts):
             tokens[row, : len(prompt)] = torch.tensor(prompt, device=device)
@@ -436,7 +446,8 @@ class Engine:
             # encoder-decoder, whose prompt is the encoder's; else the prompt itself.
             lengths = [1] * batch if _encoder_decoder(model) else [len(p) for p in prompts]
             cache, logits, seen = self._prefill(prompts, max_new_tokens, params)
-            rows = list(range(batch))  # the prompt index of each cache row
+            static = self.decoder.start(cache) if self.decoder is not None else None
+            rows = list(range(batch))  # the prompt index of each cache row (None: finished, static decode)
             generators = self._generators(seed, batch, device)
             texts = [
                 TextStream(self.tokenizer, stop_strings) if self.tokenizer is not None else None for _ in range(batch)
@@ -447,6 +458,8 @@ class Engine:
                 new, logprob, temp_logprob, sample_logprob = sample_next_tokens(logits, params, seen, generators)
                 keep = []
                 for r, row in enumerate(rows):
+                    if row is None:
+                        continue
                     token, text = new[r], texts[r]
                     generated[row] += 1
                     piece, finish, stop = "", None, None
@@ -469,6 +482,11 @@ class Engine:
                 next_ids = torch.tensor(new, device=device)
                 if seen is not None:
                     seen[torch.arange(len(rows), device=device), next_ids] = True
+                if static is not None:
+                    # Finished rows stay in the batch, so the step keeps its shapes; their tokens are dropped.
+                    rows = [row if r in keep else None for r, row in enumerate(rows)]
+                    logits = static.step(next_ids[:, None])
+                    continue
                 if len(keep) < len(rows):
                     cache.keep(keep)
                     index = torch.tensor(keep, device=device)

@@ -35,6 +35,9 @@ multiple of 64 (padded rows have zero scale and zero, and their outputs are cut 
 
 from __future__ import annotations
 
+import itertools
+import weakref
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -254,6 +257,24 @@ def model_bytes(model: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in model.state_dict().values())
 
 
+# PackedLinear layers by key, for the compiled decode step: its packed weight is an opaque oneDNN
+# tensor that torch.compile cannot trace or lower, so under compile the layer calls packed_linear
+# with its key and the op reads the weight here. Weak: a dropped model frees its layers.
+_PACKED_LAYERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_PACKED_KEYS = itertools.count()
+
+
+@torch.library.custom_op("kiln::packed_linear", mutates_args=(), schema="(Tensor x, int key) -> Tensor")
+def packed_linear(x, key):
+    layer = _PACKED_LAYERS[key]
+    return torch.ops.mkldnn._linear_pointwise(x, layer.packed, layer.bias, "none", [], "")
+
+
+@packed_linear.register_fake
+def _packed_linear_shape(x, key):
+    return x.new_empty(*x.shape[:-1], _PACKED_LAYERS[key].out_features)
+
+
 class PackedLinear(nn.Module):
     """A bf16 nn.Linear whose weight is reordered once into oneDNN's blocked layout. F.linear on a
     plain bf16 weight lets oneDNN reorder it on every call, which at decode batch sizes costs as much as
@@ -270,8 +291,12 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), batch_hint)
         self.bias = None if linear.bias is None else linear.bias.detach().clone()
+        self.key = next(_PACKED_KEYS)
+        _PACKED_LAYERS[self.key] = self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # Engine(compile_decode=True): one opaque op in the graph
+            return packed_linear(x.to(torch.bfloat16), self.key)
         return torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), self.packed, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:

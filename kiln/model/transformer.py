@@ -148,7 +148,9 @@ class Attention(nn.Module):
             # cache says how to mask queries that sit at an offset in their row (plain is_causal
             # would align them with the first cached key).
             k, v, masking = kv_cache.update(k, v)
-            out = F.scaled_dot_product_attention(q, k, v, enable_gqa=group > 1, **masking)
+            # A cache may keep keys in higher precision than the model (kiln.infer.static_decode keeps
+            # them in float32 on the CPU, where one-query bf16 attention is several times slower).
+            out = F.scaled_dot_product_attention(q.to(k.dtype), k, v, enable_gqa=group > 1, **masking).to(q.dtype)
             return self.wo(out.transpose(1, 2).flatten(2))
         # The mask is passed only when set, so swapped-in attentions need not know about it.
         out = self.attention(q, k, v, enable_gqa=group > 1, **({"mask": mask} if mask is not None else {}))

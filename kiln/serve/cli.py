@@ -10,7 +10,7 @@ from kiln.checkpoint.format import resolve_checkpoint
 from kiln.config import finite_float
 from kiln.data.chat import chat_stop_ids, render_prompt
 from kiln.errors import ConfigError
-from kiln.infer.cli import add_inference_args, load_for_inference
+from kiln.infer.cli import add_compile_decode_arg, add_inference_args, load_for_inference
 from kiln.infer.engine import Engine
 
 # The post-training stages that train on conversations (kiln.recipe.POST_STAGES less rm, the reward
@@ -37,6 +37,7 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", help="checkpoint folder, checkpoints root, or stage folder")
     p.add_argument("--tokenizer", help="tokenizer.json (default: found next to the checkpoint)")
     add_inference_args(p)
+    add_compile_decode_arg(p)
 
 
 def add_parser(subparsers) -> None:
@@ -79,6 +80,15 @@ def run_serve(args: argparse.Namespace) -> int:
             raise ConfigError("--" + key.replace("_", "-"), f"must be >= 1, got {value}", "<command line>")
     if args.max_waiting < 0:
         raise ConfigError("--max-waiting", f"must be >= 0, got {args.max_waiting}", "<command line>")
+    if args.compile_decode:
+        # The scheduler adds requests to and drops them from the running batch between steps
+        # (KVCache.extend/keep), so its decode shapes change every few steps.
+        raise ConfigError(
+            "--compile-decode",
+            "is not supported by kiln serve: continuous batching changes the batch between steps; "
+            "it applies to kiln generate and kiln chat",
+            "<command line>",
+        )
     model, tokenizer = load_for_inference(args)
     trained = chat_trained(args.checkpoint)
     keys = list(args.api_key)
@@ -150,7 +160,10 @@ def run_chat(args: argparse.Namespace, stdin=None, stdout=None, stderr=None) -> 
     if args.max_new_tokens < 1:
         raise ConfigError("--max-new-tokens", f"must be >= 1, got {args.max_new_tokens}", "<command line>")
     model, tokenizer = load_for_inference(args)
-    engine = Engine(model, tokenizer)
+    try:
+        engine = Engine(model, tokenizer, compile_decode=args.compile_decode)
+    except ConfigError as err:  # a model the compiled step cannot serve
+        raise ConfigError("--compile-decode", err.message, "<command line>") from None
     stop = chat_stop_ids(tokenizer)
     max_seq_len = model.cfg.max_seq_len
     start = [{"role": "system", "content": args.system}] if args.system else []

@@ -166,6 +166,7 @@ def test_generate_with_a_draft_keeps_greedy_output(run, capsys, k):
         (["--draft-tokens", "0", "--draft", "DRAFT"], "--draft-tokens"),
         (["--draft", "OTHER"], "--draft"),  # another vocabulary
         (["--temperature", "-1"], "--temperature"),
+        (["--compile-decode", "--draft", "DRAFT"], "--compile-decode"),
     ],
 )
 def test_bad_flags_are_named(run, capsys, argv, flag):
@@ -174,6 +175,21 @@ def test_bad_flags_are_named(run, capsys, argv, flag):
     assert main(["generate", str(run["target"]), "--max-new-tokens", "4", *argv]) == 2
     err = capsys.readouterr().err
     assert f"{flag}:" in err, err
+
+
+def test_serve_refuses_compile_decode_by_name(run, capsys):
+    """Continuous batching changes the batch between steps, so the static-shape step cannot serve it."""
+    capsys.readouterr()
+    assert main(["serve", str(run["target"]), "--compile-decode"]) == 2
+    err = capsys.readouterr().err
+    assert "--compile-decode:" in err and "continuous batching" in err, err
+
+
+@pytest.mark.slow
+def test_generate_compile_decode_prints_the_eager_text(run, capsys):
+    """inductor compiles the step (~20-60 s on a shared 2-core machine)."""
+    argv = [run["target"], "--prompt", PROMPT, "--max-new-tokens", 12, "--temperature", 0, "--num-samples", 2]
+    assert generated(capsys, [*argv, "--compile-decode"]) == generated(capsys, argv)
 
 
 def test_serve_refuses_bad_quant_flags_before_starting(run):
