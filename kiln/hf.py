@@ -416,12 +416,18 @@ def import_hf_to_checkpoint(folder, out_dir) -> Path:
     return Path(out)
 
 
-def export_checkpoint_to_hf(ckpt_path, tokenizer_path, out_dir, chat: bool | None = None) -> Path:
+def export_checkpoint_to_hf(
+    ckpt_path, tokenizer_path, out_dir, chat: bool | None = None, dtype: str | None = None
+) -> Path:
     """Export a Kiln checkpoint (folder, checkpoints root or stage folder) to an HF folder. chat=None:
     a chat model when the checkpoint comes from a post-training stage (its recipe ran sft/dpo/grpo).
+    dtype (float32, bfloat16, float16) casts the floating-point tensors; None keeps the checkpoint's.
     A LoRA/QLoRA training checkpoint exports with its LoRA merged; one with bottleneck adapters is
     refused (a Llama model has no place for them)."""
     cfg, state, manifest = plain_weights(ckpt_path, adapters=False)
+    if dtype is not None:
+        cast = getattr(torch, dtype)
+        state = {name: t.to(cast) if t.is_floating_point() else t for name, t in state.items()}
     if chat is None:
         chat = any(part in ("sft", "dpo", "grpo") for part in Path(ckpt_path).resolve().parts)
     return export_hf(cfg, state, tokenizer_path, out_dir, chat=chat)

@@ -35,10 +35,10 @@ from kiln.parallel.dims import check_job_options, init_distributed
 from kiln.parallel.launch import add_launch_parser, run_launch
 from kiln.parallel.plan import Workload
 from kiln.parallel.plan_cli import add_plan_parser, run_plan
-from kiln.recipe import POST_STAGES, STAGES, Recipe, load_recipe, recipe_to_dict
+from kiln.recipe import POST_STAGES, STAGES, Recipe, export_source, load_recipe, recipe_to_dict
 from kiln.recipe_files import resolve_recipe
 from kiln.run_store import MARKER
-from kiln.stage_summary import next_command, stage_lines
+from kiln.stage_summary import loadable, model_output, next_command, stage_lines
 from kiln.train.schedule import lr_at
 
 # Which recipe sections determine each stage's output, upstream included.
@@ -72,9 +72,16 @@ EXTENDS = {"pretrain": "train.max_steps"}
 EXTENSIONS_LOG = "extensions.jsonl"  # the DONE markers an extended stage had, oldest first
 
 
+def _input_names(recipe: Recipe, stage: str) -> tuple[str, ...]:
+    # The export stage is shaped by the stage it exports (and everything upstream of that) and [export].
+    if stage == "export":
+        return (*STAGE_INPUTS[export_source(recipe)], "export")
+    return STAGE_INPUTS[stage]
+
+
 def _sections(recipe: Recipe, stage: str) -> dict:
     # The data section shapes downstream output only when the run curates its corpus.
-    names = [n for n in STAGE_INPUTS[stage] if n != "data" or "data" in recipe.run.stages]
+    names = [n for n in _input_names(recipe, stage) if n != "data" or "data" in recipe.run.stages]
     return {name: dataclasses.asdict(getattr(recipe, name)) for name in names}
 
 
@@ -388,6 +395,37 @@ def _post(stage: str):
     return run
 
 
+def _export(recipe: Recipe, out: Path, **_) -> dict:
+    """The run's model (export_source) as a transformers folder in out, with the run's tokenizer and,
+    for a post-trained model, the chat template and end-of-turn stop ids."""
+    from kiln.checkpoint import loaded_line, read_manifest  # lazy: torch, for model stages only
+    from kiln.hf import export_checkpoint_to_hf  # lazy: torch, for model stages only
+
+    source = export_source(recipe)
+    found = model_output(source, stage_dir(recipe, source))
+    if found is None or not is_done(recipe, source):
+        raise DataError(
+            f"[export] the {source} stage has no finished model in {stage_dir(recipe, source)}; "
+            f"run it first: kiln run RECIPE --stages {source}"
+        )
+    checkpoint = loadable(found)
+    manifest = read_manifest(checkpoint)
+    print(loaded_line(checkpoint, manifest))
+    chat = source in POST_STAGES
+    dtype = None if recipe.export.dtype == "checkpoint" else recipe.export.dtype
+    export_checkpoint_to_hf(checkpoint, stage_dir(recipe, "tokenizer") / "tokenizer.json", out, chat=chat, dtype=dtype)
+    config = json.loads((out / "config.json").read_text())
+    return {
+        "source": source,
+        "checkpoint": str(checkpoint),
+        "step": manifest.get("step"),
+        "architecture": config["architectures"][0],
+        "dtype": config.get("torch_dtype"),
+        "chat": chat,
+        "folder": str(out),
+    }
+
+
 STAGE_RUNNERS = {
     "corpus": _corpus,
     "data": _data,
@@ -396,6 +434,7 @@ STAGE_RUNNERS = {
     "pretrain": _pretrain,
     "sample": _sample,
     **{stage: _post(stage) for stage in POST_STAGES},
+    "export": _export,
 }
 
 
@@ -530,7 +569,12 @@ def _run_all(recipe: Recipe, args: argparse.Namespace) -> None:
     print(f"run folder: {run_store.remote_run(recipe) or run_store.local_run_dir(recipe)}")
     ran = [s for s in STAGES if s in results]
     if ran and _rank_and_world()[0] == 0:
-        print(next_command(ran[-1], recipe.run.stages, args.recipe, stage_dir(recipe, ran[-1]), recipe.sample.prompt))
+        last = ran[-1]
+        print(
+            next_command(
+                last, recipe.run.stages, args.recipe, stage_dir(recipe, last), recipe.sample.prompt, results[last]
+            )
+        )
 
 
 def _run_stage(recipe: Recipe, args: argparse.Namespace) -> None:

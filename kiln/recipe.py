@@ -27,15 +27,35 @@ from kiln.recipe_files import resolve_recipe
 from kiln.storage import StorageConfig, configure, is_remote
 from kiln.train.config import TrainConfig
 
-STAGES = ("corpus", "data", "tokenizer", "pack", "pretrain", "sample", "sft", "rm", "dpo", "ppo", "grpo", "distill")
+STAGES = (
+    "corpus",
+    "data",
+    "tokenizer",
+    "pack",
+    "pretrain",
+    "sample",
+    "sft",
+    "rm",
+    "dpo",
+    "ppo",
+    "grpo",
+    "distill",
+    "export",
+)
 POST_STAGES = ("sft", "rm", "dpo", "ppo", "grpo", "distill")
+# The stages whose model the export stage can write out (the reward model is a scorer, not a
+# language model), in pipeline order: by default it exports the last of them the run has.
+EXPORTABLE = ("pretrain", *(s for s in POST_STAGES if s != "rm"))
+EXPORT_DTYPES = ("checkpoint", "float32", "bfloat16", "float16")
 
 
 @dataclass
 class RunConfig:
     name: str = "tiny"
     out_dir: str = "runs"
-    stages: list[str] = field(default_factory=lambda: [s for s in STAGES if s != "data" and s not in POST_STAGES])
+    stages: list[str] = field(
+        default_factory=lambda: [s for s in STAGES if s not in ("data", "export") and s not in POST_STAGES]
+    )
 
     def validate(self) -> None:
         if not self.name or "/" in self.name or self.name.startswith("."):
@@ -45,6 +65,41 @@ class RunConfig:
                 raise ConfigError(
                     "stages", f"unknown stage {stage!r}{did_you_mean(stage, STAGES)}; known: {', '.join(STAGES)}"
                 )
+
+
+@dataclass
+class ExportConfig:
+    """`[export]`: the export stage writes a model of the run as a transformers folder into
+    <run>/export/. It lives here, not in kiln/hf.py, because its `source` is a stage of the run."""
+
+    source: str = "auto"  # auto: the last of EXPORTABLE in run.stages; else one of them by name
+    dtype: str = "checkpoint"  # the tensors' dtype in model.safetensors; checkpoint: as trained and saved
+
+    def validate(self) -> None:
+        if self.source != "auto" and self.source not in EXPORTABLE:
+            raise ConfigError("source", f"must be auto or a model stage ({', '.join(EXPORTABLE)}), got {self.source!r}")
+        if self.dtype not in EXPORT_DTYPES:
+            raise ConfigError("dtype", f"must be one of {', '.join(EXPORT_DTYPES)}, got {self.dtype!r}")
+
+
+def export_source(recipe: Recipe) -> str:
+    """The stage whose model the export stage writes: [export] source, or the run's last model stage.
+    A ConfigError names run.stages (or export.source) when the run has no such stage."""
+    if recipe.export.source != "auto":
+        if recipe.export.source not in recipe.run.stages:
+            raise ConfigError(
+                "export.source",
+                f"names {recipe.export.source!r}, which run.stages ({', '.join(recipe.run.stages)}) does not run",
+            )
+        return recipe.export.source
+    models = [s for s in recipe.run.stages if s in EXPORTABLE]
+    if not models:
+        raise ConfigError(
+            "run.stages",
+            f"export has nothing to export: the run trains no model ({', '.join(EXPORTABLE)}); "
+            f"add one before export or remove export",
+        )
+    return max(models, key=STAGES.index)
 
 
 @dataclass
@@ -65,6 +120,7 @@ class Recipe:
     rm: RMConfig = field(default_factory=RMConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
     peft: PeftConfig = field(default_factory=PeftConfig)
     storage: StorageConfig = field(default_factory=StorageConfig)
 
@@ -95,6 +151,8 @@ class Recipe:
                 )
         if isinstance(self.model, T5Config):
             self._validate_t5()
+        if "export" in self.run.stages:
+            export_source(self)  # refused before any stage runs when there is nothing to export
 
     def _validate_t5(self) -> None:
         """What a T5 run cannot do yet, refused by key before any stage starts."""

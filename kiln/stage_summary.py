@@ -48,6 +48,12 @@ def _headline(stage: str, stats: dict) -> str | None:
         return line + f" after {_num(stats.get('steps'))} steps, {_num(stats.get('tokens_seen'))} tokens"
     if stage == "sample":
         return f"{_num(stats.get('samples'))} samples from step {_num(stats.get('checkpoint_step'))}"
+    if stage == "export" and "architecture" in stats:
+        kind = "chat model" if stats.get("chat") else "model"
+        return (
+            f"{stats.get('source')} {kind} (step {_num(stats.get('step'))}) as {stats['architecture']}, "
+            f"{stats.get('dtype')}, with its tokenizer" + (" and chat template" if stats.get("chat") else "")
+        )
     return None  # post stages print their own headline (held-out accuracy, reward) in closing_lines
 
 
@@ -88,13 +94,24 @@ def stage_lines(stage: str, out: Path, stats: dict | None) -> list[str]:
     return lines + [f"[{stage}] {_outputs(stage, Path(out), stats)}"]
 
 
-def next_command(last: str, stages: list[str], recipe_arg: str | None, out: Path, prompt: str = "def ") -> str:
+def next_command(
+    last: str, stages: list[str], recipe_arg: str | None, out: Path, prompt: str = "def ", stats: dict | None = None
+) -> str:
     """What to run after stage `last`: the recipe's next stage when it has one left, else use the
-    model (generate, then serve) when the last stage trained one, else open the report."""
+    model (generate, then serve) when the last stage trained one, serve the exported model's
+    checkpoint after export (`kiln serve` loads Kiln checkpoints; transformers loads the export),
+    else open the report. `stats` is the last stage's (export's names what it exported)."""
     later = [s for s in stages if stages.index(s) > stages.index(last)] if last in stages else []
     recipe = shlex.quote(recipe_arg) if recipe_arg else "RECIPE"
-    if later:
-        return f"next: kiln {later[0]} {recipe}"
+    if later:  # `kiln export` is the hf verb; the export stage runs through `kiln run`
+        return f"next: kiln run {recipe} --stages export" if later[0] == "export" else f"next: kiln {later[0]} {recipe}"
+    if last == "export" and stats and stats.get("checkpoint"):
+        ckpt, folder = shlex.quote(stats["checkpoint"]), str(out)
+        local = f"kiln chat {ckpt}" if stats.get("chat") else f"kiln generate {ckpt} --prompt {shlex.quote(prompt)}"
+        return (
+            f"next: kiln serve {ckpt}   (or: {local}; in transformers: "
+            f"AutoModelForCausalLM.from_pretrained({folder!r}))"
+        )
     model_stage = last if last in MODEL_STAGES else ("pretrain" if last == "sample" else None)
     if model_stage is not None:
         found = model_output(model_stage, out.parent / model_stage)
