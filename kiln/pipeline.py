@@ -73,7 +73,13 @@ EXTENSIONS_LOG = "extensions.jsonl"  # the DONE markers an extended stage had, o
 def _sections(recipe: Recipe, stage: str) -> dict:
     # The data section shapes downstream output only when the run curates its corpus.
     names = [n for n in STAGE_INPUTS[stage] if n != "data" or "data" in recipe.run.stages]
-    return {name: dataclasses.asdict(getattr(recipe, name)) for name in names}
+    sections = {name: dataclasses.asdict(getattr(recipe, name)) for name in names}
+    if stage in POST_STAGES:
+        # A post stage starts from the one before it in run.stages: dropping or adding an earlier
+        # stage changes its starting weights although no section it reads has changed.
+        earlier = [s for s in POST_STAGES[: POST_STAGES.index(stage)] if s in recipe.run.stages]
+        sections["chain"] = {"stages_before": earlier}
+    return sections
 
 
 def stage_inputs(recipe: Recipe, stage: str) -> dict:
