@@ -82,7 +82,8 @@ def print_table(rows: list[dict]) -> None:
                 ("max", max),
                 ("std", lambda v: statistics.stdev(v) if len(v) > 1 else 0.0),
             ):
-                print(f"{name + ' ' + stat:>14} " + " ".join(f"{fn(values[s]):+7.3f}" for s in stages))
+                sign = "+" if name == "gain" and stat != "std" else ""
+                print(f"{name + ' ' + stat:>14} " + " ".join(f"{fn(values[s]):{sign}7.3f}" for s in stages))
         for s in stages:
             raised = sum(g > 0 for g in gains[s])
             print(f"  {s}: raised accuracy over the stage before it in {raised} of {len(gains[s])} seeds")
