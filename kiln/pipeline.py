@@ -1,7 +1,8 @@
 """`kiln run`: the stages a recipe names, in order, each into runs/<name>/<stage>/.
 
 A finished stage leaves a DONE marker holding a fingerprint of every config section that shaped
-its output (its own and its upstream stages') and those sections themselves. A rerun skips a stage
+its output (its own and its upstream stages'; for a post-training stage, also which post stages
+precede it in run.stages) and those sections themselves. A rerun skips a stage
 whose marker matches; a stage whose inputs changed is rebuilt, and so, through the fingerprints, is
 everything downstream of it. A training stage's earlier output is never deleted: it moves to
 <stage>.previous-N. Pretraining without a marker resumes from its newest complete checkpoint, and
