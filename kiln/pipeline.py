@@ -1,7 +1,8 @@
 """`kiln run`: the stages a recipe names, in order, each into runs/<name>/<stage>/.
 
 A finished stage leaves a DONE marker holding a fingerprint of every config section that shaped
-its output (its own and its upstream stages') and those sections themselves. A rerun skips a stage
+its output (its own and its upstream stages'; for a post-training stage, also which post stages
+precede it in run.stages) and those sections themselves. A rerun skips a stage
 whose marker matches; a stage whose inputs changed is rebuilt, and so, through the fingerprints, is
 everything downstream of it. A training stage's earlier output is never deleted: it moves to
 <stage>.previous-N. Pretraining without a marker resumes from its newest complete checkpoint, and
@@ -82,7 +83,14 @@ def _input_names(recipe: Recipe, stage: str) -> tuple[str, ...]:
 def _sections(recipe: Recipe, stage: str) -> dict:
     # The data section shapes downstream output only when the run curates its corpus.
     names = [n for n in _input_names(recipe, stage) if n != "data" or "data" in recipe.run.stages]
-    return {name: dataclasses.asdict(getattr(recipe, name)) for name in names}
+    sections = {name: dataclasses.asdict(getattr(recipe, name)) for name in names}
+    shaped_by = export_source(recipe) if stage == "export" else stage
+    if shaped_by in POST_STAGES:
+        # A post stage starts from the one before it in run.stages: dropping or adding an earlier
+        # stage changes its starting weights although no section it reads has changed.
+        earlier = [s for s in POST_STAGES[: POST_STAGES.index(shaped_by)] if s in recipe.run.stages]
+        sections["chain"] = {"stages_before": earlier}
+    return sections
 
 
 def stage_inputs(recipe: Recipe, stage: str) -> dict:

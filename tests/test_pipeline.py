@@ -48,6 +48,20 @@ def test_changed_section_rebuilds_stage_and_downstream(tmp_path, fake_stages):
     assert fake_stages == ["sample"]
 
 
+def test_dropping_an_earlier_post_stage_reruns_the_ones_after_it(tmp_path, fake_stages, capsys):
+    """GRPO starts from the post stage before it in run.stages; without DPO that is SFT, so the
+    GRPO that started from DPO is stale although no section GRPO reads changed."""
+    with_dpo = 'run.stages=["corpus", "tokenizer", "pack", "pretrain", "sft", "dpo", "grpo"]'
+    pipeline.run_recipe(recipe(tmp_path, with_dpo))
+    fake_stages.clear()
+    pipeline.run_recipe(recipe(tmp_path, 'run.stages=["corpus", "tokenizer", "pack", "pretrain", "sft", "grpo"]'))
+    assert fake_stages == ["grpo"]
+    assert "chain.stages_before: ['sft', 'dpo'] -> ['sft']" in capsys.readouterr().out
+    fake_stages.clear()
+    pipeline.run_recipe(recipe(tmp_path, with_dpo))
+    assert fake_stages == ["grpo"]  # dpo's own output is still current
+
+
 def test_stage_order_is_pipeline_order_not_list_order(tmp_path, fake_stages):
     pipeline.run_recipe(recipe(tmp_path, 'run.stages=["pack", "corpus"]'))
     assert fake_stages == ["corpus", "pack"]
