@@ -110,7 +110,13 @@ def test_trainer_with_chunked_head_logs_the_plain_losses(tiny_pack_factory, tmp_
     losses = {}
     for chunk in (0, 24):  # 64 tokens per micro-batch: chunks of 24, 24, 16
         out = tmp_path / f"chunk{chunk}"
-        Trainer(model, tiny_train_config(max_steps=4, eval_every=2, loss_chunk_tokens=chunk), pack, out).fit()
+        trainer = Trainer(model, tiny_train_config(max_steps=4, eval_every=2, loss_chunk_tokens=chunk), pack, out)
+        heads = set()  # whether each model call asked for hidden states (the chunked head) or logits
+        trainer.model.register_forward_pre_hook(
+            lambda _m, _args, kwargs: heads.add(kwargs.get("hidden_only", False)), with_kwargs=True
+        )
+        trainer.fit()
+        assert heads == {chunk > 0}
         rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         losses[chunk] = [r.get("loss", r.get("val_loss")) for r in rows if r["kind"] in ("train", "val")]
     assert len(losses[0]) >= 5
