@@ -24,6 +24,12 @@ dtype, so it says how close a step gets to this machine, not to a datasheet.
     python bench/train_step.py                          # fp32 and bf16, eager and compiled
     python bench/train_step.py --precision bf16 --repeats 7
     python bench/train_step.py --no-compile             # eager only (no compile warmup)
+    python bench/train_step.py --profile --precision bf16 --no-compile   # + per-op profile, chunked head
+
+--profile adds, per precision: a table of where each eager step's operator time goes (optimizer, loss
+head, attention, block matmuls, norms, elementwise/other; bench/step_profile.py) for transformers,
+Kiln and Kiln with train.loss_chunk_tokens, and the chunked head against the plain one in Kiln's
+step (interleaved rounds, eager and, unless --no-compile, compiled; peak tensor memory of one step).
 """
 
 from __future__ import annotations
@@ -34,10 +40,13 @@ import statistics
 import time
 
 import torch
+from step_profile import OPTIMIZER_SCOPE, format_table, profile_steps, scope_modules
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.profiler import record_function
 
 from kiln.model import ModelConfig, build_model, count_params, flops_per_token
 from kiln.train.config import TrainConfig
-from kiln.train.objective import next_token_loss
+from kiln.train.objective import chunked_next_token_loss, next_token_loss
 from kiln.train.optim import build_optimizer
 from kiln.train.precision import autocast
 
@@ -103,7 +112,15 @@ def optimizer_profile(cfg: ModelConfig, repeats: int, steps: int) -> dict[str, l
     return times
 
 
-def kiln_step(cfg: ModelConfig, precision: str, compile: bool, seq: int, batch: int, optimizer_impl: str):
+def kiln_step(
+    cfg: ModelConfig,
+    precision: str,
+    compile: bool,
+    seq: int,
+    batch: int,
+    optimizer_impl: str,
+    loss_chunk_tokens: int = 0,
+):
     torch.manual_seed(0)
     model = build_model(cfg)
     train_cfg = TrainConfig(
@@ -113,21 +130,26 @@ def kiln_step(cfg: ModelConfig, precision: str, compile: bool, seq: int, batch: 
         precision=precision,
         compile=compile,
         optimizer_impl=optimizer_impl,
+        loss_chunk_tokens=loss_chunk_tokens,
     )
     optimizer = build_optimizer(model, train_cfg)
-    # The same wrapping as Trainer with train.compile on: the loss function is compiled and the model
-    # it calls is not, so dynamo traces the model inline into the loss's graph.
-    loss_fn = torch.compile(next_token_loss) if compile else next_token_loss
+    # The same choice and wrapping as Trainer: the chunked head when train.loss_chunk_tokens is set;
+    # with train.compile on, the loss function is compiled and the model it calls is not, so dynamo
+    # traces the model inline into the loss's graph.
+    loss_fn = chunked_next_token_loss(loss_chunk_tokens) if loss_chunk_tokens else next_token_loss
+    loss_fn = torch.compile(loss_fn) if compile else loss_fn
     params = list(model.parameters())
 
     def step(x, y):
         with autocast(precision, "cpu"):
             loss, _ = loss_fn(model, (x, y))
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, train_cfg.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        with record_function(OPTIMIZER_SCOPE):  # a profiler scope (--profile); no cost otherwise
+            torch.nn.utils.clip_grad_norm_(params, train_cfg.grad_clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
 
+    step.model, step.head = model, model.output
     return step
 
 
@@ -143,10 +165,12 @@ def hf_step(cfg: ModelConfig, precision: str, compile: bool):
             # transformers' own causal-LM loss (labels shifted inside, logits upcast to float32).
             loss = forward_model(input_ids=x, labels=x, use_cache=False).loss
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        with record_function(OPTIMIZER_SCOPE):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
 
+    step.model, step.head = model, model.lm_head
     return step
 
 
@@ -219,6 +243,82 @@ def run(
     return rates, others, first_step
 
 
+def peak_step_bytes(step, x, y) -> int:
+    """Peak bytes of CPU tensors alive during one step (parameters, gradients, optimizer state and
+    activations), from torch's MemTracker, which follows every tensor's storage."""
+    tracker = MemTracker()
+    with tracker:
+        step(x, y)
+    return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+
+
+def loss_head_report(cfg: ModelConfig, precision: str, args) -> dict:
+    """--profile: the per-op table (transformers, Kiln, Kiln chunked; eager), then Kiln's chunked head
+    against the plain one: tokens/s in interleaved rounds (eager and compiled) and peak memory."""
+    chunk, batch, seq = args.loss_chunk_tokens, args.batch, args.seq
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randint(0, cfg.vocab_size, (batch, seq), generator=gen)
+    y = torch.randint(0, cfg.vocab_size, (batch, seq), generator=gen)
+    profiled = {
+        "transformers": hf_step(cfg, precision, False),
+        "kiln": kiln_step(cfg, precision, False, seq, batch, args.optimizer_impl),
+        f"kiln chunk {chunk}": kiln_step(cfg, precision, False, seq, batch, args.optimizer_impl, chunk),
+    }
+    columns = {}
+    for name, step in profiled.items():
+        scope_modules(step.model, step.head)
+        columns[name] = profile_steps(step, x, y, args.profile_steps, cfg.vocab_size)
+    print(f"\n[{precision}] eager step profile, ms of operator self time per step (mean of {args.profile_steps}):")
+    print("\n".join(format_table(columns)))
+    del profiled
+
+    modes = [False] if args.no_compile else [False, True]
+    steps_of = {
+        (c, compiled): kiln_step(cfg, precision, compiled, seq, batch, args.optimizer_impl, c)
+        for compiled in modes
+        for c in (0, chunk)
+    }
+    for step in steps_of.values():
+        time_steps(step, x, y, 1 + args.warmup)
+    rates = {key: [] for key in steps_of}
+    others = []
+    keys = list(steps_of)
+    for r in range(args.repeats):
+        busiest = 0.0
+        for key in keys[r % len(keys) :] + keys[: r % len(keys)]:
+            seconds, busy = time_steps(steps_of[key], x, y, args.steps)
+            rates[key].append(batch * seq * args.steps / seconds)
+            busiest = max(busiest, busy)
+        others.append(busiest)
+    clean = [busy <= args.max_others for busy in others]
+    if not any(clean):
+        print("  WARNING: other processes used the CPU in every round; using all rounds")
+        clean = [True] * len(others)
+    print(
+        f"[{precision}] Kiln loss head, chunked ({chunk} tokens) vs plain, {args.repeats} rounds x {args.steps} "
+        f"steps ({len(clean) - sum(clean)} busy left out; others' cores per round: "
+        f"{', '.join(f'{b:.2f}' for b in others)}):"
+    )
+    row = {}
+    for compiled in modes:
+        mode = "compiled" if compiled else "eager"
+        for c in (0, chunk):
+            med = statistics.median(v for v, ok in zip(rates[(c, compiled)], clean) if ok)
+            print(f"  {mode:8s} {'chunked' if c else 'plain':8s} {med:7.0f} tokens/s")
+        line, row[f"chunked/plain {mode}"] = ratio_line(
+            f"{mode}: chunked / plain tokens/s", rates, clean, (chunk, compiled), (0, compiled)
+        )
+        print(line)
+    plain_peak, chunked_peak = (peak_step_bytes(steps_of[(c, False)], x, y) for c in (0, chunk))
+    row["peak MiB plain"], row["peak MiB chunked"] = plain_peak / 2**20, chunked_peak / 2**20
+    print(
+        f"  peak tensor memory of one eager step (MemTracker): plain {plain_peak / 2**20:.0f} MiB, chunked "
+        f"{chunked_peak / 2**20:.0f} MiB ({chunked_peak / plain_peak:.2f}x; full fp32 logits are "
+        f"{batch * seq * cfg.vocab_size * 4 / 2**20:.0f} MiB)"
+    )
+    return row
+
+
 def label(key) -> str:
     side, compiled = key
     return f"{side} {'compiled' if compiled else 'eager'}"
@@ -265,6 +365,12 @@ def main() -> None:
         help="Kiln's train.optimizer_impl in the timed steps (transformers keeps torch's default AdamW)",
     )
     parser.add_argument("--no-optimizer-profile", action="store_true", help="skip the fused vs foreach timing")
+    parser.add_argument(
+        "--profile", action="store_true", help="per-op step profile and chunked vs plain loss head, per precision"
+    )
+    parser.add_argument("--profile-only", action="store_true", help="with --profile: skip the kiln/transformers timing")
+    parser.add_argument("--profile-steps", type=int, default=3, help="profiled steps per contender")
+    parser.add_argument("--loss-chunk-tokens", type=int, default=256, help="train.loss_chunk_tokens for --profile")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -304,6 +410,11 @@ def main() -> None:
     compile_modes = [False] if args.no_compile else [False, True]
     summary = []
     for precision in precisions:
+        if args.profile:
+            head_row = loss_head_report(cfg, precision, args)
+            print("  " + "  ".join(f"{k}={v:.2f}" for k, v in head_row.items()))
+            if args.profile_only:
+                continue
         dtype = torch.bfloat16 if precision == "bf16" else torch.float32
         peak = matmul_peak(dtype)
         rates, others, first_step = run(

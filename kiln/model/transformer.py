@@ -215,6 +215,10 @@ class Transformer(nn.Module):
             self.register_buffer("pos_table", torch.empty(cfg.max_seq_len, cfg.dim), persistent=False)
         self.init_weights()
 
+    def head_weight(self) -> torch.Tensor:
+        """The output head's weight [vocab, dim]: the embedding's when they are tied."""
+        return self.tok_embeddings.weight if self.output is None else self.output.weight
+
     @torch.no_grad()
     def init_weights(self) -> None:
         """(Re)initialise every parameter and buffer; deterministic under torch.manual_seed."""
@@ -257,9 +261,11 @@ class Transformer(nn.Module):
         position_ids: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
         kv_cache=None,
+        hidden_only: bool = False,
     ) -> torch.Tensor:
-        """tokens [B, T] -> logits [B, T, vocab]. position_ids [B, T] (default 0..T-1 in every row)
-        only set the positions used by RoPE or the absolute embeddings. Attention is causal over the
+        """tokens [B, T] -> logits [B, T, vocab] (with hidden_only, the final-normed hidden states
+        [B, T, dim] instead: a chunked loss head applies `head_weight()` itself).
+        position_ids [B, T] (default 0..T-1 in every row) only set the positions used by RoPE or the absolute embeddings. Attention is causal over the
         whole row unless document_ids [B, T] are given: then a token attends only to earlier tokens of
         its own document, so several sequences packed in one row do not see each other.
         kv_cache (a kiln.infer.engine.KVCache): tokens are appended after each row's cached tokens,
@@ -315,6 +321,8 @@ class Transformer(nn.Module):
             for block in self.layers:
                 x = block(x, cos, sin, mask) if mask is not None else block(x, cos, sin)
         x = self.norm(x)
+        if hidden_only:
+            return x
         if self.output is None:
             return F.linear(x, self.tok_embeddings.weight)
         return self.output(x)  # through the module, so a parallelised head's layouts apply

@@ -111,6 +111,9 @@ class TrainConfig:
     # none | selective | full (kiln.parallel.parallelize.apply_activation_checkpointing)
     activation_checkpointing: str = field(default="none", metadata={"refuse": refuse_bool_checkpointing})
     compile: bool = False
+    # The output head and cross-entropy over this many tokens at a time, so [tokens, vocab] logits
+    # are never held whole (kiln.train.chunked_ce; docs/pretrain.md "Chunked loss head"); 0: off
+    loss_chunk_tokens: int = 0
     seed: int = 1337
     log_every: int = 10
     eval_every: int = 50
@@ -214,6 +217,7 @@ class TrainConfig:
             "watchdog_s",
             "batch_ramp_steps",
             "batch_ramp_start_tokens",
+            "loss_chunk_tokens",
         ):
             if not 0 <= getattr(self, key) < math.inf:  # also refuses NaN
                 raise ConfigError(key, f"must be a finite number >= 0, got {getattr(self, key)}")

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from kiln.data.mlm import IGNORE_INDEX, MaskedLMSource, Masker
 from kiln.data.tokenizer import Tokenizer
 from kiln.model.moe import moe_aux_loss
+from kiln.train.chunked_ce import linear_cross_entropy
 
 LossFn = Callable[[torch.nn.Module, tuple], tuple[torch.Tensor, int]]
 
@@ -22,13 +23,31 @@ def next_token_loss(model: torch.nn.Module, batch: tuple) -> tuple[torch.Tensor,
     logits = model(inputs, *positions)
     # In float32: a softmax over a large vocabulary in bf16 loses the small probabilities.
     loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+    return _with_moe_aux(model, loss), targets.numel()
+
+
+def chunked_next_token_loss(chunk_tokens: int) -> LossFn:
+    """next_token_loss with the output head and cross-entropy computed `chunk_tokens` tokens at a
+    time (train.loss_chunk_tokens, kiln.train.chunked_ce), so the [tokens, vocab] logits are never
+    held whole. The model must be a decoder Transformer called directly (no wrapper)."""
+
+    def loss_fn(model: torch.nn.Module, batch: tuple) -> tuple[torch.Tensor, int]:
+        inputs, targets, *positions = batch
+        hidden = model(inputs, *positions, hidden_only=True)
+        loss = linear_cross_entropy(hidden, model.head_weight(), targets, chunk_tokens)
+        return _with_moe_aux(model, loss), targets.numel()
+
+    return loss_fn
+
+
+def _with_moe_aux(model, loss: torch.Tensor) -> torch.Tensor:
     if torch.is_grad_enabled() and isinstance(model, torch.nn.Module):
         # MoE load-balancing and router z-losses train with the LM loss (and so show in the logged
         # training loss); validation reports the LM loss alone.
         aux = moe_aux_loss(model)
         if aux is not None:
             loss = loss + aux
-    return loss, targets.numel()
+    return loss
 
 
 # ---- encoder objectives (kiln/model/bert.py) --------------------------------------------------

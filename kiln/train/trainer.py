@@ -52,7 +52,7 @@ from kiln.train.metrics import (
     peak_memory_mb,
     truncate_metrics,
 )
-from kiln.train.objective import LossFn, next_token_loss
+from kiln.train.objective import LossFn, chunked_next_token_loss, next_token_loss
 from kiln.train.offload import NVMeAdamW
 from kiln.train.optim import build_optimizer
 from kiln.train.precision import PRECISION_DTYPES, autocast, check_fp8_device, convert_to_fp8
@@ -143,7 +143,13 @@ class Trainer:
         self.pack_dir = pack_dir if pack_dir is None or is_remote(pack_dir) else Path(pack_dir)
         self.out_dir = Path(out_dir)
         self.recipe_dict = recipe_dict
-        self.loss_fn = loss_fn or next_token_loss
+        if cfg.loss_chunk_tokens and loss_fn is not None:
+            raise ConfigError(
+                "train.loss_chunk_tokens", "chunks the pretraining next-token loss; this stage brings its own loss"
+            )
+        self.loss_fn = loss_fn or (
+            chunked_next_token_loss(cfg.loss_chunk_tokens) if cfg.loss_chunk_tokens else next_token_loss
+        )
         self.eval_loss_fn = eval_loss_fn or self.loss_fn
         self.after_fit = after_fit
         self.device = torch.device(device) if device else training_device(cfg.device)
@@ -154,6 +160,12 @@ class Trainer:
             # The parallel layouts (kiln.parallel) split the decoder's modules.
             raise ConfigError(
                 "parallel", f"model.arch = {arch!r} trains on one process; parallel layouts are decoder-only"
+            )
+        if cfg.loss_chunk_tokens and self.layout.mesh is not None:
+            # Under a mesh the head is wrapped or sharded (DDP, FSDP, a vocabulary-parallel head
+            # with loss_parallel, a pipeline's last stage); the chunked head reads its weight directly.
+            raise ConfigError(
+                "train.loss_chunk_tokens", "runs on one process without parallel layouts; set it to 0 under parallel.*"
             )
         self.rank, self.world_size = self.layout.rank, self.layout.world_size
         self.is_main = self.rank == 0
