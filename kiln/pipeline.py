@@ -29,6 +29,7 @@ from kiln.data.curate import curate
 from kiln.data.pack import pack
 from kiln.data.slurm_executor import SLURM_DIR
 from kiln.data.tokenizer import Tokenizer, train_tokenizer_from_corpus
+from kiln.data.warc_demo import ensure_demo_crawl
 from kiln.errors import ConfigError, DataError, did_you_mean
 from kiln.files import write_text_atomic
 from kiln.model.config import arch_of
@@ -300,6 +301,8 @@ def documents_dir(recipe: Recipe) -> Path:
 
 
 def _data(recipe: Recipe, out: Path, **_) -> dict:
+    if recipe.data.demo_crawl:
+        ensure_demo_crawl(Path(recipe.data.inputs[0]))
     return curate(recipe.data, out, default_inputs=sorted(stage_dir(recipe, "corpus").glob("*.jsonl")))
 
 

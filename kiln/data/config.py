@@ -180,6 +180,9 @@ class CurateConfig:
     ray_address: str = ""  # "": start Ray here; "auto", "host:6379", "ray://host:10001": join
     slurm: SlurmDataOptions = field(default_factory=SlurmDataOptions)  # executor = "slurm" only
     html_extractor: str = DEFAULT_EXTRACTOR  # main text of WARC inputs' HTML: "resiliparse" or "trafilatura"
+    # true: when the one input, a local .warc.gz, does not exist yet, build it first from the HTML of
+    # Debian's documentation packages (kiln.data.warc_demo), so the crawl demo runs from a clean clone.
+    demo_crawl: bool = False
 
     def input_specs(self) -> list[tuple[str, FieldMap | None]]:
         """(path, field map) per input; None for a plain-string input (the default fields)."""
@@ -225,6 +228,15 @@ class CurateConfig:
                     "steps", f"unknown step {name!r}{did_you_mean(name, STEPS)}; known: {', '.join(sorted(STEPS))}"
                 )
         check_extractor(self.html_extractor, installed=False)  # installed: checked once WARC inputs are listed
+        if self.demo_crawl and not (
+            len(self.inputs) == 1
+            and isinstance(self.inputs[0], str)
+            and self.inputs[0].endswith(".warc.gz")
+            and "://" not in self.inputs[0]
+        ):
+            raise ConfigError(
+                "demo_crawl", f"builds one local .warc.gz: data.inputs must be that one path, got {self.inputs}"
+            )
         for name in self.params:
             if name not in self.steps:
                 raise ConfigError(f"params.{name}", f"configures a step that is not in steps {self.steps}")

@@ -124,6 +124,16 @@ def build_demo_warc(out: str | Path, python_pages: int = 120) -> dict:
     return counts
 
 
+def ensure_demo_crawl(path: Path, python_pages: int = 120) -> bool:
+    """Build the demo crawl at path unless it exists (data.demo_crawl); True when it was built."""
+    if path.exists():
+        return False
+    print(f"[data] {path} does not exist: building the demo crawl from Debian's HTML (kiln.data.warc_demo)")
+    counts = build_demo_warc(path, python_pages)
+    print(f"[data] {path}: " + ", ".join(f"{v} {k}" for k, v in counts.items()))
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kiln.data.warc_demo", description=__doc__.split("\n")[0])
     parser.add_argument("out", help="the WARC to write (.warc.gz: one gzip member per record)")

@@ -207,6 +207,25 @@ def test_url_filter_rules(tmp_path):
         build_step("url_filter", {"domain_files": [str(tmp_path / "missing.txt")]}, "p")
 
 
+def test_demo_crawl_is_built_once_where_the_input_names(tmp_path):
+    if not (warc_demo.PYTHON_HTML.is_dir() and warc_demo.DEBIAN_FAQ.is_dir() and warc_demo.DEBIAN_REFERENCE.is_dir()):
+        pytest.skip(f"the demo crawl needs Debian's HTML docs: apt-get install {warc_demo.PACKAGES}")
+    path = tmp_path / "crawl" / "demo.warc.gz"
+    assert warc_demo.ensure_demo_crawl(path, python_pages=2) and path.is_file()
+    built = path.read_bytes()
+    assert not warc_demo.ensure_demo_crawl(path, python_pages=2) and path.read_bytes() == built  # kept
+
+
+@pytest.mark.parametrize(
+    "inputs", [[], ["a.warc.gz", "b.warc.gz"], ["docs.jsonl"], ["s3://bucket/a.warc.gz"], [{"path": "a.warc.gz"}]]
+)
+def test_demo_crawl_needs_one_local_warc_input(inputs):
+    with pytest.raises(ConfigError) as err:
+        CurateConfig(inputs=inputs, demo_crawl=True).validate()
+    assert err.value.key == "demo_crawl"
+    CurateConfig(inputs=["crawl/x.warc.gz"], demo_crawl=True).validate()
+
+
 def test_extractor_selection_reaches_the_reader(tmp_path):
     pytest.importorskip("trafilatura", reason="the other extractor is trafilatura (pip install 'kiln[data]')")
     # A page whose boilerplate the two extractors treat differently: a navigation list and a footer.
@@ -235,14 +254,15 @@ def test_extractor_selection_reaches_the_reader(tmp_path):
 @pytest.mark.slow
 @needs_debian_html
 def test_crawl_demo_recipe_end_to_end(tmp_path):
-    """The crawl demo as documented: build the crawl, then `kiln run recipes/crawl-demo.toml`."""
+    """The crawl demo as documented, from a clean clone: `kiln run recipes/crawl-demo.toml` with no
+    crawl on disk yet, which its data stage builds (data.demo_crawl)."""
     warc = tmp_path / "crawl" / "debian-html.warc.gz"
-    subprocess.run([sys.executable, "-m", "kiln.data.warc_demo", str(warc)], check=True, capture_output=True)
     cmd = [sys.executable, "-m", "kiln.cli", "run", "recipes/crawl-demo.toml", f'run.out_dir="{tmp_path}"']
     # 30 of the recipe's 100 steps: the chain is under test here, not how far the loss falls.
     short = ["train.max_steps=30", "train.warmup_steps=3", "train.eval_every=15", "train.ckpt_every=30"]
     result = subprocess.run([*cmd, f'data.inputs=["{warc}"]', *short], capture_output=True, text=True, check=True)
     run_dir = tmp_path / "crawl-demo"
+    assert warc.is_file() and "building the demo crawl" in result.stdout
     for stage in ("data", "tokenizer", "pack", "pretrain", "sample"):
         assert (run_dir / stage / "DONE").exists()
     stats = json.loads((run_dir / "data" / "stats.json").read_text())
@@ -280,6 +300,7 @@ def test_crawl_demo_recipe_on_s3(tmp_path, s3_bucket, s3_server):
         "recipes/crawl-demo.toml",
         f'run.out_dir="{s3_bucket}/runs"',
         f'data.inputs=["{s3_bucket}/crawl/debian-html.warc.gz"]',
+        "data.demo_crawl=false",  # the crawl is already on the store
         f'storage.s3.endpoint_url="{s3_server}"',
         # A short chain: the storage is under test here, not how far the loss falls.
         "tokenizer.vocab_size=1024",
