@@ -1,6 +1,8 @@
 """Training-efficiency methods one at a time (issue 19): the same tiny model, data and token budget,
-trained with the baseline AdamW and with train.optimizer = "muon" (torch.optim.Muon on the block
-matrices, AdamW on the rest); prints each run's final validation loss. Data: recipes/tiny.toml's
+trained with the baseline (AdamW, cosine schedule, untied embeddings, no QK-norm) and with one method
+switched on per run: train.optimizer = "muon" (torch.optim.Muon on the block matrices, AdamW on the
+rest), model.qk_norm, model.tie_embeddings, train.schedule = "wsd"; prints each run's final validation
+loss. (train.batch_ramp_* is not a variant here: the bench's batch is one micro-batch, the ramp's unit.) Data: recipes/tiny.toml's
 corpus, tokenizer and pack stages, shrunk by the overrides below.
 
     python bench/speedrun_methods.py [--out /tmp/speedrun] [--steps 100] [--seed 1337]
@@ -12,6 +14,7 @@ import argparse
 import dataclasses
 import json
 import os
+import subprocess
 import time
 
 from kiln.pipeline import resolved_model_config, run_recipe, stage_dir
@@ -20,12 +23,26 @@ from kiln.train.trainer import Trainer
 
 RECIPE = "recipes/tiny.toml"
 DATA = ["corpus.max_bytes_per_source=1000000", "tokenizer.vocab_size=4096"]
-# Each variant changes only its own keys; lr is AdamW's (embeddings, head and norms under Muon too).
+# Each variant changes only its own keys ("model.x" in the model config, the rest in train); lr is
+# AdamW's (embeddings, head and norms under Muon too).
 VARIANTS = {
     "adamw": {},
     "muon": {"optimizer": "muon"},  # muon_lr 0.02, "original" shape scaling
     "muon-match-rms": {"optimizer": "muon", "muon_adjust_lr": "match_rms_adamw"},  # muon_lr = lr
+    "qk-norm": {"model.qk_norm": True},
+    "tied": {"model.tie_embeddings": True},  # the baseline is untied
+    "wsd": {"schedule": "wsd"},  # decay_fraction 0.2: flat after warmup, linear to 0 over the last 20 steps
 }
+
+
+def cpu_model() -> str:
+    """The CPU line of lscpu (model name), for the record next to the numbers."""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
+    except OSError:
+        return "unknown CPU (no lscpu)"
+    names = [line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")]
+    return names[0] if names else "unknown CPU"
 
 
 def main() -> None:
@@ -55,14 +72,16 @@ def main() -> None:
     # Small enough for a few minutes on 2 shared cores: 2 blocks of width 128, vocabulary from the pack.
     model = dataclasses.replace(resolved_model_config(recipe), dim=128, n_layers=2, n_heads=4, n_kv_heads=4)
     for name in args.variants.split(","):
-        cfg = dataclasses.replace(train, **VARIANTS[name])
+        keys = VARIANTS[name]
+        model_keys = {k.removeprefix("model."): v for k, v in keys.items() if k.startswith("model.")}
+        cfg = dataclasses.replace(train, **{k: v for k, v in keys.items() if not k.startswith("model.")})
         t0 = time.time()
         out = stage_dir(recipe, "pretrain").parent / f"speedrun-{name}-s{args.seed}"
-        summary = Trainer(model, cfg, stage_dir(recipe, "pack"), out).fit()
+        summary = Trainer(dataclasses.replace(model, **model_keys), cfg, stage_dir(recipe, "pack"), out).fit()
         row = {"variant": name, "steps": args.steps, "tokens": args.steps * cfg.global_batch_tokens}
         row |= {"final_val_loss": round(summary["final_val_loss"], 4), "seconds": round(time.time() - t0)}
         print(json.dumps(row), flush=True)
-    print(f"cpu: {os.cpu_count()} cores, seed {args.seed}, {time.time() - started:.0f} s")
+    print(f"cpu: {cpu_model()}, {os.cpu_count()} cores, seed {args.seed}, {time.time() - started:.0f} s")
 
 
 if __name__ == "__main__":

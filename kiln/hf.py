@@ -61,6 +61,7 @@ ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",  # Llama plus a per-head RMSNorm on q and k: Kiln's model.qk_norm
     **MOE_ARCHITECTURES,  # kiln/hf_moe.py
 }
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -98,6 +99,9 @@ def kiln_to_hf_state(cfg: ModelConfig, state_dict: dict[str, torch.Tensor]) -> d
                 f"{dst}post_attention_layernorm.weight": state_dict[f"{src}ffn_norm.weight"],
             }
         )
+        if cfg.qk_norm:
+            for name in ("q_norm", "k_norm"):
+                out[f"{dst}self_attn.{name}.weight"] = state_dict[f"{src}attn.{name}.weight"]
     return {name: t.detach().contiguous() for name, t in out.items()}
 
 
@@ -122,6 +126,9 @@ def hf_to_kiln_state(cfg: ModelConfig, tensors: dict[str, torch.Tensor], where: 
             out[f"{dst}ffn.w2.weight"] = take(f"{src}mlp.down_proj.weight")
         out[f"{dst}attn_norm.weight"] = take(f"{src}input_layernorm.weight")
         out[f"{dst}ffn_norm.weight"] = take(f"{src}post_attention_layernorm.weight")
+        if cfg.qk_norm:
+            for name in ("q_norm", "k_norm"):
+                out[f"{dst}attn.{name}.weight"] = take(f"{src}self_attn.{name}.weight")
     # A tied checkpoint may still store lm_head; old ones store the RoPE frequencies. Anything else
     # means a layer Kiln would silently drop (o_proj or MLP biases, extra norms), so refuse it.
     tied_head = {"lm_head.weight"} if cfg.tie_embeddings else set()
@@ -134,6 +141,11 @@ def hf_to_kiln_state(cfg: ModelConfig, tensors: dict[str, torch.Tensor], where: 
 
 def _check_exportable(cfg: ModelConfig) -> None:
     moe_model_type(cfg)  # refuses the MoE variants no HF class computes
+    if cfg.qk_norm and cfg.qkv_bias:
+        # Qwen3 (the HF class with q/k norms) has one attention_bias switch, which also adds an o_proj bias.
+        raise ConfigError("qk_norm", "HF export of q/k norms is Qwen3's, which has no q/k/v-only biases (qkv_bias)")
+    if cfg.qk_norm and moe_model_type(cfg):
+        raise ConfigError("qk_norm", "HF export of q/k norms covers dense models (Qwen3) only, not MoE")
     needs = {"pos": "rope", "norm": "rmsnorm", "ffn": "swiglu"}
     for key, value in needs.items():
         if getattr(cfg, key) != value:
@@ -219,8 +231,9 @@ def _export_hf_local(model_cfg: ModelConfig, state_dict: dict, tokenizer_path, o
     dtype = tensors["model.embed_tokens.weight"].dtype
     special_ids = {} if tokenizer_path is None else _write_tokenizer(tokenizer_path, model_cfg, out, chat)
 
-    # Llama's attention_bias would add an o_proj bias, hence Qwen2 for q/k/v biases.
+    # Llama's attention_bias would add an o_proj bias, hence Qwen2 for q/k/v biases; Qwen3 for q/k norms.
     model_type = moe_model_type(model_cfg) or ("qwen2" if model_cfg.qkv_bias else "llama")
+    model_type = "qwen3" if model_cfg.qk_norm else model_type
     config = {
         "architectures": [ARCHITECTURES[model_type]],
         "model_type": model_type,
@@ -243,9 +256,9 @@ def _export_hf_local(model_cfg: ModelConfig, state_dict: dict, tokenizer_path, o
         "use_cache": True,
         **special_ids,
     }
-    if model_type == "llama":
+    if model_type in ("llama", "qwen3"):
         config.update(attention_bias=False, mlp_bias=False)
-    elif model_type != "mixtral":
+    if model_type not in ("llama", "mixtral"):
         config.update(use_sliding_window=False, sliding_window=None, max_window_layers=model_cfg.n_layers)
     config.update(moe_config_fields(model_cfg))
     return _write_folder(out, tensors, config, special_ids)
@@ -280,7 +293,7 @@ def _export_bert(cfg, state_dict: dict, tokenizer_path, out: Path) -> Path:
 
 
 def config_from_hf(hf: dict, where: str) -> ModelConfig:
-    """Map a Llama/Mistral/Qwen2/Mixtral/Qwen2-MoE config.json to a ModelConfig, refusing what Kiln cannot
+    """Map a Llama/Mistral/Qwen2/Qwen3/Mixtral/Qwen2-MoE config.json to a ModelConfig, refusing what Kiln cannot
     represent."""
     model_type = hf.get("model_type")
     if model_type not in ARCHITECTURES:
@@ -321,6 +334,7 @@ def config_from_hf(hf: dict, where: str) -> ModelConfig:
         max_seq_len=max_seq_len,
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         qkv_bias=model_type == "qwen2",
+        qk_norm=model_type == "qwen3",
         init_std=hf.get("initializer_range", 0.02),
     )
     cfg = replace(cfg, **moe_config_from_hf(hf, where))

@@ -34,13 +34,21 @@ TOKENS = torch.randint(0, 320, (2, 48), generator=torch.Generator().manual_seed(
 
 
 @pytest.mark.parametrize(
-    "overrides", [{}, {"n_kv_heads": 2}, {"n_kv_heads": 1, "tie_embeddings": True}, {"qkv_bias": True, "n_kv_heads": 2}]
+    "overrides",
+    [
+        {},
+        {"n_kv_heads": 2},
+        {"n_kv_heads": 1, "tie_embeddings": True},
+        {"qkv_bias": True, "n_kv_heads": 2},
+        {"qk_norm": True, "n_kv_heads": 2},
+    ],
 )
 def test_export_matches_transformers_logits(tmp_path, overrides):
     model = kiln_model(**overrides)
     export_hf(model.cfg, model.state_dict(), None, tmp_path)
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     expected_class = "Qwen2ForCausalLM" if model.cfg.qkv_bias else "LlamaForCausalLM"
+    expected_class = "Qwen3ForCausalLM" if model.cfg.qk_norm else expected_class
     assert type(hf).__name__ == expected_class
     with torch.no_grad():
         torch.testing.assert_close(hf(TOKENS).logits, model(TOKENS), rtol=1e-4, atol=1e-4)
@@ -65,6 +73,7 @@ def hf_model(kind, **extra):
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
     }[kind]
     torch.manual_seed(0)
     return randomise(model_cls(config_cls(**{**common, **extra}))).eval()
@@ -77,6 +86,7 @@ def hf_model(kind, **extra):
         ("llama", {"tie_word_embeddings": True, "num_key_value_heads": 4}),
         ("mistral", {"sliding_window": None}),
         ("qwen2", {"tie_word_embeddings": True}),
+        ("qwen3", {"head_dim": 16}),  # Qwen3Config's head_dim defaults to 128, not hidden/heads
     ],
 )
 def test_import_matches_transformers_logits(tmp_path, kind, extra):
@@ -84,6 +94,7 @@ def test_import_matches_transformers_logits(tmp_path, kind, extra):
     hf.save_pretrained(tmp_path)
     cfg, state = import_hf(tmp_path)
     assert cfg.qkv_bias == (kind == "qwen2")
+    assert cfg.qk_norm == (kind == "qwen3")
     model = build_model(cfg)
     model.load_state_dict(state)  # strict: every Kiln tensor is present and nothing extra
     with torch.no_grad():
@@ -139,6 +150,9 @@ def test_export_refuses_what_llama_cannot_represent(tmp_path):
         model = kiln_model(**{key: value})
         with pytest.raises(ConfigError, match=key):
             export_hf(model.cfg, model.state_dict(), None, tmp_path)
+    model = kiln_model(qk_norm=True, qkv_bias=True)  # Qwen3's attention_bias would add an o_proj bias
+    with pytest.raises(ConfigError, match="qk_norm"):
+        export_hf(model.cfg, model.state_dict(), None, tmp_path)
 
 
 def test_import_errors_name_the_problem(tmp_path):

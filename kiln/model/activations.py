@@ -21,12 +21,15 @@ autocast), a heads, kv key/value heads, f the FFN hidden size:
   SwiGLU          the fused gate|up output (2*b*f, read by silu and by the product), silu(gate) (b*f)
                   and the product, the down projection's input (b*f); GELU: its input and output (2*b*f)
   residual adds   nothing (their backward is the identity)
-Sum: b*(6h + 2h*kv/a + 4f) + 4a + 8 for SwiGLU, b*(6h + 2h*kv/a + 2f) + 4a + 8 for GELU. With MHA,
+  QK-norm         (qk_norm only) the q and k norms' inputs, q and k before normalisation (b*h + b*h*kv/a)
+                  and one float32 reciprocal RMS per head (4*a + 4*kv)
+Sum: b*(6h + 2h*kv/a + 4f) + 4a + 8 for SwiGLU, b*(6h + 2h*kv/a + 2f) + 4a + 8 for GELU, without QK-norm. With MHA,
 b = 2 and a GELU f = 4h this is 32h: Korthikanti's 34h without the two dropout masks, plus the
 logsumexp and the RMS statistics. With full activation checkpointing a block keeps only its input,
 the residual stream, which stays float32 under autocast over float32 weights: 4h (2h where FSDP's bf16
 parameters make the stream bf16). Selective checkpointing (kiln.parallel.parallelize.selective_policy)
-keeps that input and the outputs of the ops its policy saves, and recomputes the rest:
+keeps that input and the outputs of the ops its policy saves, and recomputes the rest (the QK-norms
+too, so neither checkpointing mode keeps more for them):
   block input     the residual stream (4h, as under full checkpointing)
   qkv projection  its fused output b*(h + 2h*kv/a) (an odd matmul, kept)
   SDPA            its output (b*h) and logsumexp (4*a)
@@ -74,7 +77,8 @@ def layer_activation_bytes_per_token(
         up = 2 * f if cfg.ffn == "swiglu" else f
         return residual_bytes * h + value_bytes * (2 * h + kv + up) + 4 * a
     ffn = 4 * f if cfg.ffn == "swiglu" else 2 * f
-    return value_bytes * (6 * h + kv + ffn) + 4 * a + 2 * 4
+    qk_norm = value_bytes * (h + kv // 2) + 4 * (a + cfg.kv_heads) if cfg.qk_norm else 0
+    return value_bytes * (6 * h + kv + ffn) + 4 * a + 2 * 4 + qk_norm
 
 
 class _CreatedStorages(TorchDispatchMode):

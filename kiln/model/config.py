@@ -128,6 +128,7 @@ class ModelConfig:
     max_seq_len: int = 256
     tie_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2 has biases on q, k, v
+    qk_norm: bool = False  # RMSNorm over each head's q and k before RoPE (Qwen3, OLMo2; docs/model.md)
     init_std: float = 0.02
     # Mixture of experts (docs/moe.md): which layers replace the dense FFN by routed SwiGLU experts.
     moe_every: int = 0  # 0: all dense; 1: every layer; 2: layers 1, 3, 5...; n: every n-th layer
@@ -201,6 +202,8 @@ class ModelConfig:
             raise ConfigError("preset", f"unknown preset {self.preset!r}; known: {', '.join(PRESETS)}")
         self._validate_floats()
         self._validate_moe()
+        if self.qk_norm and self.norm != "rmsnorm":
+            raise ConfigError("qk_norm", f"is an RMSNorm over each head; it needs norm = 'rmsnorm', got {self.norm!r}")
         if self.rope_scaling is not None:
             if self.pos != "rope":
                 raise ConfigError("rope_scaling", f"scales RoPE; it needs pos = 'rope', got {self.pos!r}")

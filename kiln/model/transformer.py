@@ -117,6 +117,10 @@ class Attention(nn.Module):
         qkv_out = (self.n_heads + 2 * self.n_kv_heads) * self.head_dim
         self.wqkv = nn.Linear(cfg.dim, qkv_out, bias=cfg.qkv_bias)
         self.wo = nn.Linear(self.n_heads * self.head_dim, cfg.dim, bias=False)
+        # QK-norm bounds the attention logits, whose growth destabilises training at high learning
+        # rates (Dehghani et al. 2023); one weight of head_dim shared by all heads, as Qwen3 and OLMo2.
+        self.q_norm = RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
 
     def forward(
         self,
@@ -136,6 +140,10 @@ class Attention(nn.Module):
         # for backward, so no saved view keeps the whole fused qkv output (or a joint q|k RoPE output)
         # alive. Query head g*group + j reads kv head g, the order HF models use.
         q, k, v = q.flatten(2, 3), k.squeeze(3), v.squeeze(3).contiguous()
+        if self.q_norm is not None:
+            # The norms keep their inputs for backward: contiguous copies keep only q and k, where views
+            # would keep the whole fused qkv output alive (for GQA q is already a copy: flatten copies).
+            q, k = self.q_norm(q.contiguous()), self.k_norm(k.contiguous())
         if self.use_rope:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         else:
@@ -241,6 +249,9 @@ class Transformer(nn.Module):
         for block in self.layers:
             for norm in (block.attn_norm, block.ffn_norm):
                 norm.reset_parameters()  # weight 1, bias 0: each block starts as identity-plus-branch
+            if block.attn.q_norm is not None:
+                block.attn.q_norm.reset_parameters()
+                block.attn.k_norm.reset_parameters()
             nn.init.normal_(block.attn.wqkv.weight, std=cfg.init_std)
             if block.attn.wqkv.bias is not None:
                 nn.init.zeros_(block.attn.wqkv.bias)
@@ -362,6 +373,7 @@ def count_params(model_or_cfg, non_embedding: bool = False, active: bool = False
     norm = dim if cfg.norm == "rmsnorm" else 2 * dim  # LayerNorm also has a bias
     qkv_out = (cfg.n_heads + 2 * cfg.kv_heads) * head_dim
     attn = dim * qkv_out + (qkv_out if cfg.qkv_bias else 0) + cfg.n_heads * head_dim * dim
+    attn += 2 * head_dim if cfg.qk_norm else 0  # the q and k norm weights
     ffn = (3 if cfg.ffn == "swiglu" else 2) * dim * hidden
     # An MoE layer: router, n_experts SwiGLU experts, and the optional shared expert, instead of the FFN.
     moe = dim * cfg.n_experts + (cfg.n_experts + cfg.moe_shared_expert) * 3 * dim * cfg.moe_hidden_size

@@ -91,6 +91,12 @@ class ParallelDims:
                     "tensor parallelism needs model.tie_embeddings = false "
                     "(the embedding and the output head are sharded on different layouts)",
                 )
+            if model_cfg.qk_norm:
+                # Each rank holds some heads, so the shared per-head norm weights would get per-rank
+                # gradients that no collective reconciles (the TP plan does not replicate them).
+                raise ConfigError(
+                    "parallel.tp", "tensor parallelism does not shard model.qk_norm's per-head norms; set tp = 1"
+                )
             if model_cfg.pos != "rope":
                 raise ConfigError(
                     "parallel.tp",

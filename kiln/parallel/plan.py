@@ -38,6 +38,7 @@ def layer_params(cfg: ModelConfig, moe: bool = False, active: bool = False) -> i
     h = cfg.dim
     qkv = (cfg.n_heads + 2 * cfg.kv_heads) * cfg.head_dim
     attn = h * qkv + (qkv if cfg.qkv_bias else 0) + cfg.n_heads * cfg.head_dim * h
+    attn += 2 * cfg.head_dim if cfg.qk_norm else 0  # the q and k norm weights
     norms = 2 * (h if cfg.norm == "rmsnorm" else 2 * h)
     if not moe:
         return attn + norms + (3 if cfg.ffn == "swiglu" else 2) * h * cfg.ffn_hidden_size

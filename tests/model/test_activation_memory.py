@@ -41,7 +41,9 @@ def test_saved_bytes_match_formula(precision, value_bytes, mode):
     assert got == pytest.approx(want, rel=0.01), (got / cfg.dim, want / cfg.dim)
 
 
-@pytest.mark.parametrize("overrides", [{"ffn": "gelu"}, {"qkv_bias": True}], ids=["gelu", "qkv_bias"])
+@pytest.mark.parametrize(
+    "overrides", [{"ffn": "gelu"}, {"qkv_bias": True}, {"qk_norm": True}], ids=["gelu", "qkv_bias", "qk_norm"]
+)
 def test_selective_bytes_match_formula_across_blocks(overrides):
     # GELU has one up-projection (w1) where SwiGLU has the fused w13; a qkv bias makes wqkv an addmm.
     cfg = config(**overrides)
@@ -51,8 +53,8 @@ def test_selective_bytes_match_formula_across_blocks(overrides):
 
 @pytest.mark.parametrize(
     "overrides",
-    [{"n_kv_heads": 0}, {"ffn": "gelu"}, {"pos": "learned"}, {"qkv_bias": True}],
-    ids=["mha", "gelu", "learned", "qkv_bias"],
+    [{"n_kv_heads": 0}, {"ffn": "gelu"}, {"pos": "learned"}, {"qkv_bias": True}, {"qk_norm": True}],
+    ids=["mha", "gelu", "learned", "qkv_bias", "qk_norm"],
 )
 def test_saved_bytes_match_formula_across_blocks(overrides):
     cfg = config(**overrides)
@@ -105,3 +107,10 @@ def test_rmsnorm_matches_torch_forward_and_backward(precision):
     torch.testing.assert_close(x.grad, x_ref.grad, **tol)
     torch.testing.assert_close(ours.weight.grad, reference.weight.grad, **tol)
     assert x.grad.dtype == torch.float32 and ours.weight.grad.dtype == torch.float32
+
+
+@pytest.mark.parametrize("n_kv_heads", [0, 2], ids=["mha", "gqa"])
+def test_qk_norm_bytes_match_formula_in_fp32(n_kv_heads):
+    # fp32 and MHA separate the b*h(1 + kv/a) inputs from the 4*(a + kv) float32 statistics.
+    cfg = config(qk_norm=True, n_kv_heads=n_kv_heads)
+    assert measure(cfg, "fp32", "none") == pytest.approx(layer_activation_bytes_per_token(cfg, 4), rel=0.01)
