@@ -162,6 +162,8 @@ def layout_problems(cfg: ModelConfig, lay: Layout, cluster: ClusterConfig, work:
     for name, value in (("n_heads", cfg.n_heads), ("n_kv_heads", cfg.kv_heads), ("ffn_hidden", cfg.ffn_hidden_size)):
         if value % lay.tp:
             out.append(f"tp={lay.tp} does not divide {name}={value}")
+    if lay.tp > 1 and cfg.qk_norm:
+        out.append(f"tp={lay.tp}: the trainer refuses tensor parallelism with qk_norm")
     if lay.pp * lay.pp_stages_per_rank > cfg.n_layers:
         out.append(f"pp*pp_stages_per_rank={lay.pp * lay.pp_stages_per_rank} exceeds n_layers={cfg.n_layers}")
     if lay.pp_schedule not in PP_SCHEDULES:
@@ -306,6 +308,8 @@ def layer_activation_bytes(
         return tokens * kept / tp
     mask = h if act.dropout else 0
     sharded = 2 * h + 2 * h + 4 * h * cfg.kv_heads / a + 2 * h + mask + 2 * h  # attention side, ffn norm
+    if cfg.qk_norm:  # the q and k norms' inputs, and their per-head statistics
+        sharded += 2 * h + 2 * h * cfg.kv_heads / a + (4 * (a + cfg.kv_heads) if act.statistics else 0)
     sharded += 4 * a + 2 * 4 if act.statistics else 0
     gathered = 2 * h
     if moe:

@@ -8,11 +8,14 @@ from kiln.model import ModelConfig, build_model
 from kiln.model.transformer import count_params
 from kiln.parallel.config import ParallelConfig
 from kiln.parallel.dims import ParallelDims
-from kiln.parallel.plan import total_params
+from kiln.parallel.hardware import ClusterConfig
+from kiln.parallel.plan import Layout, Workload, layout_problems, total_params
 
 
 def config(**overrides) -> ModelConfig:
-    return ModelConfig(**{**dict(vocab_size=53, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=16), **overrides})
+    return ModelConfig(
+        **{**dict(vocab_size=53, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=16), **overrides}
+    )
 
 
 TOKENS = torch.randint(0, 53, (2, 16), generator=torch.Generator().manual_seed(0))
@@ -60,3 +63,7 @@ def test_tensor_parallelism_refuses_qk_norm_by_key():
     dims.check_model(config(qk_norm=False))
     with pytest.raises(ConfigError, match="qk_norm"):
         dims.check_model(config(qk_norm=True))
+    # The planner does not rank what the trainer refuses.
+    cluster, work = ClusterConfig(gpus_per_node=2), Workload(32, 64)
+    assert not any("qk_norm" in p for p in layout_problems(config(qk_norm=False), Layout(tp=2), cluster, work))
+    assert any("qk_norm" in p for p in layout_problems(config(qk_norm=True), Layout(tp=2), cluster, work))

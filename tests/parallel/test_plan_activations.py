@@ -14,6 +14,7 @@ SHAPES = {
     "gqa-swiglu": ModelConfig(vocab_size=256, dim=512, n_layers=4, n_heads=8, n_kv_heads=2),
     "mha-gelu": ModelConfig(vocab_size=256, dim=256, n_layers=4, n_heads=4, ffn="gelu", ffn_hidden=1024),
     "llama-like": ModelConfig(vocab_size=256, dim=4096, n_layers=4, n_heads=32, n_kv_heads=8, ffn_hidden=14336),
+    "qk-norm": ModelConfig(vocab_size=256, dim=512, n_layers=4, n_heads=8, n_kv_heads=2, qk_norm=True),
 }
 
 
