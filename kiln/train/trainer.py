@@ -872,11 +872,18 @@ class Trainer:
         if self.metrics:
             self.metrics.log({"kind": "val", "step": self.step, **result, "tokens_seen": self.tokens_seen})
         if self.is_main:
-            tqdm.write(
-                f"step {self.step} | val loss {val_loss:.4f} | val bpb {val_bpb:.4f} | "
-                f"on {result['val_tokens']} tokens, {result['val_sequences']} sequences"
-                + (f" | replay val loss {result['val_loss/replay']:.4f}" if "val_loss/replay" in result else "")
-                + (" | early stop" if self.stopped_early else ""),
-                file=sys.stdout,
-            )
+            tqdm.write(validation_line(self.step, result, self.stopped_early), file=sys.stdout)
         return improved
+
+
+def validation_line(step: int, result: dict, stopped_early: bool = False) -> str:
+    """The line an evaluation prints. Bits per byte only where it is defined: post-training sources
+    (conversations, preference pairs) count no text bytes, so their val_bpb is NaN and left out."""
+    bpb = result["val_bpb"]
+    return (
+        f"step {step} | val loss {result['val_loss']:.4f}"
+        + ("" if math.isnan(bpb) else f" | val bpb {bpb:.4f}")
+        + f" | on {result['val_tokens']} tokens, {result['val_sequences']} sequences"
+        + (f" | replay val loss {result['val_loss/replay']:.4f}" if "val_loss/replay" in result else "")
+        + (" | early stop" if stopped_early else "")
+    )

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from kiln_testing.train import tiny_train_config
 
 from kiln.model import ModelConfig
-from kiln.train.trainer import Trainer
+from kiln.train.trainer import Trainer, validation_line
 
 MODEL = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32)
 T = 16  # tiny_train_config's seq_len
@@ -86,3 +86,14 @@ def test_budgeted_validation_is_the_same_sample_at_every_evaluation_and_after_re
     first_windows = {tuple(tokens[i * T : i * T + T]) for i in range(12)}
     sampled = {tuple(row.tolist()) for row in seen[0]}
     assert sampled & (last_quarter - first_windows)
+
+
+def test_validation_line_leaves_out_an_undefined_bits_per_byte():
+    """Post-training sources count no text bytes (val_bpb is NaN): the line says loss and size only."""
+    result = {"val_loss": 0.41953, "val_bpb": float("nan"), "val_tokens": 802, "val_sequences": 43}
+    assert validation_line(800, result) == "step 800 | val loss 0.4195 | on 802 tokens, 43 sequences"
+    result = {**result, "val_bpb": 1.36891, "val_loss/replay": 3.5}
+    assert validation_line(600, result, stopped_early=True) == (
+        "step 600 | val loss 0.4195 | val bpb 1.3689 | on 802 tokens, 43 sequences | replay val loss 3.5000"
+        " | early stop"
+    )
