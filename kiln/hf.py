@@ -447,6 +447,23 @@ def export_checkpoint_to_hf(
     return export_hf(cfg, state, tokenizer_path, out_dir, chat=chat)
 
 
+def export_stage_checkpoint(checkpoint: Path, tokenizer_path: Path, out: Path, chat: bool, dtype: str | None) -> dict:
+    """The export stage's work (kiln.pipeline): say which checkpoint is loaded, export it, and return
+    the figures its stats.json keeps."""
+    manifest = read_manifest(checkpoint)
+    print(loaded_line(checkpoint, manifest))
+    export_checkpoint_to_hf(checkpoint, tokenizer_path, out, chat=chat, dtype=dtype)
+    config = json.loads((out / "config.json").read_text())
+    return {
+        "checkpoint": str(checkpoint),
+        "step": manifest.get("step"),
+        "architecture": config["architectures"][0],
+        "dtype": config.get("torch_dtype"),
+        "chat": chat,
+        "folder": str(out),
+    }
+
+
 # ---- the `kiln export` and `kiln import` verbs --------------------------------------------------
 
 

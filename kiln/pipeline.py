@@ -409,8 +409,7 @@ def _post(stage: str):
 def _export(recipe: Recipe, out: Path, **_) -> dict:
     """The run's model (export_source) as a transformers folder in out, with the run's tokenizer and,
     for a post-trained model, the chat template and end-of-turn stop ids."""
-    from kiln.checkpoint import loaded_line, read_manifest  # lazy: torch, for model stages only
-    from kiln.hf import export_checkpoint_to_hf  # lazy: torch, for model stages only
+    from kiln.hf import export_stage_checkpoint  # lazy: torch, for model stages only
 
     source = export_source(recipe)
     found = model_output(source, stage_dir(recipe, source))
@@ -419,22 +418,10 @@ def _export(recipe: Recipe, out: Path, **_) -> dict:
             f"[export] the {source} stage has no finished model in {stage_dir(recipe, source)}; "
             f"run it first: kiln run RECIPE --stages {source}"
         )
-    checkpoint = loadable(found)
-    manifest = read_manifest(checkpoint)
-    print(loaded_line(checkpoint, manifest))
-    chat = source in POST_STAGES
     dtype = None if recipe.export.dtype == "checkpoint" else recipe.export.dtype
-    export_checkpoint_to_hf(checkpoint, stage_dir(recipe, "tokenizer") / "tokenizer.json", out, chat=chat, dtype=dtype)
-    config = json.loads((out / "config.json").read_text())
-    return {
-        "source": source,
-        "checkpoint": str(checkpoint),
-        "step": manifest.get("step"),
-        "architecture": config["architectures"][0],
-        "dtype": config.get("torch_dtype"),
-        "chat": chat,
-        "folder": str(out),
-    }
+    tokenizer = stage_dir(recipe, "tokenizer") / "tokenizer.json"
+    stats = export_stage_checkpoint(loadable(found), tokenizer, out, chat=source in POST_STAGES, dtype=dtype)
+    return {"source": source, **stats}
 
 
 STAGE_RUNNERS = {
