@@ -1,6 +1,7 @@
 import json
 
 import pytest
+from kiln_testing.recipes import record_stages
 
 from kiln import pipeline
 from kiln.recipe import load_recipe
@@ -9,18 +10,7 @@ from kiln.recipe import load_recipe
 @pytest.fixture
 def fake_stages(monkeypatch):
     """Replace the stage bodies with recorders so only the pipeline's own logic runs."""
-    calls = []
-
-    def make(stage):
-        def run(recipe, out, **kwargs):
-            calls.append(stage)
-            (out / "output.txt").write_text(stage)
-            return {"stage": stage}
-
-        return run
-
-    monkeypatch.setattr(pipeline, "STAGE_RUNNERS", {s: make(s) for s in pipeline.STAGE_RUNNERS})
-    return calls
+    return record_stages(monkeypatch)
 
 
 def recipe(tmp_path, *overrides):

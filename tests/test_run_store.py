@@ -6,7 +6,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from kiln_testing.recipes import mini_overrides
+from kiln_testing.recipes import mini_overrides, record_stages
 from kiln_testing.s3 import s3_options
 
 from kiln import pipeline, storage
@@ -25,22 +25,8 @@ def cache(tmp_path, monkeypatch):
 
 @pytest.fixture
 def fake_stages(monkeypatch):
-    """Stage bodies that record their call, check that the folders they read are there locally, and
-    write one file."""
-    calls = []
-
-    def make(stage):
-        def run(recipe, out, **kwargs):
-            for upstream in pipeline._inputs_of(recipe, stage):
-                assert (out.parent / upstream / "output.txt").read_text() == upstream
-            calls.append(stage)
-            (out / "output.txt").write_text(stage)
-            return {"stage": stage}
-
-        return run
-
-    monkeypatch.setattr(pipeline, "STAGE_RUNNERS", {s: make(s) for s in pipeline.STAGE_RUNNERS})
-    return calls
+    """Replace the stage bodies with recorders so only the pipeline's own logic runs."""
+    return record_stages(monkeypatch, check_inputs=True)
 
 
 def s3_recipe(bucket, s3_server, *overrides):

@@ -3,6 +3,8 @@
 
 from pathlib import Path
 
+from kiln import pipeline
+
 
 def mini_overrides(max_steps: int = 12, warmup_steps: int = 2, every: int = 6) -> list[str]:
     """Dotted overrides for the spine (corpus -> pretrain); `every` sets eval and checkpoint cadence."""
@@ -55,3 +57,24 @@ keep_last = 10
 peak_flops = 1e12
 """)
     return recipe, tmp_path / "run" / "pretrain"
+
+
+def record_stages(monkeypatch, check_inputs: bool = False) -> list[str]:
+    """Replace kiln.pipeline's stage bodies with recorders, so only the pipeline's own logic runs: each
+    writes output.txt and appends its name to the returned list. check_inputs: each first asserts that
+    the folders of the stages it reads (pipeline._inputs_of) hold their output beside its own."""
+    calls = []
+
+    def make(stage):
+        def run(recipe, out, **kwargs):
+            if check_inputs:
+                for upstream in pipeline._inputs_of(recipe, stage):
+                    assert (out.parent / upstream / "output.txt").read_text() == upstream
+            calls.append(stage)
+            (out / "output.txt").write_text(stage)
+            return {"stage": stage}
+
+        return run
+
+    monkeypatch.setattr(pipeline, "STAGE_RUNNERS", {s: make(s) for s in pipeline.STAGE_RUNNERS})
+    return calls
