@@ -10,16 +10,14 @@ import json
 import os
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
 from kiln_testing.recipes import mini_overrides
+from kiln_testing.serving import free_port, wait_until_healthy
 
 from kiln import cli
 from kiln.data.chat import render_prompt
@@ -140,12 +138,6 @@ def test_a_stage_before_export_names_how_to_run_it(tmp_path, capsys):
     assert line == "next: kiln run chat --stages export"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_chat_recipe_shrunk_end_to_end_then_served(tmp_path):
     """`kiln run chat` (curation included) on a shrunk budget, then the `kiln serve` command its
@@ -173,7 +165,7 @@ def test_chat_recipe_shrunk_end_to_end_then_served(tmp_path):
     next_line = [line for line in run.stdout.splitlines() if line.startswith("next: kiln serve ")][-1]
     serve_args = shlex.split(next_line.removeprefix("next: ").split("   (")[0])
     assert serve_args[:2] == ["kiln", "serve"]
-    port = _free_port()
+    port = free_port()
     server = subprocess.Popen(
         [sys.executable, "-m", "kiln.cli", *serve_args[1:], "--port", str(port), "--served-model-name", "chat"],
         env=env,
@@ -183,16 +175,7 @@ def test_chat_recipe_shrunk_end_to_end_then_served(tmp_path):
     )
     try:
         base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while True:  # poll /health until the server answers
-            assert server.poll() is None, server.stdout.read()
-            try:
-                if httpx.get(base + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "server did not start"
-            time.sleep(0.2)
+        wait_until_healthy(base, 120, server)
         client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
         reply = client.chat.completions.create(
             model="chat", messages=[{"role": "user", "content": "Reverse the list: 3 1 2"}], max_tokens=16

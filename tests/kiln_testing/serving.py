@@ -32,27 +32,39 @@ def tiny_checkpoint(root: Path, folder: Path, max_seq_len: int = 128) -> Path:
     return folder
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until_healthy(base: str, timeout_s: float, process=None) -> None:
+    """Poll GET /health until the server answers 200, as vLLM's test harness does; a server process
+    that exits meanwhile fails with what it printed (process.stdout, else stderr)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if process is not None and process.poll() is not None:
+            raise AssertionError((process.stdout or process.stderr).read())
+        try:
+            if httpx.get(base + "/health").status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "server did not start"
+        time.sleep(0.05)
+
+
 @contextmanager
 def serving(app):
     """`kiln serve`'s app under uvicorn in a thread; yields (base URL, port)."""
     import uvicorn
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:  # as vLLM's test harness does: poll /health until the server answers
-        try:
-            if httpx.get(base + "/health").status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, "server did not start"
-        time.sleep(0.05)
+    wait_until_healthy(base, 60)
     try:
         yield base, port
     finally:

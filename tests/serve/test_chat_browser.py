@@ -5,16 +5,14 @@ code blocks, the note for a model without chat training, and the layout against 
 import argparse
 import json
 import shutil
-import socket
 import subprocess
 import sys
-import time
 from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 import pytest
-from kiln_testing.serving import serving, tiny_checkpoint
+from kiln_testing.serving import free_port, serving, tiny_checkpoint, wait_until_healthy
 
 from kiln.serve.app import create_app
 from kiln.serve.cli import load_for_inference
@@ -49,21 +47,13 @@ def loaded(checkpoint):
 @contextmanager
 def kiln_serve(checkpoint):
     """`kiln serve CHECKPOINT` as its own process on a free port; yields the base URL."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     command = [sys.executable, "-m", "kiln.serve.cli", "serve", str(checkpoint), "--port", str(port), "--device", "cpu"]
     command += ["--served-model-name", "tiny"]  # the header holds the name: a long path would wrap it
     process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
     base = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(1200):  # up to 60 s for torch to import and the model to load
-            assert process.poll() is None, process.stderr.read()
-            try:
-                if httpx.get(base + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.05)
+        wait_until_healthy(base, 60, process)  # torch's import and the model load
         yield base
     finally:
         process.terminate()
