@@ -16,10 +16,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
-import platform
 
 import torch
+from machine import cpu_line  # bench/ (the script's folder, on sys.path)
 
 from kiln.model import ModelConfig, build_model
 from kiln.model.activations import layer_activation_bytes_per_token, measured_layer_activation_bytes_per_token
@@ -29,17 +28,6 @@ from kiln.parallel.plan import layer_activation_bytes
 from kiln.train.precision import autocast
 
 MODES = [(precision, value_bytes, ac) for ac in AC_MODES for precision, value_bytes in (("fp32", 4), ("bf16", 2))]
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def main() -> None:
@@ -56,8 +44,8 @@ def main() -> None:
         max_seq_len=args.seq,
     )  # fmt: skip
     print(
-        f"torch {torch.__version__}, {cpu_model()}, {torch.get_num_threads()} threads, CPU capability "
-        f"{torch.backends.cpu.get_cpu_capability()}, load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU capability "
+        f"{torch.backends.cpu.get_cpu_capability()}\n{cpu_line()}"
     )
     if args.device.startswith("cuda"):
         print(f"device {torch.cuda.get_device_name(args.device)}")

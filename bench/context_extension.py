@@ -19,6 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from machine import cpu_line  # bench/ (the script's folder, on sys.path)
+
 from kiln.model.config import RopeScaling
 from kiln.pipeline import resolved_model_config, run_recipe, stage_dir
 from kiln.recipe import load_recipe
@@ -129,6 +131,7 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
 
 
 def main() -> None:
+    print(cpu_line(), flush=True)
     rows = measure(parse_args())
     print("| model | val loss |\n| --- | --- |")
     for name, loss in rows.items():

@@ -12,6 +12,8 @@ import json
 import os
 import time
 
+from machine import cpu_line  # bench/ (the script's folder, on sys.path)
+
 from kiln.pipeline import run_recipe
 from kiln.recipe import load_recipe
 
@@ -24,6 +26,7 @@ def main() -> None:
     p.add_argument("--steps-b", type=int, default=80, help="train.max_steps of the continued runs")
     p.add_argument("--fractions", default="0,0.25")
     args = p.parse_args()
+    print(cpu_line(), flush=True)
     started = time.time()
     a = load_recipe(RECIPE, [f"run.out_dir={args.out}"])
     a_summary = run_recipe(a)["pretrain"]

@@ -33,6 +33,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from machine import cpu_line  # bench/ (the script's folder, on sys.path)
+
 
 def real_texts(n: int, words: int = 300) -> list[str]:
     """Chunks of the Python standard library's files (real text), repeated in order if short."""
@@ -386,6 +388,7 @@ if __name__ == "__main__":
     parser.add_argument("--repeats", type=int, default=3, help="chain: timed passes per side")
     parser.add_argument("--per-filter", action="store_true", help="chain: also time each filter alone")
     args = parser.parse_args()
+    print(cpu_line(), flush=True)
     if args.what == "minhash":
         bench_minhash(args.docs or 5000)
     elif args.what == "chain":

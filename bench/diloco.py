@@ -22,6 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from machine import cpu_line  # bench/ (the script's folder, on sys.path)
 from scaling import find_pack, torchrun  # bench/ is the script's folder, so on sys.path
 
 from kiln.parallel.diloco import fragments_due
@@ -93,6 +94,7 @@ def main() -> None:
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--pack", default=None, help="a pack folder; default runs/tiny/pack or a fresh one")
     args = parser.parse_args()
+    print(cpu_line(), flush=True)
     with tempfile.TemporaryDirectory(prefix="kiln-diloco-") as tmp:
         pack = find_pack(args.pack, Path(tmp))
         rows = [run(m, pack, Path(tmp) / m, args.steps, args.lr) for m in args.modes.split(",")]

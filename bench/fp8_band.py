@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the checkout's kiln, and the tests' tiny pack and config
 
 from kiln_testing.train import make_tiny_pack, tiny_train_config  # noqa: E402
+from machine import cpu_line  # noqa: E402  (bench/, the script's folder, is on sys.path)
 
 from kiln.model import ModelConfig  # noqa: E402
 from kiln.train.trainer import Trainer  # noqa: E402
@@ -33,6 +34,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--lr", type=float, default=3e-3)
     args = parser.parse_args()
+    print(cpu_line(), flush=True)
     root = Path(tempfile.mkdtemp(prefix="fp8_band-"))
     pack = make_tiny_pack(root / "pack")
     results = {}

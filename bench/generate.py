@@ -44,6 +44,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from machine import cpu_line  # bench/ (the script's folder, on sys.path)
 
 from kiln.infer.engine import Engine
 from kiln.infer.quant import model_bytes, prepack_bf16, quantize_model, quantized_bits_per_param
@@ -59,18 +60,6 @@ def machine_busy_seconds() -> float:
         return 0.0
     user, nice, system, _idle, _iowait, irq, softirq, steal = fields[:8]
     return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
-
-
-def cpu_model() -> str:
-    """The CPU's model name and the vector flags that matter to torch's kernels (from /proc/cpuinfo)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            info = dict(line.split(":", 1) for line in f.read().split("\n\n")[0].splitlines() if ":" in line)
-    except OSError:
-        return "unknown"
-    info = {k.strip(): v.strip() for k, v in info.items()}
-    flags = [f for f in info.get("flags", "").split() if f.startswith(("avx512", "amx")) or f in ("avx2", "fma")]
-    return f"{info.get('model name', 'unknown')} (flags: {' '.join(flags)})"
 
 
 def timed(fn) -> tuple[float, float]:
@@ -387,7 +376,7 @@ def main() -> None:
 
     import transformers
 
-    print(f"CPU: {cpu_model()}, {os.cpu_count()} logical cores")
+    print(cpu_line())
     print(
         f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.get_num_threads()} "
         f"threads, CPU capability {torch.backends.cpu.get_cpu_capability()}, load average "

@@ -28,7 +28,7 @@ import tempfile
 import time
 
 import torch
-from activation_memory import cpu_model  # bench/ is the script's folder, so on sys.path
+from machine import cpu_line  # bench/ (the script's folder, on sys.path)
 
 from kiln.model import ModelConfig, build_model, count_params
 from kiln.train.config import TrainConfig
@@ -114,10 +114,7 @@ def main() -> None:
     if args.mode:
         print(json.dumps(child(args)))
         return
-    print(
-        f"torch {torch.__version__}, {cpu_model()}, {args.threads} threads, "
-        f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
-    )
+    print(f"torch {torch.__version__}, {args.threads} threads\n{cpu_line()}")
     print('On CPU, "CPU offload" is the in-memory run: AdamW\'s state already lives in host memory.')
     rows = []
     for mode in ("memory", "nvme"):

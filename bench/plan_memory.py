@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import tempfile
 
 import torch
-from activation_memory import cpu_model  # bench/, beside this script
+from machine import cpu_line  # bench/ (the script's folder, on sys.path)
 
 from kiln.model import ModelConfig
 from kiln.train.config import TrainConfig
@@ -41,10 +40,7 @@ def main() -> None:
         max_seq_len=args.seq,
     )  # fmt: skip
     models = {"dense": dense, "moe (every 2nd layer, 8 experts, top 2)": dataclasses.replace(dense, moe_every=2)}
-    print(
-        f"torch {torch.__version__}, {cpu_model()}, {torch.get_num_threads()} threads, "
-        f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
-    )
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads\n{cpu_line()}")
     print(
         f"dim={args.dim} layers={args.layers} heads={args.heads}/{args.kv_heads} vocab={args.vocab} "
         f"seq={args.seq} micro_batch={args.micro_batch} accum={args.accum}; bytes"

@@ -53,6 +53,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from machine import cpu_line  # bench/ (the script's folder, on sys.path)
 from train_step import machine_busy_seconds  # noqa: E402
 
 IGNORE = -100
@@ -375,6 +376,7 @@ def main() -> None:
     parser.add_argument("--per-family", type=int, default=200, help="task examples per family (3 families)")
     parser.add_argument("--work", type=Path, default=Path("/tmp/kiln-bench-post"))
     args = parser.parse_args()
+    print(cpu_line(), flush=True)
 
     from kiln.data.chat import render_conversation
     from kiln.post import dpo, sft

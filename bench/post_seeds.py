@@ -28,6 +28,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from machine import cpu_line  # bench/ (the script's folder, on sys.path)
+
 from kiln.pipeline import run_recipe
 from kiln.recipe import POST_STAGES, load_recipe
 
@@ -99,6 +101,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("/tmp/kiln-post-seeds"))
     parser.add_argument("--table", action="store_true", help="print the table of OUT/results.jsonl")
     args = parser.parse_args()
+    print(cpu_line(), flush=True)
 
     lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     print(next((line for line in lscpu.splitlines() if line.startswith("Model name")), "Model name: ?"))

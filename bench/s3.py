@@ -26,6 +26,7 @@ import uuid
 from pathlib import Path
 
 import torch
+from machine import cpu_line  # bench/ (the script's folder, on sys.path)
 
 from kiln import storage
 from kiln.checkpoint import checkpoint_manager
@@ -62,6 +63,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--dim", type=int, default=512, help="model width for the checkpoint rounds")
     args = parser.parse_args()
+    print(cpu_line(), flush=True)
     import logging
 
     logging.getLogger("werkzeug").setLevel(logging.ERROR)

@@ -42,6 +42,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from machine import cpu_line  # bench/ (the script's folder, on sys.path)
+
 REPO = Path(__file__).resolve().parents[1]
 GLOBAL_SEQS = 16
 SEQ_LEN = 256
@@ -476,6 +478,7 @@ def main() -> None:
     parser.add_argument("--retries", type=int, default=1, help="reruns of such a mode; the quietest run is kept")
     parser.add_argument("--json", help="also write every number to this file")
     args = parser.parse_args()
+    print(cpu_line(), flush=True)
     modes = args.modes.split(",")
     unknown = [m for m in modes if m not in MODES]
     if unknown:

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from machine import cpu_line  # bench/ (the script's folder, on sys.path)
 
 from kiln.checkpoint import save_weights
 from kiln.data.tokenizer import find_tokenizer
@@ -277,20 +278,6 @@ def format_row(s: dict) -> str:
     )
 
 
-def cpu_line() -> str:
-    try:
-        info = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return "lscpu unavailable"
-    fields = dict(line.split(":", 1) for line in info.splitlines() if ":" in line)
-    flags = fields.get("Flags", "").split()
-    wanted = [f for f in flags if f.startswith(("avx512", "amx")) or f in ("avx2", "fma")]
-    return (
-        f"{fields.get('Model name', '?').strip()}, {fields.get('CPU(s)', '?').strip()} CPUs; "
-        f"flags: {' '.join(wanted)}; load average {os.getloadavg()[0]:.1f}"
-    )
-
-
 def print_table(results: dict, concurrency: list[int]) -> None:
     print("\nserver  clients  tok/s    TTFT p50  TTFT p99  ITL p50  ITL p99   (ms)")
     for name, levels in results.items():
@@ -308,7 +295,7 @@ def print_table(results: dict, concurrency: list[int]) -> None:
                 f"  {c:3d} clients: throughput {k['tokens_per_s'] / v['tokens_per_s']:5.2f}x"
                 f"  TTFT p50 {k['ttft_p50'] / v['ttft_p50']:5.2f}x  ITL p50 {k['itl_p50'] / v['itl_p50']:5.2f}x"
             )
-    print(f"\nCPU: {cpu_line()}")
+    print(f"\n{cpu_line()}")
 
 
 def randomised_checkpoint(args) -> None:
@@ -365,7 +352,7 @@ def parse_args(argv=None):
 def main(argv=None) -> None:
     args = parse_args(argv)
     ensure_export(args)
-    print(f"CPU: {cpu_line()}", flush=True)
+    print(cpu_line(), flush=True)
     results, texts = {}, {}
     results["kiln"], texts["kiln"] = bench_server("kiln", kiln_command(args, free_port()), dict(os.environ),
                                                   "/health", args)  # fmt: skip

@@ -39,7 +39,6 @@ import json
 import math
 import os
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -56,6 +55,7 @@ from kiln.train.config import TrainConfig
 from kiln.train.trainer import Trainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from machine import cpu_line  # bench/ (the script's folder, on sys.path)
 from train_step import hf_llama  # noqa: E402  (the bench's identical transformers Llama)
 
 RECIPE = "recipes/tiny.toml"
@@ -231,16 +231,6 @@ def first_reaching(scored: list[tuple[int, float, float]], target: float):
     return next((row for row in scored if row[2] <= target), None)
 
 
-def machine_line() -> str:
-    try:
-        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-    except OSError:
-        return "lscpu unavailable"
-    keep = ("Model name", "CPU(s)", "Thread(s) per core", "Flags")
-    lines = [ln for ln in lscpu.splitlines() if ln.split(":")[0].strip() in keep]
-    return "\n".join(ln if not ln.startswith("Flags") else ln[:400] + " ..." for ln in lines)
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="/tmp/kiln-speedrun")
@@ -253,7 +243,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    print(machine_line())
+    print(cpu_line())
     print(f"load average at start: {os.getloadavg()}", flush=True)
     overrides = [f"run.out_dir={args.out}", f"corpus.max_bytes_per_source={args.bytes_per_source}"]
     recipe = load_recipe(RECIPE, overrides)

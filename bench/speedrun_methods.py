@@ -13,9 +13,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
-import subprocess
 import time
+
+from machine import cpu_line  # bench/ (the script's folder, on sys.path)
 
 from kiln.pipeline import resolved_model_config, run_recipe, stage_dir
 from kiln.recipe import load_recipe
@@ -33,16 +33,6 @@ VARIANTS = {
     "tied": {"model.tie_embeddings": True},  # the baseline is untied
     "wsd": {"schedule": "wsd"},  # decay_fraction 0.2: flat after warmup, linear to 0 over the last 20 steps
 }
-
-
-def cpu_model() -> str:
-    """The CPU line of lscpu (model name), for the record next to the numbers."""
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-    except OSError:
-        return "unknown CPU (no lscpu)"
-    names = [line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")]
-    return names[0] if names else "unknown CPU"
 
 
 def main() -> None:
@@ -81,7 +71,7 @@ def main() -> None:
         row = {"variant": name, "steps": args.steps, "tokens": args.steps * cfg.global_batch_tokens}
         row |= {"final_val_loss": round(summary["final_val_loss"], 4), "seconds": round(time.time() - t0)}
         print(json.dumps(row), flush=True)
-    print(f"cpu: {cpu_model()}, {os.cpu_count()} cores, seed {args.seed}, {time.time() - started:.0f} s")
+    print(f"{cpu_line()}; seed {args.seed}, {time.time() - started:.0f} s")
 
 
 if __name__ == "__main__":

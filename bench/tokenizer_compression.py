@@ -18,6 +18,8 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+from machine import cpu_line  # bench/ (the script's folder, on sys.path)
+
 from kiln.data.config import TOKENIZER_MODELS, CorpusConfig, TokenizerConfig
 from kiln.data.corpus import build_corpus, choose_split_ids, iter_documents
 from kiln.data.tokenizer import Tokenizer, train_tokenizer_from_corpus
@@ -64,6 +66,7 @@ def main() -> None:
         "--work", type=Path, default=None, help="folder for corpus and tokenizers (default: a temp dir)"
     )
     args = parser.parse_args()
+    print(cpu_line(), flush=True)
     work = args.work or Path(tempfile.mkdtemp(prefix="kiln-tok-bench-"))
     corpus = work / "corpus"
     build_corpus(CorpusConfig(max_bytes_per_source=args.max_bytes_per_source), corpus)

@@ -40,6 +40,7 @@ import statistics
 import time
 
 import torch
+from machine import cpu_line  # bench/ (the script's folder, on sys.path)
 from step_profile import OPTIMIZER_SCOPE, format_table, profile_steps, scope_modules
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.profiler import record_function
@@ -372,6 +373,7 @@ def main() -> None:
     parser.add_argument("--profile-steps", type=int, default=3, help="profiled steps per contender")
     parser.add_argument("--loss-chunk-tokens", type=int, default=256, help="train.loss_chunk_tokens for --profile")
     args = parser.parse_args()
+    print(cpu_line(), flush=True)
     if args.threads:
         torch.set_num_threads(args.threads)
 

@@ -21,29 +21,18 @@ datatrove needs `pip install datatrove faust-cchardet python-magic` (and the lib
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import re
 import tempfile
 import time
 from collections import Counter
 from pathlib import Path
 
+from machine import cpu_line  # bench/ (the script's folder, on sys.path)
+
 from kiln.data.warc import EXTRACTORS, read_warc
 from kiln.data.warc_demo import build_demo_warc
 
 WORD = re.compile(r"[\u3400-\u9fff]|[^\W_]+")
-
-
-def cpu_line() -> str:
-    model = platform.processor() or "unknown CPU"
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    return f"CPU: {model}, {os.cpu_count()} cores, load average {load}, Python {platform.python_version()}"
 
 
 def words(text: str) -> Counter:

@@ -4,6 +4,7 @@ states read off the tensors equal the planner's."""
 
 import importlib.util
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -52,7 +53,9 @@ def test_memory_smoke_runs_every_case(tmp_path):
         r = e["result"]
         assert r["ac"] == e["ac"] and r["batch"] == e["batch"] and r["seq"] == SMOKE_SEQ
         assert r["sdpa_backends"] == ["flash"]  # CPU's fused kernel, seen in the profiled step
-        assert r["tokens_per_s_per_gpu"] > 0 and 0 < r["mfu"] < 1
+        # No upper bound: on CPU the peak is one matmul timing, which another busy process can put
+        # below the step's own rate (MFU > 1); only the GPU run's MFU is a measurement.
+        assert r["tokens_per_s_per_gpu"] > 0 and 0 < r["mfu"] < math.inf
     acts = {e["ac"]: e["planner_bytes"]["activations"] for e in out["cases"] if e["batch"] == 2 and not e["fp8"]}
     # (With 2 layers, selective's kept tensors plus the one layer backward reruns exceed none's.)
     assert acts["none"] > acts["full"] and len(set(acts.values())) == 3
