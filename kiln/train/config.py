@@ -133,6 +133,10 @@ class TrainConfig:
     watchdog_s: float = 0.0  # exit (code 3) if a step or checkpoint save takes longer; 0: off
     batch_ramp_steps: int = 0  # grow the global batch linearly over this many first steps; 0: off
     batch_ramp_start_tokens: int = 0  # global batch of the first step while ramping
+    # Sequence-length warmup (pretraining): the first steps train on shorter windows, the same tokens
+    # per step cut into more rows; the length climbs from seq_len_start to seq_len over this many steps.
+    seq_len_warmup_steps: int = 0  # 0: off
+    seq_len_start: int = 0  # window length of the first step; a divisor of seq_len
     guard: GuardConfig = field(default_factory=GuardConfig)  # [train.guard]: loss-spike and NaN guard
     replay: ReplayConfig = field(default_factory=ReplayConfig)  # [train.replay]: continual pretraining
 
@@ -218,6 +222,8 @@ class TrainConfig:
             "batch_ramp_steps",
             "batch_ramp_start_tokens",
             "loss_chunk_tokens",
+            "seq_len_warmup_steps",
+            "seq_len_start",
         ):
             if not 0 <= getattr(self, key) < math.inf:  # also refuses NaN
                 raise ConfigError(key, f"must be a finite number >= 0, got {getattr(self, key)}")
@@ -244,11 +250,29 @@ class TrainConfig:
                     f"must be a multiple of seq_len*micro_batch_size={micro} (the batch grows "
                     f"in whole micro-batches), got {self.batch_ramp_start_tokens}",
                 )
+        self._validate_seq_len_warmup()
         for name in ("guard", "replay"):
             try:
                 getattr(self, name).validate()
             except ConfigError as err:
                 raise err.within(name) from None
+
+    def _validate_seq_len_warmup(self) -> None:
+        if self.seq_len_warmup_steps == 0:
+            if self.seq_len_start:
+                raise ConfigError("seq_len_start", "is set but seq_len_warmup_steps is 0 (set both, or neither)")
+            return
+        if not 0 < self.seq_len_start < self.seq_len or self.seq_len % self.seq_len_start:
+            raise ConfigError(
+                "seq_len_start",
+                f"must be a divisor of seq_len={self.seq_len} below it when seq_len_warmup_steps > 0 "
+                f"(the windows are the rows cut into equal parts), got {self.seq_len_start}",
+            )
+        if self.seq_len_warmup_steps >= self.max_steps:
+            raise ConfigError(
+                "seq_len_warmup_steps",
+                f"must be below max_steps={self.max_steps}, got {self.seq_len_warmup_steps}",
+            )
 
     def _validate_muon(self) -> None:
         if self.optimizer != "muon":

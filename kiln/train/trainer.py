@@ -57,6 +57,7 @@ from kiln.train.offload import NVMeAdamW
 from kiln.train.optim import build_optimizer
 from kiln.train.precision import PRECISION_DTYPES, autocast, check_fp8_device, convert_to_fp8
 from kiln.train.schedule import lr_at
+from kiln.train.seq_warmup import check_applies, split_windows, window_len_at
 from kiln.train.system import prime_system_metrics, system_metrics
 from kiln.train.watchdog import Watchdog
 
@@ -279,6 +280,9 @@ class Trainer:
         # read from self.model, whose parameter names no wrapper prefixes.
         if self.layout.pipelined and loss_fn is not None:
             raise ConfigError("parallel.pp", "pipeline parallelism runs the pretraining loss only")
+        if cfg.seq_len_warmup_steps:
+            custom = loss_fn is not None or data is not None or wrap_data is not None
+            check_applies(custom, self.layout.pipelined, self.layout.dims.cp, self.layout.dims.tp)
         self.model, self.forward_model = self.layout.parallelize(
             self.model, self.compute_dtype, cfg.activation_checkpointing, compile_blocks=cfg.compile
         )
@@ -489,7 +493,10 @@ class Trainer:
             return self.loss_fn
         source, compiled = self._compiled_loss
         if source is not self.loss_fn:
-            compiled = torch.compile(self.loss_fn)
+            # Under sequence-length warmup each window length gets its own static graph: dynamo's
+            # automatic dynamic shapes would otherwise train the rest of the run, at full length,
+            # on the symbolic-shape graph it builds at the second length.
+            compiled = torch.compile(self.loss_fn, dynamic=False if self.cfg.seq_len_warmup_steps else None)
             self._compiled_loss = (self.loss_fn, compiled)
         return compiled
 
@@ -728,7 +735,8 @@ class Trainer:
             log_now = step % cfg.log_every == 0 or step == cfg.max_steps
             batch_tokens = self.accum_at(self.step) * self.tokens_per_micro_step
             with self.watchdog.watch(f"training step {step}", step, first_timeout):
-                micro_batches = [next(batches) for _ in range(self.accum_at(self.step))]
+                length = window_len_at(self.step, cfg)
+                micro_batches = [split_windows(next(batches), length) for _ in range(self.accum_at(self.step))]
                 stats = self.train_step(micro_batches, group_norms=log_now)
             first_timeout = None
             last = self.step == cfg.max_steps
@@ -756,6 +764,8 @@ class Trainer:
                     "tokens_seen": self.tokens_seen,
                     "batch_tokens": batch_tokens,
                 }
+                if cfg.seq_len_warmup_steps:
+                    record["window_len"] = length
                 record.update({f"grad_norm/{g}": v for g, v in zip(self.grad_groups, stats["group_norms"].tolist())})
                 if self.metrics:
                     record.update(system_metrics(self.device))
