@@ -1,9 +1,10 @@
 """Training-efficiency methods one at a time (issue 19): the same tiny model, data and token budget,
 trained with the baseline (AdamW, cosine schedule, untied embeddings, no QK-norm) and with one method
 switched on per run: train.optimizer = "muon" (torch.optim.Muon on the block matrices, AdamW on the
-rest), model.qk_norm, model.tie_embeddings, train.schedule = "wsd"; prints each run's final validation
-loss. (train.batch_ramp_* is not a variant here: the bench's batch is one micro-batch, the ramp's unit.) Data: recipes/tiny.toml's
-corpus, tokenizer and pack stages, shrunk by the overrides below.
+rest), model.qk_norm, model.tie_embeddings, train.schedule = "wsd", train.seq_len_warmup_steps;
+prints each run's final validation loss. (train.batch_ramp_* is not a variant here: the bench's
+batch is one micro-batch, the ramp's unit.) Data: recipes/tiny.toml's corpus, tokenizer and pack
+stages, shrunk by the overrides below.
 
     python bench/speedrun_methods.py [--out /tmp/speedrun] [--steps 100] [--seed 1337]
 """
@@ -31,7 +32,9 @@ VARIANTS = {
     "muon-match-rms": {"optimizer": "muon", "muon_adjust_lr": "match_rms_adamw"},  # muon_lr = lr
     "qk-norm": {"model.qk_norm": True},
     "tied": {"model.tie_embeddings": True},  # the baseline is untied
-    "wsd": {"schedule": "wsd"},  # decay_fraction 0.2: flat after warmup, linear to 0 over the last 20 steps
+    "wsd": {"schedule": "wsd"},  # decay_fraction 0.2: flat after warmup, 1 - sqrt to the floor over the last 20 steps
+    # Windows of 32 tokens for the first 10 steps, 64 until step 30, then the bench's full 128.
+    "seq-warmup": {"seq_len_warmup_steps": 30, "seq_len_start": 32},
 }
 
 
