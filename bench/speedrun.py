@@ -239,6 +239,9 @@ def main() -> None:
     p.add_argument("--max-steps", type=int, default=0, help="schedule length for both (0: the recipe's)")
     p.add_argument("--snapshot-every", type=int, default=20, help="Kiln steps between scored snapshots")
     p.add_argument("--no-compile", action="store_true", help="eager for both (compile is the recipe's default)")
+    p.add_argument(
+        "--precision", choices=["fp32", "bf16"], default="", help="both runs' precision (default: the recipe's)"
+    )
     p.add_argument("--no-init-variant", action="store_true", help="skip transformers from Kiln's initial weights")
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
@@ -255,6 +258,8 @@ def main() -> None:
         train_cfg = dataclasses.replace(train_cfg, max_steps=args.max_steps)
     if args.no_compile:
         train_cfg = dataclasses.replace(train_cfg, compile=False)
+    if args.precision:
+        train_cfg = dataclasses.replace(train_cfg, precision=args.precision)
     # No validation or periodic checkpoints inside the budget: the shared evaluation scores afterwards.
     train_cfg = dataclasses.replace(train_cfg, eval_every=train_cfg.max_steps, ckpt_every=train_cfg.max_steps)
     tokens_per_step = train_cfg.global_batch_tokens
