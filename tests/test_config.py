@@ -58,7 +58,7 @@ def test_mixture_table(tmp_path):
         ("[modle]\ndim = 3\n", r"r.toml: modle: unknown section"),
         ('[train]\nlr = "fast"\n', r"r.toml: train.lr: expected a number, got a string"),
         ("[train]\ncompile = 1\n", r"r.toml: train.compile: expected true or false"),
-        ('[train]\nprecision = "fp4"\n', r"r.toml: train.precision: must be one of fp32, bf16, fp16, fp8"),
+        ('[train]\nprecision = "fp4"\n', r"r.toml: train.precision: must be one of auto, fp32, bf16, fp16, fp8"),
         ("[train]\nglobal_batch_tokens = 1000\n", r"r.toml: train.global_batch_tokens: must be a multiple"),
         ('[model]\npreset = "huge"\n', r"r.toml: model.preset: unknown preset 'huge'"),
         ('[corpus]\nsources = ["web"]\n', r"r.toml: corpus.sources: unknown source 'web'"),

@@ -106,7 +106,9 @@ class TrainConfig:
     grad_clip: float = 1.0  # 0: off
     # auto: CUDA when torch sees a GPU (each rank its own under torchrun), else the CPU; cpu; cuda; cuda:N
     device: str = "auto"
-    precision: str = "bf16"  # fp32 | bf16 | fp16 | fp8 (torchao float8 block linears, bf16 elsewhere)
+    # auto (bf16 where this device's bf16 matmuls are faster, else fp32) | fp32 | bf16 | fp16 |
+    # fp8 (torchao float8 block linears, bf16 elsewhere)
+    precision: str = "auto"
     fp8_recipe: str = ""  # precision = "fp8" only: tensorwise | rowwise; "": tensorwise
     # none | selective | full (kiln.parallel.parallelize.apply_activation_checkpointing)
     activation_checkpointing: str = field(default="none", metadata={"refuse": refuse_bool_checkpointing})
@@ -186,7 +188,7 @@ class TrainConfig:
             "muon_adjust_lr": ("original", "match_rms_adamw"),
             "optimizer_offload": ("none", "nvme"),
             "schedule": ("cosine", "wsd", "constant"),
-            "precision": ("fp32", "bf16", "fp16", "fp8"),
+            "precision": ("auto", "fp32", "bf16", "fp16", "fp8"),
         }
         for key, allowed in choices.items():
             if getattr(self, key) not in allowed:
@@ -288,8 +290,11 @@ class TrainConfig:
             raise ConfigError("muon_ns_steps", f"must be in [1, 99], got {self.muon_ns_steps}")
 
     def _validate_offload(self) -> None:
-        if self.optimizer_impl == "fused" and self.optimizer != "adamw":
-            raise ConfigError("optimizer_impl", f"fused applies to adamw only; optimizer is {self.optimizer!r}")
+        if self.optimizer_impl == "fused" and self.optimizer not in ("adamw", "muon"):
+            raise ConfigError(
+                "optimizer_impl",
+                f"fused applies to adamw (and muon's AdamW part) only; optimizer is {self.optimizer!r}",
+            )
         if self.optimizer_impl == "fused" and self.optimizer_offload != "none":
             raise ConfigError("optimizer_impl", "fused keeps AdamW's moments in memory; optimizer_offload is 'nvme'")
         if self.optimizer_offload == "nvme" and self.optimizer != "adamw":

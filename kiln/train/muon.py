@@ -94,6 +94,7 @@ def build_muon(model: nn.Module, groups: list[dict], cfg: TrainConfig, foreach: 
             ns_steps=cfg.muon_ns_steps,
             adjust_lr_fn=cfg.muon_adjust_lr,
         ),
-        adamw_kwargs=dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=foreach),
+        adamw_kwargs=dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+        | ({"fused": True} if cfg.optimizer_impl == "fused" else {"foreach": foreach}),
         lr_ratio=muon_lr / cfg.lr,
     )

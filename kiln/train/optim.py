@@ -42,6 +42,13 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [g for g in groups if g["params"]]
 
 
+def _check_fused_devices(devices: set[str]) -> None:
+    if not devices <= FUSED_DEVICES:
+        raise ConfigError(
+            "optimizer_impl", f"fused AdamW runs on {', '.join(sorted(FUSED_DEVICES))}, not {sorted(devices)}"
+        )
+
+
 def build_optimizer(model: nn.Module, cfg: TrainConfig, offload_dir=None) -> torch.optim.Optimizer | MuonAdamW:
     """The optimizer named by cfg.optimizer, over `param_groups(model, cfg.weight_decay)`.
 
@@ -54,7 +61,9 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, offload_dir=None) -> tor
         raise ConfigError("optimizer", "the model has no trainable parameters")
     devices = {p.device.type for g in groups for p in g["params"]}
     foreach = devices <= {"cpu", "cuda"}
-    if cfg.optimizer == "muon":
+    if cfg.optimizer == "muon":  # its AdamW part (embeddings, head, norms) follows optimizer_impl
+        if cfg.optimizer_impl == "fused":
+            _check_fused_devices(devices)
         return build_muon(model, groups, cfg, foreach)
     if cfg.optimizer == "adamw":
         # foreach batches the update over all tensors (few large ops instead of a Python loop of
@@ -66,10 +75,7 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, offload_dir=None) -> tor
             return _nvme_adamw(groups, cfg, offload_dir, foreach)
         hyper = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
         if cfg.optimizer_impl == "fused":
-            if not devices <= FUSED_DEVICES:
-                raise ConfigError(
-                    "optimizer_impl", f"fused AdamW runs on {', '.join(sorted(FUSED_DEVICES))}, not {sorted(devices)}"
-                )
+            _check_fused_devices(devices)
             return torch.optim.AdamW(groups, **hyper, fused=True)
         return torch.optim.AdamW(groups, **hyper, foreach=foreach)
     if cfg.optimizer == "lion":

@@ -9,6 +9,7 @@ are the same as bf16's."""
 
 from __future__ import annotations
 
+import functools
 import re
 from contextlib import nullcontext
 
@@ -20,6 +21,7 @@ from kiln.model.moe import GroupedExperts
 from kiln.peft.adapter import adapter_modules
 from kiln.peft.lora import lora_modules
 from kiln.train.config import FP8_RECIPES
+from kiln.train.metrics import measure_cpu_peak_flops
 
 # fp8: the dtype of everything that is not a float8 matmul (autocast, FSDP's all-gathered weights).
 PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
@@ -32,8 +34,64 @@ FP8_DIM_MULTIPLE = 16
 _BLOCK_LINEAR = re.compile(r"(^|\.)layers\.\d+\.")
 
 
+# "auto" takes bf16 only where its matmuls beat fp32's by this much. A CPU without bf16 kernels
+# (AVX2 only: no AVX512_BF16, no AMX) runs them through a reference loop, 78x slower than fp32 on a
+# Zen 3 EPYC; AVX512_BF16 gives ~2x fp32 and AMX ~6x (docs/benchmarks.md, "Machine kinds").
+AUTO_BF16_MIN_SPEEDUP = 1.2
+# An explicit bf16 this much slower than fp32 gets a warning: the run would crawl.
+BF16_SLOW_WARNING = 0.5
+AUTO_PROBE_N = 256  # a 256^3 matmul: ~40 ms even through the slow bf16 loop
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_bf16_speedup() -> tuple[float, float]:
+    """(fp32, bf16) matmul FLOP/s of this CPU, measured once per process: flags (avx512_bf16,
+    amx_bf16) say what the CPU has, not what this torch build's kernels use."""
+    return tuple(
+        measure_cpu_peak_flops(dtype, seconds=0.05, n=AUTO_PROBE_N) for dtype in (torch.float32, torch.bfloat16)
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def _resolve(precision: str, device_type: str) -> tuple[str, str | None]:
+    if device_type == "cuda":
+        if precision != "auto":
+            return precision, None
+        chosen = "bf16" if torch.cuda.is_bf16_supported() else "fp32"
+        return chosen, f"note: train.precision = auto: {chosen} on this GPU"
+    if device_type != "cpu":
+        return (
+            ("fp32", f"note: train.precision = auto: fp32 on {device_type}")
+            if precision == "auto"
+            else (precision, None)
+        )
+    if precision not in ("auto", "bf16"):
+        return precision, None
+    fp32, bf16 = cpu_bf16_speedup()
+    rates = f"bf16 matmuls at {bf16 / 1e9:.1f} GFLOP/s against fp32's {fp32 / 1e9:.1f}"
+    if precision == "bf16":
+        if bf16 < BF16_SLOW_WARNING * fp32:
+            return "bf16", (
+                f'warning: train.precision = "bf16" on this CPU: {rates} (no bf16 matmul kernels); '
+                f'precision = "auto" would train in fp32 here'
+            )
+        return "bf16", None
+    chosen = "bf16" if bf16 >= AUTO_BF16_MIN_SPEEDUP * fp32 else "fp32"
+    return chosen, f"note: train.precision = auto: {chosen} on this CPU ({rates})"
+
+
+def resolve_precision(precision: str, device: torch.device | str = "cpu") -> tuple[str, str | None]:
+    """The precision a run computes in, and the line to print about it (None: nothing to say).
+    "auto" is bf16 on a GPU that supports it and on a CPU whose bf16 matmuls are faster than fp32
+    (measured), else fp32; an explicit "bf16" on a CPU that runs it far slower than fp32 is kept,
+    with a warning. One answer per device kind and process."""
+    return _resolve(precision, torch.device(device).type)
+
+
 def autocast(precision: str, device: torch.device | str = "cpu"):
     """The training loop's autocast for `precision` on `device` (fp32: no autocast at all)."""
+    if precision == "auto":
+        precision = resolve_precision(precision, device)[0]
     if precision == "fp32":
         return nullcontext()
     return torch.autocast(torch.device(device).type, dtype=PRECISION_DTYPES[precision])

@@ -51,4 +51,6 @@ def check_applies(custom_objective: bool, pipelined: bool, cp: int, tp: int) -> 
         if on:  # both fix the sequence shape per rank or per microbatch before the loop starts
             raise ConfigError(KEY, f"is not supported with {name}: its shapes are fixed per run")
     if tp > 1:  # sequence-parallel regions shard the sequence dimension by tp
-        raise ConfigError(KEY, "is not supported with tensor parallelism (tp > 1): sequence parallelism shards the windows")
+        raise ConfigError(
+            KEY, "is not supported with tensor parallelism (tp > 1): sequence parallelism shards the windows"
+        )

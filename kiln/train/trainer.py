@@ -55,7 +55,7 @@ from kiln.train.metrics import (
 from kiln.train.objective import LossFn, chunked_next_token_loss, next_token_loss
 from kiln.train.offload import NVMeAdamW
 from kiln.train.optim import build_optimizer
-from kiln.train.precision import PRECISION_DTYPES, autocast, check_fp8_device, convert_to_fp8
+from kiln.train.precision import PRECISION_DTYPES, autocast, check_fp8_device, convert_to_fp8, resolve_precision
 from kiln.train.schedule import lr_at
 from kiln.train.seq_warmup import check_applies, split_windows, window_len_at
 from kiln.train.system import prime_system_metrics, system_metrics
@@ -157,6 +157,12 @@ class Trainer:
         if cfg.threads > 0:
             torch.set_num_threads(cfg.threads)
         self.layout = Layout(parallel, model_cfg, self.device)
+        # "auto" becomes the precision this device computes fastest in; from here on cfg holds it.
+        precision, note = resolve_precision(cfg.precision, self.device)
+        if note and self.layout.rank == 0:
+            print(note, file=sys.stderr)
+        if precision != cfg.precision:
+            cfg = self.cfg = dataclasses.replace(cfg, precision=precision)
         if arch != "decoder" and (self.layout.world_size > 1 or self.layout.one_rank_fsdp):
             # The parallel layouts (kiln.parallel) split the decoder's modules.
             raise ConfigError(

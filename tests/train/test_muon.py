@@ -44,6 +44,14 @@ def test_adjust_lr_and_default_lr_reach_torch_muon():
     assert group["lr"] == 0.02 and group["lr_ratio"] == pytest.approx(0.02 / 3e-3)
 
 
+def test_optimizer_impl_fused_reaches_muons_adamw_part():
+    model = build_model(MODEL)
+    fused = build_optimizer(model, TrainConfig(optimizer="muon", optimizer_impl="fused")).adamw
+    plain = build_optimizer(model, TrainConfig(optimizer="muon")).adamw
+    assert fused.defaults["fused"] is True and not fused.defaults["foreach"]
+    assert not plain.defaults["fused"] and plain.defaults["foreach"] is True
+
+
 def test_muon_and_adamw_halves_equal_torch_alone():
     adjust = "original"
     torch.manual_seed(0)

@@ -207,7 +207,10 @@ def test_fused_adamw_agrees_with_foreach_to_rounding():
 
 
 def test_fused_adamw_is_refused_where_it_would_not_apply():
-    with pytest.raises(ConfigError, match=r"^optimizer_impl: fused applies to adamw only; optimizer is 'lion'"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^optimizer_impl: fused applies to adamw \(and muon's AdamW part\) only; optimizer is 'lion'",
+    ):
         TrainConfig(optimizer="lion", optimizer_impl="fused").validate()
     with pytest.raises(ConfigError, match=r"^optimizer_impl: fused keeps AdamW's moments in memory"):
         TrainConfig(optimizer_impl="fused", optimizer_offload="nvme").validate()
