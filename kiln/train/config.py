@@ -293,7 +293,8 @@ class TrainConfig:
         if self.optimizer_impl == "fused" and self.optimizer not in ("adamw", "muon"):
             raise ConfigError(
                 "optimizer_impl",
-                f"fused applies to adamw (and muon's AdamW part) only; optimizer is {self.optimizer!r}",
+                f"fused applies to adamw (and muon's AdamW part) only; optimizer is {self.optimizer!r} "
+                "(set optimizer_impl = 'foreach')",
             )
         if self.optimizer_impl == "fused" and self.optimizer_offload != "none":
             raise ConfigError("optimizer_impl", "fused keeps AdamW's moments in memory; optimizer_offload is 'nvme'")
