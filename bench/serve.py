@@ -287,6 +287,12 @@ def bench_server(name: str, command: list[str], env: dict, ready_path: str, args
             )
             levels[clients] = summarize(timings, wall)
             print(f"[{name}] {clients:3d} clients: {format_row(levels[clients])}", flush=True)
+        if ready_path == "/health":  # kiln serve's prefix-cache counters, when its cache is on
+            import httpx
+
+            counters = httpx.get(base + ready_path, timeout=30).json().get("prefix_cache")
+            if counters is not None:
+                print(f"[{name}] prefix cache: {counters}", flush=True)
         return levels, texts
     finally:
         stop(proc)
