@@ -10,6 +10,9 @@ with the same seed they are the tokens Engine.stream gives for it alone (samplin
 own `kiln.infer.sampling.sample_next_tokens`, one call per group of rows with equal sampling
 parameters, each row drawing from its own generator).
 
+With a prefix cache (kiln.serve.prefix_cache), a new prompt's stored prefix is copied into its
+row's cache slots and only the rest of the prompt is forwarded.
+
 A request that fails on its own (its prefill, sampling or text) gets the error and leaves the batch;
 the others go on unchanged. Only a failure of the batched decode forward fails every row.
 

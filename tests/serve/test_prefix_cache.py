@@ -103,6 +103,27 @@ def assert_same(got, want):
         assert got_scores.logprobs[1:] == pytest.approx(want_scores.logprobs[1:], abs=1e-5)
 
 
+@torch.inference_mode()
+def test_kv_cache_appends_several_tokens_to_rows_of_different_lengths(model):
+    """What a prefill with reused prefixes relies on: rows already holding 8 and 16 tokens get their
+    right-padded rests (12 and 14 tokens) in one forward, and each position's logits are those of
+    the whole prompt forwarded alone (KVCache.prepare's masked path)."""
+    prompts, cached = [SHARED[:20], SHARED[30:60]], [8, 16]
+    cache = KVCache.for_model(model, 2, 40)
+    first = torch.zeros(2, 16, dtype=torch.long)
+    for i, (prompt, p) in enumerate(zip(prompts, cached)):
+        first[i, :p] = torch.tensor(prompt[:p])
+    model(first, kv_cache=cache)
+    cache.set_lengths(cached)
+    rest = torch.zeros(2, 14, dtype=torch.long)
+    for i, (prompt, p) in enumerate(zip(prompts, cached)):
+        rest[i, : len(prompt) - p] = torch.tensor(prompt[p:])
+    logits = model(rest, kv_cache=cache)
+    for i, (prompt, p) in enumerate(zip(prompts, cached)):
+        whole = model(torch.tensor([prompt]))[0]
+        torch.testing.assert_close(logits[i, : len(prompt) - p], whole[p:], atol=1e-5, rtol=1e-5)
+
+
 def test_tokens_and_logprobs_equal_with_the_cache_off_in_and_across_batched_prefills(model, scheduler_for):
     first = SHARED + [11, 12, 13]  # 63 tokens: its first 48 are stored
     batch = [
