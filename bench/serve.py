@@ -9,7 +9,11 @@ version lookup fails for the renamed distribution). docs/benchmarks.md says how 
 For each server and each concurrency in --concurrency, that many streaming clients (httpx, one
 connection each) send /v1/completions requests with the same prompts, temperature 0, ignore_eos and
 the same max_tokens, so both servers make the same number of tokens; each client sends
---requests-per-client requests one after another. Printed per server and concurrency:
+--requests-per-client requests one after another. --shared-prefix-tokens N puts the same text of
+about N tokens (code-like lines, the same every run) before every prompt, as a system prompt or
+few-shot header would be. --kiln-prefix-cache-mb 0,256 runs `kiln serve` once per value (its
+--prefix-cache-mb) and prints each cache-on run against the 0 run. Printed per server and
+concurrency:
 
 - output tokens/s: completion tokens (the servers' `usage`) of all requests / wall time of the level;
 - TTFT: time from sending a request to its first streamed token, p50 and p99 over the requests;
@@ -20,6 +24,8 @@ greedy completions are compared token for token (by text) between the two server
 
     python bench/serve.py --ckpt runs/tiny/pretrain --export /tmp/tiny-hf --vllm-python /work/vllm-venv/bin/python
     python bench/serve.py --ckpt runs/tiny/pretrain --export /tmp/tiny-hf --skip-vllm
+    python bench/serve.py --ckpt runs/tiny/pretrain --export /tmp/tiny-hf --skip-vllm \
+        --shared-prefix-tokens 200 --kiln-prefix-cache-mb 0,256 --concurrency 1,8
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ import torch
 from machine import cpu_line  # bench/ (the script's folder, on sys.path)
 
 from kiln.checkpoint import save_weights
-from kiln.data.tokenizer import find_tokenizer
+from kiln.data.tokenizer import Tokenizer, find_tokenizer
 from kiln.model import build_model
 from kiln.model.weights import load_weights
 
@@ -148,10 +154,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def kiln_command(args, port: int) -> list[str]:
+def kiln_command(args, port: int, prefix_cache_mb: float | None = None) -> list[str]:
+    cache = [] if prefix_cache_mb is None else ["--prefix-cache-mb", f"{prefix_cache_mb:g}"]
     return [sys.executable, "-m", "kiln.cli", "serve", str(args.ckpt), "--port", str(port),
             "--served-model-name", "bench", "--log-level", "warning", "--max-batch",
-            str(max(args.concurrency)), *args.kiln_arg]  # fmt: skip
+            str(max(args.concurrency)), *cache, *args.kiln_arg]  # fmt: skip
+
+
+def shared_prefix(tokenizer, tokens: int) -> str:
+    """Code-like lines, the same on every run, until the text is at least `tokens` tokens long."""
+    lines, i = [], 0
+    while tokens > 0 and len(tokenizer.encode("".join(lines))) < tokens:
+        lines.append(f"    value_{i} = compute(value_{i - 1}, step={i})  # stage {i % 7}\n")
+        i += 1
+    return "".join(lines)
 
 
 def vllm_command(args, port: int) -> list[str]:
@@ -215,7 +231,7 @@ async def stream_one(client, url: str, prompt: str, max_tokens: int) -> RequestT
     return timing
 
 
-async def run_level(base: str, clients: int, per_client: int, max_tokens: int) -> tuple[list, float]:
+async def run_level(base: str, clients: int, per_client: int, max_tokens: int, prefix: str) -> tuple[list, float]:
     import httpx
 
     url = f"{base}/v1/completions"
@@ -224,7 +240,7 @@ async def run_level(base: str, clients: int, per_client: int, max_tokens: int) -
         async with httpx.AsyncClient(timeout=600) as client:
             out = []
             for r in range(per_client):
-                prompt = PROMPTS[(index * per_client + r) % len(PROMPTS)]
+                prompt = prefix + PROMPTS[(index * per_client + r) % len(PROMPTS)]
                 out.append(await stream_one(client, url, prompt, max_tokens))
             return out
 
@@ -233,12 +249,18 @@ async def run_level(base: str, clients: int, per_client: int, max_tokens: int) -
     return [t for r in results for t in r], time.perf_counter() - start
 
 
-def greedy_texts(base: str, count: int, max_tokens: int) -> list[str]:
+def greedy_texts(base: str, count: int, max_tokens: int, prefix: str) -> list[str]:
     import httpx
 
     texts = []
     for prompt in PROMPTS[:count]:
-        body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+        body = {
+            "model": "bench",
+            "prompt": prefix + prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
         reply = httpx.post(f"{base}/v1/completions", json=body, timeout=300).json()
         texts.append(reply["choices"][0]["text"])
     return texts
@@ -256,13 +278,21 @@ def bench_server(name: str, command: list[str], env: dict, ready_path: str, args
         t0 = time.monotonic()
         wait_ready(proc, base + ready_path, log, args.start_timeout)
         print(f"[{name}] ready after {time.monotonic() - t0:.1f} s", flush=True)
-        texts = greedy_texts(base, args.check_prompts, args.check_tokens)
-        asyncio.run(run_level(base, 1, 1, args.max_tokens))  # warm-up
+        texts = greedy_texts(base, args.check_prompts, args.check_tokens, args.prefix)
+        asyncio.run(run_level(base, 1, 1, args.max_tokens, args.prefix))  # warm-up
         levels = {}
         for clients in args.concurrency:
-            timings, wall = asyncio.run(run_level(base, clients, args.requests_per_client, args.max_tokens))
+            timings, wall = asyncio.run(
+                run_level(base, clients, args.requests_per_client, args.max_tokens, args.prefix)
+            )
             levels[clients] = summarize(timings, wall)
             print(f"[{name}] {clients:3d} clients: {format_row(levels[clients])}", flush=True)
+        if ready_path == "/health":  # kiln serve's prefix-cache counters, when its cache is on
+            import httpx
+
+            counters = httpx.get(base + ready_path, timeout=30).json().get("prefix_cache")
+            if counters is not None:
+                print(f"[{name}] prefix cache: {counters}", flush=True)
         return levels, texts
     finally:
         stop(proc)
@@ -279,23 +309,35 @@ def format_row(s: dict) -> str:
 
 
 def print_table(results: dict, concurrency: list[int]) -> None:
-    print("\nserver  clients  tok/s    TTFT p50  TTFT p99  ITL p50  ITL p99   (ms)")
+    print("\nserver      clients  tok/s    TTFT p50  TTFT p99  ITL p50  ITL p99   (ms)")
     for name, levels in results.items():
         for c in concurrency:
             s = levels[c]
             print(
-                f"{name:7s} {c:7d} {s['tokens_per_s']:7.1f} {s['ttft_p50'] * 1e3:9.1f} {s['ttft_p99'] * 1e3:9.1f}"
+                f"{name:11s} {c:7d} {s['tokens_per_s']:7.1f} {s['ttft_p50'] * 1e3:9.1f} {s['ttft_p99'] * 1e3:9.1f}"
                 f" {s['itl_p50'] * 1e3:8.1f} {s['itl_p99'] * 1e3:8.1f}"
             )
-    if "kiln" in results and "vllm" in results:
-        print("\nKiln / vLLM: tokens/s ratio (higher is better for Kiln), TTFT p50 and ITL p50 ratios (lower is)")
-        for c in concurrency:
-            k, v = results["kiln"][c], results["vllm"][c]
-            print(
-                f"  {c:3d} clients: throughput {k['tokens_per_s'] / v['tokens_per_s']:5.2f}x"
-                f"  TTFT p50 {k['ttft_p50'] / v['ttft_p50']:5.2f}x  ITL p50 {k['itl_p50'] / v['itl_p50']:5.2f}x"
-            )
+    kilns = [name for name in results if name.startswith("kiln")]
+    if "vllm" in results:
+        for name in kilns:
+            print_ratios(f"{name} / vLLM", results[name], results["vllm"], concurrency)
+    if "kiln-pc0" in results:
+        for name in kilns:
+            if name != "kiln-pc0":
+                print_ratios(
+                    f"{name} / kiln-pc0 (prefix cache on / off)", results[name], results["kiln-pc0"], concurrency
+                )
     print(f"\n{cpu_line()}")
+
+
+def print_ratios(title: str, a: dict, b: dict, concurrency: list[int]) -> None:
+    print(f"\n{title}: tokens/s ratio (higher is better for the first), TTFT p50 and ITL p50 ratios (lower is)")
+    for c in concurrency:
+        x, y = a[c], b[c]
+        print(
+            f"  {c:3d} clients: throughput {x['tokens_per_s'] / y['tokens_per_s']:5.2f}x"
+            f"  TTFT p50 {x['ttft_p50'] / y['ttft_p50']:5.2f}x  ITL p50 {x['itl_p50'] / y['itl_p50']:5.2f}x"
+        )
 
 
 def randomised_checkpoint(args) -> None:
@@ -341,6 +383,12 @@ def parse_args(argv=None):
     p.add_argument("--check-prompts", type=int, default=4, help="greedy completions compared between servers")
     p.add_argument("--check-tokens", type=int, default=32)
     p.add_argument("--vllm-dtype", default="float32", help="float32 matches kiln serve's CPU default")
+    p.add_argument("--shared-prefix-tokens", type=int, default=0, help="the same ~N-token text before every prompt")
+    p.add_argument(
+        "--kiln-prefix-cache-mb",
+        type=lambda s: [float(v) for v in s.split(",")],
+        help="run kiln serve once per --prefix-cache-mb value (e.g. 0,256; default: one run, its default)",
+    )
     p.add_argument("--kiln-arg", action="append", default=[], help="extra `kiln serve` argument (repeatable)")
     p.add_argument("--vllm-arg", action="append", default=[], help="extra vLLM server argument (repeatable)")
     p.add_argument("--start-timeout", type=float, default=300)
@@ -352,17 +400,29 @@ def parse_args(argv=None):
 def main(argv=None) -> None:
     args = parse_args(argv)
     ensure_export(args)
+    if args.shared_prefix_tokens < 0:
+        raise SystemExit(f"--shared-prefix-tokens must be >= 0, got {args.shared_prefix_tokens}")
+    tokenizer = Tokenizer.load(find_tokenizer(args.ckpt))
+    args.prefix = shared_prefix(tokenizer, args.shared_prefix_tokens)
+    if args.prefix:
+        print(f"shared prefix: {len(tokenizer.encode(args.prefix))} tokens", flush=True)
     print(cpu_line(), flush=True)
     results, texts = {}, {}
-    results["kiln"], texts["kiln"] = bench_server("kiln", kiln_command(args, free_port()), dict(os.environ),
+    for mb in args.kiln_prefix_cache_mb or [None]:
+        name = "kiln" if mb is None else f"kiln-pc{mb:g}"
+        results[name], texts[name] = bench_server(name, kiln_command(args, free_port(), mb), dict(os.environ),
                                                   "/health", args)  # fmt: skip
+    first = next(iter(texts))
+    if len(texts) > 1:  # the prefix cache must not change a greedy token
+        same = sum(texts[name] == texts[first] for name in texts)
+        print(f"\ngreedy completions equal across the kiln runs: {same}/{len(texts)} runs")
     if not args.skip_vllm:
         results["vllm"], texts["vllm"] = bench_server("vllm", vllm_command(args, free_port()), vllm_env(),
                                                       "/v1/models", args)  # fmt: skip
-        verdicts = [compare_texts(a, b) for a, b in zip(texts["kiln"], texts["vllm"])]
+        verdicts = [compare_texts(a, b) for a, b in zip(texts[first], texts["vllm"])]
         same = verdicts.count("equal")
         print(f"\ngreedy completions equal between kiln serve and vLLM: {same}/{len(verdicts)}")
-        for prompt, verdict, a, b in zip(PROMPTS, verdicts, texts["kiln"], texts["vllm"]):
+        for prompt, verdict, a, b in zip(PROMPTS, verdicts, texts[first], texts["vllm"]):
             if verdict != "equal":
                 print(f"  {verdict} for {prompt!r}:\n    kiln {a!r}\n    vllm {b!r}")
     print_table(results, args.concurrency)

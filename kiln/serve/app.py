@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from kiln.errors import ConfigError
+from kiln.serve.prefix_cache import from_megabytes
 from kiln.serve.protocol import ERROR_STATUSES, APIError, ErrorResponse, internal_error
 from kiln.serve.routes import ServeState, router
 from kiln.serve.scheduler import Scheduler
@@ -113,7 +114,12 @@ async def run_scheduler(app: FastAPI):
     state: ServeState = app.state.serve
     # Also on app.state.scheduler, where callers (and the tests) read its load and stats.
     state.scheduler = app.state.scheduler = Scheduler(
-        state.model, state.tokenizer, state.max_batch, state.max_waiting, state.max_prefill_tokens
+        state.model,
+        state.tokenizer,
+        state.max_batch,
+        state.max_waiting,
+        state.max_prefill_tokens,
+        prefix_cache=state.prefix_cache,
     )
     try:
         yield
@@ -132,15 +138,19 @@ def create_app(
     max_batch: int = 32,
     max_waiting: int = 256,
     max_prefill_tokens: int = 8192,
+    prefix_cache_mb: float | None = None,
     chat_trained: bool = True,
 ) -> FastAPI:
     """The app for one model. api_keys: when given, /v1/* and the tokenizer endpoints need
     `Authorization: Bearer <key>`. max_tokens_limit (default: the model's context) caps a request's
     max_tokens; max_batch rows decode together and max_waiting more requests queue (then 429).
-    chat_trained False: the chat page notes that the model has had no chat training."""
+    prefix_cache_mb: MiB of prompt-prefix keys and values kept for reuse (kiln.serve.prefix_cache;
+    None: its default, 0: off). chat_trained False: the chat page notes that the model has had no
+    chat training."""
     limit = model.cfg.max_seq_len if max_tokens_limit is None else max_tokens_limit
     if any(v < 1 for v in (limit, max_body_bytes)):
         raise ConfigError("max_tokens_limit" if limit < 1 else "max_body_bytes", "must be >= 1")
+    prefix_cache = from_megabytes(model, prefix_cache_mb)  # refused here, before the server starts
     keys = [k.encode() for k in api_keys if k]
     state = ServeState(
         model=model,
@@ -151,6 +161,7 @@ def create_app(
         max_batch=max_batch,
         max_waiting=max_waiting,
         max_prefill_tokens=max_prefill_tokens,
+        prefix_cache=prefix_cache,
         chat_trained=chat_trained,
     )
     # Every route declares the error answers, so clients and schema-driven tests know their shape.

@@ -12,6 +12,7 @@ from kiln.data.chat import chat_stop_ids, render_prompt
 from kiln.errors import ConfigError
 from kiln.infer.cli import add_compile_decode_arg, add_inference_args, load_for_inference
 from kiln.infer.engine import Engine
+from kiln.serve.prefix_cache import DEFAULT_MB
 
 # The post-training stages that train on conversations (kiln.recipe.POST_STAGES less rm, the reward
 # model): a checkpoint under a run's folder of one of them has had chat training. kiln.recipe is a
@@ -57,6 +58,11 @@ def add_parser(subparsers) -> None:
     p.add_argument("--max-tokens-limit", type=int, help="largest max_tokens a request may ask (default: context)")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (413 above)")
     p.add_argument("--max-prefill-tokens", type=int, default=8192, help="padded prompt tokens prefilled at once")
+    p.add_argument(
+        "--prefix-cache-mb",
+        type=finite_float,
+        help=f"MiB of prompt-prefix keys/values kept for reuse (default {DEFAULT_MB:g}; 0: off)",
+    )
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
 
     p = subparsers.add_parser("chat", help="chat with a checkpoint in the terminal (history kept, chat template)")
@@ -80,6 +86,10 @@ def run_serve(args: argparse.Namespace) -> int:
             raise ConfigError("--" + key.replace("_", "-"), f"must be >= 1, got {value}", "<command line>")
     if args.max_waiting < 0:
         raise ConfigError("--max-waiting", f"must be >= 0, got {args.max_waiting}", "<command line>")
+    if args.prefix_cache_mb is not None and args.prefix_cache_mb < 0:
+        raise ConfigError(
+            "--prefix-cache-mb", f"must be >= 0 (0 is off), got {args.prefix_cache_mb:g}", "<command line>"
+        )
     if args.compile_decode:
         # The scheduler adds requests to and drops them from the running batch between steps
         # (KVCache.extend/keep), so its decode shapes change every few steps.
@@ -95,18 +105,22 @@ def run_serve(args: argparse.Namespace) -> int:
     if os.environ.get("KILN_API_KEY"):
         keys.append(os.environ["KILN_API_KEY"])
     name = args.served_model_name or args.checkpoint
-    app = create_app(
-        model,
-        tokenizer,
-        model_name=name,
-        api_keys=keys,
-        max_body_bytes=args.max_body_bytes,
-        max_tokens_limit=args.max_tokens_limit,
-        max_batch=args.max_batch,
-        max_waiting=args.max_waiting,
-        max_prefill_tokens=args.max_prefill_tokens,
-        chat_trained=trained,
-    )
+    try:
+        app = create_app(
+            model,
+            tokenizer,
+            model_name=name,
+            api_keys=keys,
+            max_body_bytes=args.max_body_bytes,
+            max_tokens_limit=args.max_tokens_limit,
+            max_batch=args.max_batch,
+            max_waiting=args.max_waiting,
+            max_prefill_tokens=args.max_prefill_tokens,
+            prefix_cache_mb=args.prefix_cache_mb,
+            chat_trained=trained,
+        )
+    except ConfigError as err:  # what only the loaded model can refuse (dynamic RoPE and a prefix cache)
+        raise ConfigError("--" + err.key.replace("_", "-"), err.message, "<command line>") from None
     print(
         f"kiln serve: {name} on http://{args.host}:{args.port} (chat page at /, API at /v1, docs at /docs"
         f"{', API key required' if keys else ''}; {next(model.parameters()).dtype}"

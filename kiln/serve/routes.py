@@ -18,6 +18,7 @@ from kiln.data.chat import chat_format, chat_stop_ids, chat_template_text, no_ch
 from kiln.errors import ConfigError, DataError
 from kiln.infer.config import SamplingParams
 from kiln.serve.chat_page import chat_page
+from kiln.serve.prefix_cache import PrefixCache
 from kiln.serve.protocol import (
     APIError,
     ChatRequest,
@@ -50,6 +51,7 @@ class ServeState:
     max_batch: int
     max_waiting: int
     max_prefill_tokens: int
+    prefix_cache: PrefixCache | None = None
     chat_trained: bool = True
     eos_id: int = field(init=False)
     chat_stop: tuple[int, ...] | None = field(init=False)
@@ -221,7 +223,10 @@ async def health(state: ServeStateDep):
     if scheduler is None or not scheduler.alive:
         return JSONResponse({"status": "down"}, 503)
     running, waiting = scheduler.load
-    return {"status": "ok", "running": running, "waiting": waiting}
+    health = {"status": "ok", "running": running, "waiting": waiting}
+    if scheduler.prefix_cache is not None:  # its hits, misses, tokens_reused, entries and bytes
+        health["prefix_cache"] = dict(scheduler.prefix_cache.stats)
+    return health
 
 
 @router.get("/v1/models", dependencies=AUTHED)

@@ -10,6 +10,9 @@ with the same seed they are the tokens Engine.stream gives for it alone (samplin
 own `kiln.infer.sampling.sample_next_tokens`, one call per group of rows with equal sampling
 parameters, each row drawing from its own generator).
 
+With a prefix cache (kiln.serve.prefix_cache), a new prompt's stored prefix is copied into its
+row's cache slots and only the rest of the prompt is forwarded.
+
 A request that fails on its own (its prefill, sampling or text) gets the error and leaves the batch;
 the others go on unchanged. Only a failure of the batched decode forward fails every row.
 
@@ -33,6 +36,7 @@ from kiln.errors import ConfigError
 from kiln.infer.config import SamplingParams
 from kiln.infer.engine import KVCache, TextStream, WithoutSpecialTokens
 from kiln.infer.sampling import sample_next_tokens
+from kiln.serve.prefix_cache import DYNAMIC_ROPE, PrefixCache, fit_prefixes, keys_depend_on_length
 
 log = logging.getLogger(__name__)
 
@@ -146,17 +150,27 @@ class _Row:
 class Scheduler:
     """Continuous batching over a kiln Transformer. max_batch: rows decoded together; max_waiting:
     requests queued behind them before submit raises Busy; max_prefill_tokens: padded prompt
-    tokens prefilled in one forward (at least one request is always admitted)."""
+    tokens prefilled in one forward (at least one request is always admitted); prefix_cache: reuse
+    the keys and values of stored prompt prefixes (kiln.serve.prefix_cache), None: off."""
 
     def __init__(
-        self, model, tokenizer=None, max_batch: int = 32, max_waiting: int = 256, max_prefill_tokens: int = 8192
+        self,
+        model,
+        tokenizer=None,
+        max_batch: int = 32,
+        max_waiting: int = 256,
+        max_prefill_tokens: int = 8192,
+        prefix_cache: PrefixCache | None = None,
     ):
         for key, value in (("max_batch", max_batch), ("max_prefill_tokens", max_prefill_tokens)):
             if value < 1:
                 raise ConfigError(key, f"must be >= 1, got {value}")
         if max_waiting < 0:
             raise ConfigError("max_waiting", f"must be >= 0, got {max_waiting}")
+        if prefix_cache is not None and keys_depend_on_length(model.cfg):
+            raise ConfigError("prefix_cache", DYNAMIC_ROPE)
         self.model, self.tokenizer = model.eval(), tokenizer
+        self.prefix_cache = prefix_cache
         self.max_batch, self.max_waiting, self.max_prefill_tokens = max_batch, max_waiting, max_prefill_tokens
         self.device = next(model.parameters()).device
         self._pending: deque[Handle] = deque()
@@ -329,16 +343,29 @@ class Scheduler:
         Nothing is sent to any request before the forward has succeeded."""
         requests = [h.request for h in handles]
         lengths = [len(r.prompt) for r in requests]
-        longest, max_seq_len = max(lengths), self.model.cfg.max_seq_len
+        max_seq_len = self.model.cfg.max_seq_len
+        reused = self._reused(requests)
+        # Each row forwards the rest of its prompt after its reused prefix (slots [:reused]),
+        # right-padded to the longest rest; fit_prefixes kept that within the context.
+        width = max(n - p for n, p in zip(lengths, reused))
         # A row's last token is sampled but never fed back, so it needs no slot.
         need = max(min(max_seq_len, n + r.max_tokens - 1) for n, r in zip(lengths, requests))
-        cache = KVCache.for_model(self.model, len(requests), max(longest, need))
-        tokens = torch.zeros(len(requests), longest, dtype=torch.long, device=self.device)
-        for i, r in enumerate(requests):
-            tokens[i, : lengths[i]] = torch.tensor(r.prompt, device=self.device)
+        cache = KVCache.for_model(self.model, len(requests), max(max(reused) + width, need))
+        tokens = torch.zeros(len(requests), width, dtype=torch.long, device=self.device)
+        for i, (r, p) in enumerate(zip(requests, reused)):
+            tokens[i, : lengths[i] - p] = torch.tensor(r.prompt[p:], device=self.device)
+            if p:
+                cache.k[:, i, :, :p], cache.v[:, i, :, :p] = self.prefix_cache.take(r.prompt, p)
+            elif self.prefix_cache is not None and not r.prompt_logprobs:
+                self.prefix_cache.take(r.prompt, 0)  # a miss
+        # Rows at different lengths: KVCache.prepare masks each row's queries to its own keys.
+        cache.set_lengths(reused)
         all_logits = self.model(tokens, kv_cache=cache)
         cache.set_lengths(lengths)
         self.stats["prefills"] += 1
+        if self.prefix_cache is not None:
+            for i, r in enumerate(requests):
+                self.prefix_cache.store(r.prompt, cache.k[:, i], cache.v[:, i])
         vocab = self.model.cfg.vocab_size
         going, rows = [], []
         for i, (handle, request) in enumerate(zip(handles, requests)):
@@ -357,12 +384,20 @@ class Scheduler:
                 rows.append(row)
         if not going:
             return [], None, None
-        last = all_logits[
-            torch.tensor(going, device=self.device), torch.tensor([lengths[i] - 1 for i in going], device=self.device)
-        ].float()
+        at = [lengths[i] - reused[i] - 1 for i in going]  # each row's last prompt token, after its prefix
+        last = all_logits[torch.tensor(going, device=self.device), torch.tensor(at, device=self.device)].float()
         if len(going) < len(requests):
             cache.keep(going)
         return rows, cache, last
+
+    def _reused(self, requests: list[GenerationRequest]) -> list[int]:
+        """Per request, the tokens of its prompt whose keys and values come from the prefix cache.
+        A request with prompt_logprobs reuses none: it needs the logits at every prompt position."""
+        if self.prefix_cache is None:
+            return [0] * len(requests)
+        found = [0 if r.prompt_logprobs else self.prefix_cache.match(r.prompt) for r in requests]
+        lengths = [len(r.prompt) for r in requests]
+        return fit_prefixes(lengths, found, self.model.cfg.max_seq_len, self.prefix_cache.block)
 
     @staticmethod
     def _prompt_scores(logits: torch.Tensor, request: GenerationRequest) -> PromptScores:
