@@ -35,6 +35,7 @@ multiple of 64 (padded rows have zero scale and zero, and their outputs are cut 
 
 from __future__ import annotations
 
+import functools
 import itertools
 import weakref
 
@@ -131,6 +132,17 @@ def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     return packed.transpose(1, 2).contiguous().view(n, k // 2)
 
 
+@functools.lru_cache(maxsize=None)
+def int4_layout_is_native() -> bool:
+    """Whether pack_int4's layout is the one torch's CPU int4 kernel reads on this CPU."""
+    probe = torch.arange(_ROW_BLOCK * 64, dtype=torch.int32).remainder(16).view(_ROW_BLOCK, 64)
+    try:
+        native = torch._convert_weight_to_int4pack_for_cpu(probe, 1)
+    except RuntimeError:
+        return False
+    return native.shape == (_ROW_BLOCK, 32) and torch.equal(native, pack_int4(probe))
+
+
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     """Inverse of pack_int4: uint8 [N, K/2] -> codes [N, K] (uint8)."""
     n, half = packed.shape
@@ -163,7 +175,9 @@ class Int4Linear(_QuantLinear):
         scales_and_zeros = F.pad(torch.stack([scale, zero], dim=-1), (0, 0, 0, 0, 0, padded - n))
         self.register_buffer("qweight", pack_int4(codes))
         self.register_buffer("scales_and_zeros", scales_and_zeros.transpose(0, 1).contiguous())
-        self.kernel_ok = True
+        # The kernel's weight layout depends on the CPU (an AVX2-only CPU packs differently from an
+        # AVX-512 one): where pack_int4's layout is not this CPU's, the exact dequantised path runs.
+        self.kernel_ok = int4_layout_is_native()
 
     def dequantize(self, dtype=torch.float32) -> torch.Tensor:
         n, k, g = self.out_features, self.in_features, self.group_size

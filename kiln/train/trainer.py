@@ -741,8 +741,10 @@ class Trainer:
             log_now = step % cfg.log_every == 0 or step == cfg.max_steps
             batch_tokens = self.accum_at(self.step) * self.tokens_per_micro_step
             with self.watchdog.watch(f"training step {step}", step, first_timeout):
-                length = window_len_at(self.step, cfg)
-                micro_batches = [split_windows(next(batches), length) for _ in range(self.accum_at(self.step))]
+                micro_batches = [next(batches) for _ in range(self.accum_at(self.step))]
+                if cfg.seq_len_warmup_steps:  # pretraining batches only (check_applies refused the rest)
+                    length = window_len_at(self.step, cfg)
+                    micro_batches = [split_windows(b, length) for b in micro_batches]
                 stats = self.train_step(micro_batches, group_norms=log_now)
             first_timeout = None
             last = self.step == cfg.max_steps

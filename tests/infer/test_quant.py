@@ -12,6 +12,7 @@ from kiln.infer.quant import (
     Int4Linear,
     Int8Linear,
     PackedLinear,
+    int4_layout_is_native,
     model_bytes,
     pack_int4,
     prepack_bf16,
@@ -77,6 +78,12 @@ def test_int4_matches_torchao_tinygemm_bit_for_bit(group_size):
     assert torch.equal(ours.dequantize(), theirs)
 
 
+def test_int4_kernel_runs_only_where_the_layout_is_this_cpus():
+    layer = Int4Linear(linear(64, 64, dtype=torch.bfloat16), 32)
+    assert layer.kernel_ok == int4_layout_is_native()
+
+
+@pytest.mark.skipif(not int4_layout_is_native(), reason="this CPU's int4 kernel reads another layout (AVX2 only)")
 def test_int4_layout_is_what_torch_cpu_kernel_packs():
     torch.manual_seed(0)
     codes = torch.randint(0, 16, (192, 96))
@@ -200,6 +207,9 @@ def test_engine_on_a_quantised_bf16_model_follows_the_full_forward(scheme):
     assert ((top - chosen) <= 0.05 * top.abs().clamp(min=1)).all()
 
 
+@pytest.mark.skipif(
+    not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="oneDNN has no bf16 kernels on this CPU (AVX2 only)"
+)
 def test_prepacked_bf16_is_bit_identical():
     model = small_model().to(torch.bfloat16)
     tokens = torch.randint(0, 320, (2, 9))

@@ -120,6 +120,9 @@ def test_inductor_greedy_equals_eager():
     assert graphs_and_recompiles() == (1, 0)
 
 
+@pytest.mark.skipif(
+    not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="oneDNN has no bf16 kernels on this CPU (AVX2 only)"
+)
 def test_prepacked_bf16_weights_compile_and_give_the_unpacked_tokens():
     """PackedLinear's opaque oneDNN weight reaches the graph through the kiln::packed_linear op;
     prepacking is bit-identical to F.linear, so the tokens are those of the plain bf16 model."""

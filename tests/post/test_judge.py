@@ -166,7 +166,10 @@ def served_judge(tok):
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=tok.vocab_size, dim=32, n_layers=2, n_heads=4, max_seq_len=512)
     model = PrefersMarked(randomise(build_model(cfg)).eval(), tok)
-    with serving(create_app(model, tok, model_name="judge", api_keys=[KEY])) as (base, _):
+    # No prefix cache: PrefersMarked reads the marker off the tokens of each forward, and a cached
+    # prefix is not forwarded again.
+    app = create_app(model, tok, model_name="judge", api_keys=[KEY], prefix_cache_mb=0)
+    with serving(app) as (base, _):
         yield base + "/v1"
 
 
