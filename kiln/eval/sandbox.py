@@ -27,7 +27,8 @@ a wall-clock timeout or not. Before the snippet runs, the child confines itself 
    snippet runs, so replacing os._exit, os.sep, os.path or builtins does not change it.
 
 The parent enforces the folder quota (disk_mb): it measures the folder, plus the files the child
-holds open, every DISK_POLL_S and kills the group when it is over.
+holds open that changed since it started (so the libraries it only reads do not count), every
+DISK_POLL_S and kills the group when it is over.
 
 What is not prevented, exactly: reading files (the snippet can read whatever the child's user can;
 as `nobody` with CAP_DAC_READ_SEARCH that is every file); without Landlock, writes to world-writable
@@ -73,7 +74,7 @@ class Limits:
     cpu_s: int | None = None  # CPU seconds; None: ceil(timeout_s) + 1, so the wall clock usually fires first
     memory_mb: int = 1024  # address space, which counts more than resident memory
     file_mb: int = 16  # largest file written, stdout and stderr included
-    disk_mb: int = 64  # everything in the folder plus the files the child holds open, measured from outside
+    disk_mb: int = 64  # the folder plus the files the child holds open and changed, measured from outside
     max_processes: int = 0  # extra processes or threads the snippet may start
     max_open_files: int = 256
     network: bool = False  # True leaves the network namespace alone and allows sockets
@@ -240,12 +241,16 @@ def _watch(pid: int, root: Path, limits: Limits) -> str:
     """
     deadline = time.monotonic() + limits.timeout_s
     quota = limits.disk_mb * 1024 * 1024
+    # Open files last changed before the child started are not its writing: the dynamic loader
+    # holds the interpreter's own shared libraries (libpython is ~23 MB) open for a moment right
+    # after exec. The slack covers file timestamps, which lag the clock by a tick.
+    since = time.time() - 1.0
     next_measure = 0.0
     delay = 0.001
     while os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
         now = time.monotonic()
         if now >= next_measure:
-            if _disk_bytes(root, pid) > quota:
+            if _disk_bytes(root, pid, since) > quota:
                 return "disk"
             next_measure = now + DISK_POLL_S
         left = deadline - now
@@ -256,9 +261,9 @@ def _watch(pid: int, root: Path, limits: Limits) -> str:
     return "exited"
 
 
-def _disk_bytes(root: Path, pid: int) -> int:
-    """Bytes allocated to the folder's files plus the regular files `pid` holds open (deleted ones too),
-    each at least ENTRY_BYTES.
+def _disk_bytes(root: Path, pid: int, since: float = 0.0) -> int:
+    """Bytes allocated to the folder's files plus the regular files `pid` holds open (deleted ones too)
+    that changed at or after `since` (ctime, which no user can set back), each at least ENTRY_BYTES.
 
     A folder that cannot be listed counts as over any quota: what it holds cannot be measured.
     """
@@ -295,7 +300,7 @@ def _disk_bytes(root: Path, pid: int) -> int:
             st = os.stat(f"/proc/{pid}/fd/{fd}")
         except OSError:
             continue
-        if stat.S_ISREG(st.st_mode):
+        if stat.S_ISREG(st.st_mode) and st.st_ctime >= since:
             count(st)
     return total
 

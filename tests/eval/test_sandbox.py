@@ -6,6 +6,7 @@ import re
 import socket
 import types
 from importlib.util import find_spec
+from pathlib import Path
 
 import pytest
 
@@ -319,3 +320,14 @@ def test_the_folder_quota_is_enforced_from_outside():
     result = run_python(empty + "time.sleep(30)\n", Limits(timeout_s=60.0, disk_mb=1))
     assert result.status == "forbidden" and "disk_mb=1" in result.detail, (result.status, result.detail)
     assert 250 <= len(result.stdout.split()) < 100000
+
+
+def test_large_files_the_child_only_reads_are_not_charged_to_its_quota():
+    # Right after exec the loader holds libpython (~23 MB) open; reading any old large file is the
+    # same case. Only what changed since the child started is its writing.
+    lib = Path(find_spec("torch").origin).parent / "lib"
+    big = max(lib.iterdir(), key=lambda p: p.stat().st_size)
+    assert big.stat().st_size > 8 * 1024 * 1024, big
+    reader = f"import time\nf = open({str(big)!r}, 'rb')\nf.read(16)\ntime.sleep(0.5)\nprint('read', flush=True)\n"
+    result = run_python(reader, Limits(timeout_s=60.0, disk_mb=8))
+    assert result.passed and result.stdout.strip() == "read", (result.status, result.detail)
