@@ -18,7 +18,7 @@ from kiln.infer.speculative import SpeculativeEngine
 
 
 def add_inference_args(p: argparse.ArgumentParser) -> None:
-    """--device, --dtype, --quant and --group-size, shared with `kiln serve` and `kiln chat`."""
+    """--device, --dtype, --quant, --group-size and --prepack, shared with `kiln serve` and `kiln chat`."""
     p.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda, cuda:1, ...")
     p.add_argument(
         "--dtype",
@@ -35,6 +35,12 @@ def add_inference_args(p: argparse.ArgumentParser) -> None:
         "--group-size",
         type=int,
         help="int4: 32, 64, 128 or 256 inputs per scale (default 64); nf4: block size (default 64)",
+    )
+    p.add_argument(
+        "--prepack",
+        action="store_true",
+        help="CPU, bf16: reorder each weight once into oneDNN's layout (bit-identical, faster decode; "
+        "needs AVX512 or AVX-NE-CONVERT)",
     )
 
 
@@ -54,6 +60,7 @@ def inference_options(args: argparse.Namespace) -> InferenceOptions:
         dtype=getattr(args, "dtype", "auto"),
         quant=getattr(args, "quant", None),
         group_size=getattr(args, "group_size", None),
+        prepack=getattr(args, "prepack", False),
     )
 
 

@@ -16,7 +16,7 @@ import torch
 from kiln.checkpoint import loaded_line, resolve_checkpoint
 from kiln.data.tokenizer import Tokenizer, find_tokenizer
 from kiln.errors import ConfigError
-from kiln.infer.quant import quantize_model
+from kiln.infer.quant import prepack_bf16, quantize_model
 from kiln.peft.load import load_model
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -31,6 +31,7 @@ class InferenceOptions:
     dtype: str = "auto"  # auto: bfloat16 on a GPU or when quantising, float32 otherwise
     quant: str | None = None  # int8 | int4 | nf4
     group_size: int | None = None  # int4: 32/64/128/256 (default 64); nf4: block size (default 64)
+    prepack: bool = False  # bf16 CPU weights reordered once into oneDNN's layout (kiln.infer.quant.prepack_bf16)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -51,12 +52,14 @@ def resolve_dtype(opts: InferenceOptions, device: torch.device) -> torch.dtype:
     if name == "auto":
         # The CPU kernels that read int8/int4 codes directly take bf16 activations; with float32 the
         # quantised layers dequantise in every forward, which is slower than not quantising.
-        name = "bfloat16" if device.type == "cuda" or opts.quant else "float32"
+        name = "bfloat16" if device.type == "cuda" or opts.quant or opts.prepack else "float32"
     return getattr(torch, name)
 
 
 def quantize(model, opts: InferenceOptions):
-    """Quantise the model's linear layers in place when opts.quant is set; returns the model."""
+    """Quantise (opts.quant) or prepack (opts.prepack) the model's linear layers in place; returns the model."""
+    if opts.prepack:
+        return prepack(model, opts)
     if opts.quant is None:
         if opts.group_size is not None:
             raise ConfigError("--group-size", "only applies with --quant int4 or nf4", "<command line>")
@@ -68,6 +71,21 @@ def quantize(model, opts: InferenceOptions):
     except ConfigError as err:
         flag = "--group-size" if err.key == "group_size" else "--quant"
         raise ConfigError(flag, err.message, "<command line>") from None
+
+
+def prepack(model, opts: InferenceOptions):
+    """The bf16 linears reordered once for oneDNN: bit-identical logits, faster CPU decode."""
+    if opts.quant is not None:
+        raise ConfigError("--prepack", f"applies to unquantised bf16 weights, not with --quant {opts.quant}", "<command line>")
+    param = next(model.parameters())
+    if param.device.type != "cpu" or param.dtype != torch.bfloat16:
+        raise ConfigError(
+            "--prepack", f"needs --dtype bfloat16 on the CPU, got {param.dtype} on {param.device}", "<command line>"
+        )
+    try:
+        return prepack_bf16(model)
+    except ConfigError as err:
+        raise ConfigError("--prepack", err.message, "<command line>") from None
 
 
 def load_for_inference(checkpoint, tokenizer_path=None, opts: InferenceOptions | None = None):

@@ -322,6 +322,9 @@ def prepack_bf16(model: nn.Module, include_output: bool = True, batch_hint: int 
     """Replace the bf16 linears that quantize_model would touch by PackedLinear, in place."""
     if not torch.backends.mkldnn.is_available():
         raise ConfigError("prepack", "this torch build has no oneDNN (mkldnn); prepacking is unavailable")
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        # oneDNN's bf16 reorder needs AVX512-BW/VL/DQ or AVX-NE-CONVERT; on AVX2 it raises a raw RuntimeError.
+        raise ConfigError("prepack", "this CPU has no oneDNN bf16 kernels (AVX2 only); run without prepacking")
     for name, linear in _targets(model, include_output):
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, PackedLinear(linear, batch_hint))

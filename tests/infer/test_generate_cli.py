@@ -17,7 +17,7 @@ from kiln.checkpoint import save_weights
 from kiln.cli import build_parser, main
 from kiln.infer.config import SampleConfig
 from kiln.infer.engine import Engine
-from kiln.infer.quant import QUANTIZED_TYPES, quantize_model
+from kiln.infer.quant import QUANTIZED_TYPES, PackedLinear, quantize_model
 from kiln.infer.samples import sample_texts
 from kiln.model import ModelConfig, build_model
 
@@ -167,6 +167,8 @@ def test_generate_with_a_draft_keeps_greedy_output(run, capsys, k):
         (["--draft", "OTHER"], "--draft"),  # another vocabulary
         (["--temperature", "-1"], "--temperature"),
         (["--compile-decode", "--draft", "DRAFT"], "--compile-decode"),
+        (["--prepack", "--quant", "int8"], "--prepack"),
+        (["--prepack", "--dtype", "float32"], "--prepack"),
     ],
 )
 def test_bad_flags_are_named(run, capsys, argv, flag):
@@ -175,6 +177,27 @@ def test_bad_flags_are_named(run, capsys, argv, flag):
     assert main(["generate", str(run["target"]), "--max-new-tokens", "4", *argv]) == 2
     err = capsys.readouterr().err
     assert f"{flag}:" in err, err
+
+
+def test_prepack_on_a_cpu_without_onednn_bf16_is_one_named_line(run, capsys, monkeypatch):
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+    capsys.readouterr()
+    assert main(["generate", str(run["target"]), "--max-new-tokens", "4", "--prepack"]) == 2
+    err = capsys.readouterr().err
+    assert "--prepack:" in err and "no oneDNN bf16" in err and "Traceback" not in err, err
+
+
+@pytest.mark.skipif(
+    not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="oneDNN has no bf16 kernels on this CPU (AVX2 only)"
+)
+def test_generate_prepacked_prints_the_bf16_text(run, capsys):
+    argv = [run["target"], "--prompt", PROMPT, "--max-new-tokens", 12, "--temperature", 0]
+    assert generated(capsys, [*argv, "--prepack"]) == generated(capsys, [*argv, "--dtype", "bfloat16"])
+    args = build_parser().parse_args(["serve", str(run["target"]), "--prepack"])
+    from kiln.serve.cli import load_for_inference
+
+    packed, _ = load_for_inference(args)
+    assert any(isinstance(m, PackedLinear) for m in packed.modules())
 
 
 def test_serve_refuses_compile_decode_by_name(run, capsys):

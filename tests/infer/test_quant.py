@@ -207,6 +207,14 @@ def test_engine_on_a_quantised_bf16_model_follows_the_full_forward(scheme):
     assert ((top - chosen) <= 0.05 * top.abs().clamp(min=1)).all()
 
 
+def test_prepacking_where_onednn_has_no_bf16_is_a_named_error(monkeypatch):
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+    model = small_model().to(torch.bfloat16)
+    with pytest.raises(ConfigError, match="prepack.*no oneDNN bf16"):
+        prepack_bf16(model)
+    assert isinstance(model.layers[0].attn.wqkv, nn.Linear)  # nothing was replaced
+
+
 @pytest.mark.skipif(
     not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="oneDNN has no bf16 kernels on this CPU (AVX2 only)"
 )
