@@ -76,7 +76,9 @@ def quantize(model, opts: InferenceOptions):
 def prepack(model, opts: InferenceOptions):
     """The bf16 linears reordered once for oneDNN: bit-identical logits, faster CPU decode."""
     if opts.quant is not None:
-        raise ConfigError("--prepack", f"applies to unquantised bf16 weights, not with --quant {opts.quant}", "<command line>")
+        raise ConfigError(
+            "--prepack", f"applies to unquantised bf16 weights, not with --quant {opts.quant}", "<command line>"
+        )
     param = next(model.parameters())
     if param.device.type != "cpu" or param.dtype != torch.bfloat16:
         raise ConfigError(
