@@ -12,46 +12,28 @@ import math
 import os
 import sys
 import time
-import warnings
 from pathlib import Path
 from typing import Callable
 
 import torch
 from tqdm import tqdm
 
-from kiln.checkpoint import (
-    ShardedSaver,
-    capture_rng_state,
-    checkpoint_manager,
-    complete_checkpoints,
-    load_sharded,
-    read_manifest,
-    resolve_checkpoint,
-    restore_rng_state,
-    step_dirname,
-)
+from kiln.checkpoint import ShardedSaver, checkpoint_manager
 from kiln.data.loader import TokenLoader
 from kiln.data.replay import ReplayLoader, check_same_tokenizer
 from kiln.errors import ConfigError, DataError
 from kiln.files import write_text_atomic
-from kiln.model import ModelConfig, build_model, count_params, flops_per_token
+from kiln.model import ModelConfig, build_model, flops_per_token
 from kiln.model.config import arch_of
-from kiln.model.weights import model_config_from_dict, upgrade_layout
+from kiln.model.weights import upgrade_layout
 from kiln.parallel.config import ParallelConfig
 from kiln.parallel.layout import Layout
 from kiln.parallel.parallelize import apply_activation_checkpointing
-from kiln.peft.load import load_into
 from kiln.progress import progress_enabled
-from kiln.storage import is_remote, join
+from kiln.storage import is_remote
 from kiln.train.config import TrainConfig
 from kiln.train.guard import GRAD_GROUPS, LossGuard, grad_group, group_grad_norms, respond
-from kiln.train.metrics import (
-    MetricsLogger,
-    detect_peak_flops,
-    model_flops_utilization,
-    peak_memory_mb,
-    truncate_metrics,
-)
+from kiln.train.metrics import MetricsLogger, detect_peak_flops, model_flops_utilization, peak_memory_mb
 from kiln.train.objective import LossFn, chunked_next_token_loss, next_token_loss
 from kiln.train.offload import NVMeAdamW
 from kiln.train.optim import build_optimizer
@@ -59,6 +41,8 @@ from kiln.train.precision import PRECISION_DTYPES, autocast, check_fp8_device, c
 from kiln.train.schedule import lr_at
 from kiln.train.seq_warmup import check_applies, split_windows, window_len_at
 from kiln.train.system import prime_system_metrics, system_metrics
+from kiln.train.trainer_eval import Validation, _local, validation_line  # noqa: F401 (validation_line: re-exported)
+from kiln.train.trainer_state import Checkpointing
 from kiln.train.watchdog import Watchdog
 
 # Full activation checkpointing runs each block's forward twice. Training costs ~3 forwards per token
@@ -86,11 +70,6 @@ def recompute_factor(cfg: ModelConfig, seq_len: int, mode: str) -> float:
 FIRST_STEP_WATCHDOG_FACTOR = 10
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A loss computed under loss_parallel is a replicated DTensor; its local value is the loss."""
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
 def training_device(choice: str) -> torch.device:
     """train.device as a torch device: auto is CUDA when torch sees a GPU (under torchrun "cuda" is
     the rank's own, set by init_distributed), else the CPU; a CUDA device torch cannot see is refused."""
@@ -111,7 +90,7 @@ def training_device(choice: str) -> torch.device:
     return torch.device(choice)
 
 
-class Trainer:
+class Trainer(Checkpointing, Validation):
     def __init__(
         self,
         model_cfg: ModelConfig,
@@ -395,101 +374,6 @@ class Trainer:
         except DataError as err:
             raise ConfigError("train.replay.pack", str(err)) from None
 
-    def _find_checkpoint(self, resume: str):
-        """(folder, manifest, full model state or None if sharded, train state) or None."""
-        root = self.ckpt.root
-        if resume == "none":
-            if complete_checkpoints(root):
-                raise ConfigError(
-                    "resume",
-                    f"{root} holds checkpoints of an earlier run; "
-                    f"use resume=auto to continue it, or remove that folder",
-                )
-            found = None
-        elif resume == "auto":
-            found = self.ckpt.load_newest_valid(quarantine=self.is_main)
-        else:
-            # A step folder of this run's remote root loads by its URL, so that resume rewinds the root;
-            # a root resolves to `latest`: resume continues the newest.
-            if is_remote(resume) and self.ckpt.holds(resume):
-                folder = resume.rstrip("/")
-            else:
-                folder = resolve_checkpoint(resume, pointer="latest")
-            found = (folder, *self.ckpt.load(folder))
-        if found is None:
-            if self.is_main:
-                self._set_metrics_aside()
-            return None
-        folder, manifest = found[:2]
-        saved_cfg = manifest["model_config"]
-        current = dataclasses.asdict(self.model_cfg)
-        changed = [f"{k}: {saved_cfg.get(k)!r} -> {v!r}" for k, v in current.items() if saved_cfg.get(k) != v]
-        if changed:
-            raise ConfigError("model", f"differs from the checkpoint {folder} being resumed ({'; '.join(changed)})")
-        return found
-
-    def _set_metrics_aside(self) -> None:
-        """A run starting from step 0 logs afresh; the log an earlier attempt left (one whose
-        checkpoints were all damaged, or that died before its first save) is kept beside it."""
-        path = self.out_dir / "metrics.jsonl"
-        if not path.is_file() or path.stat().st_size == 0:
-            path.unlink(missing_ok=True)
-            return
-        n = 1
-        while (kept := path.with_name(f"metrics.previous-{n}.jsonl")).exists():
-            n += 1
-        path.rename(kept)
-        print(f"starting from step 0; the earlier {path.name} is kept as {kept.name}")
-
-    def _resume(self, found, init_from) -> str:
-        folder, manifest, model_state, train_state = found
-        if init_from is not None:
-            warnings.warn(f"resuming from {folder}; init_from={init_from} is ignored", stacklevel=3)
-        if model_state is None:
-            load_sharded(folder, self.model, self.optimizer)
-        else:
-            self.layout.load_full_optimizer_state(self.model, self.optimizer, train_state["optimizer"])
-        if train_state["scaler"]:
-            self.scaler.load_state_dict(train_state["scaler"])
-        if self.layout.diloco is not None:
-            self._resume_diloco(train_state, manifest["step"])
-        loop = dict(train_state["loop"])
-        self.guard.load_state_dict(loop.pop("guard", {}))
-        for key, value in loop.items():
-            setattr(self, key, value)
-        self.train_loader.load_state_dict(manifest["loader"])
-        restore_rng_state(manifest["rng"])
-        if self.is_main:
-            truncate_metrics(self.out_dir / "metrics.jsonl", self.step)
-            if self.ckpt.holds(folder):
-                self.ckpt.rewind(self.step, self.best_step)
-        return str(folder)
-
-    def _resume_diloco(self, train_state: dict, step: int) -> None:
-        if "diloco" not in train_state:
-            raise ConfigError("parallel.outer", "diloco cannot resume a checkpoint written without it")
-        self.layout.diloco.load_state_dict(train_state["diloco"])
-        if not self.is_main:
-            path = self._replica_file(step)
-            if not path.is_file():
-                raise ConfigError("resume", f"{path}: this replica's DiLoCo state is missing")
-            replica = torch.load(path, map_location=self.device, weights_only=True)
-            self.model.load_state_dict(replica["model"])
-            self.optimizer.load_state_dict(replica["optimizer"])
-
-    def _init_from(self, path) -> None:
-        try:
-            load_into(self.model, path)  # LoRA folded in, adapters attached: any folder a stage leaves
-        except RuntimeError as e:
-            init_cfg = model_config_from_dict(read_manifest(resolve_checkpoint(path))["model_config"], str(path))
-            first = str(e).strip().splitlines()
-            raise ConfigError(
-                "init_from",
-                f"{path}: weights do not fit the model "
-                f"({first[1].strip() if len(first) > 1 else first[0]}); "
-                f"checkpoint model is {init_cfg}",
-            ) from None
-
     def _batch_to_device(self, batch):
         return tuple(t.to(self.device, non_blocking=True) for t in self.layout.shard_batch(batch))
 
@@ -574,119 +458,6 @@ class Trainer:
         self.tokens_seen += tokens
         # Tensors unless the guard read them: reading forces a device sync, done only when logging.
         return {**stats, "loss": loss, "grad_norm": grad_norm}
-
-    # ---- validation ------------------------------------------------------------------------------
-
-    @torch.no_grad()
-    def evaluate(self, loader=None) -> dict:
-        """val_loss (mean loss per token), val_bpb (bits per byte), and what they cover: val_tokens
-        (tokens the loss counted) and val_sequences (windows, or a stage's examples). The set is
-        the whole validation split of `loader` (default: the run's), or with eval_batches > 0 a
-        fixed sample of that many global batches spread over it (the sources' validation_batches)."""
-        loader = loader if loader is not None else self.val_loader
-        self.model.eval()
-        total, tokens, sequences = 0.0, 0, 0
-        # A pipeline splits each batch into its microbatches: the smaller last batch must too.
-        row_multiple = self.layout.cfg.microbatches if self.layout.pipelined else 1
-        for batch in loader.validation_batches(self.cfg.eval_batches, row_multiple):
-            sequences += batch[0].shape[0]
-            batch = self._batch_to_device(batch)
-            with autocast(self.cfg.precision, self.device), self.layout.loss_context():
-                if self.layout.pipelined:
-                    loss, n_tokens = self.layout.pipeline_step(batch, train=False), batch[1].numel()
-                else:
-                    loss, n_tokens = self.eval_loss_fn(self.model, batch)
-            total += _local(loss).double().item() * n_tokens
-            tokens += int(n_tokens)
-        self.model.train()
-        total, tokens = self.layout.reduce_loss_stats(torch.tensor(total, dtype=torch.float64), tokens)
-        # The tokens slot is summed over the data- and context-parallel ranks only; the context-
-        # parallel ranks of a replica read the same sequences, each a slice of them.
-        _, sequences = self.layout.reduce_loss_stats(torch.zeros((), dtype=torch.float64), sequences)
-        # A source that is not split over the data-parallel ranks (world_size 1: a post stage's
-        # held-out examples) is evaluated whole on each of them: count it once.
-        replicas = self.layout.dp_size // getattr(loader, "world_size", 1)
-        if tokens == 0:
-            raise ConfigError(
-                "eval_batches",
-                f"the validation split of {getattr(loader, 'pack_dir', self.pack_dir)} yielded no batches",
-            )
-        val_loss = total.item() / tokens
-        # Bits per byte divides out the tokenizer: loss in nats per token -> bits per token -> per byte.
-        bytes_per_token = getattr(loader, "bytes_per_token", None)
-        val_bpb = val_loss / math.log(2) / bytes_per_token if bytes_per_token else float("nan")
-        return {
-            "val_loss": val_loss,
-            "val_bpb": val_bpb,
-            "val_tokens": tokens // replicas,
-            "val_sequences": sequences // (replicas * self.layout.dims.cp),
-        }
-
-    # ---- checkpoints -----------------------------------------------------------------------------
-
-    def _replica_file(self, step: int) -> Path:
-        """Under DiLoCo each replica's weights (mid-round) and inner optimizer state are its own:
-        ranks other than 0 keep theirs here, rank 0's are the checkpoint's."""
-        return self.out_dir / "diloco-replicas" / f"step-{step:08d}-rank-{self.rank}.pt"
-
-    def _save_replica(self) -> None:
-        path = self._replica_file(self.step)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(path.name + ".partial")  # a rank killed mid-write leaves no half file
-        torch.save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}, partial)
-        partial.replace(path)
-        for old in path.parent.glob(f"step-*-rank-{self.rank}.pt"):  # those of pruned checkpoints
-            step = int(old.name.split("-")[1])
-            if step < self.step and not (self.ckpt.root / step_dirname(step)).is_dir():
-                old.unlink()
-
-    def save_checkpoint(self, is_best: bool = False, val_loss: float | None = None) -> None:
-        if self.layout.diloco is not None and not self.is_main:
-            self._save_replica()
-            return
-        if not self.is_main and self.sharded_saver is None:
-            return
-        loop = {
-            "step": self.step,
-            "tokens_seen": self.tokens_seen,
-            "best_val_loss": self.best_val_loss,
-            "best_val_bpb": self.best_val_bpb,
-            "best_step": self.best_step,
-            "evals_since_best": self.evals_since_best,
-            "last_val_loss": self.last_val_loss,
-            "last_val_bpb": self.last_val_bpb,
-            "last_val_tokens": self.last_val_tokens,
-            "last_val_sequences": self.last_val_sequences,
-            "last_replay_val": self.last_replay_val,
-            "stopped_early": self.stopped_early,
-            "lr_scale": self.lr_scale,
-            "guard": self.guard.state_dict(),
-        }
-        train_state = {"scaler": self.scaler.state_dict(), "loop": loop}
-        if self.layout.diloco is not None:  # the anchor and the outer momentum, common to the replicas
-            train_state["diloco"] = self.layout.diloco.state_dict()
-        manifest_extra = {
-            "tokens_seen": self.tokens_seen,
-            "val_loss": val_loss,
-            "train_config": dataclasses.asdict(self.cfg),
-            "recipe": self.recipe_dict,
-            "loader": self.train_loader.state_dict(),
-            "rng": capture_rng_state(),
-            # The schedule is a pure function of the step (kiln.train.schedule), so the
-            # step is the whole scheduler state.
-            "schedule": {
-                "step": self.step,
-                "lr_scale": self.lr_scale,
-                "lr": lr_at(max(self.step - 1, 0), self.cfg) * self.lr_scale,
-            },
-        }
-        if self.sharded_saver is not None:  # every rank writes its shards
-            self.sharded_saver.save(
-                self.step, self.model_cfg, self.model, self.optimizer, train_state, manifest_extra, is_best=is_best
-            )
-            return
-        train_state["optimizer"] = self.optimizer.state_dict()
-        self.ckpt.save(self.step, self.model_cfg, self.model.state_dict(), train_state, manifest_extra, is_best=is_best)
 
     # ---- the loop --------------------------------------------------------------------------------
 
@@ -807,59 +578,6 @@ class Trainer:
             self.metrics.close()
         return summary
 
-    def _summary(self, train_time: float, train_tokens: int, start_wall: float) -> dict:
-        """What fit() returns and writes to summary.json."""
-        tokens_per_s = train_tokens / train_time if train_time > 0 else 0.0
-        mfu = model_flops_utilization(self.flops_per_token, tokens_per_s, self.peak_flops, self.world_size)
-        return {
-            "steps": self.step,
-            "tokens_seen": self.tokens_seen,
-            "stopped_early": self.stopped_early,
-            "final_val_loss": self.last_val_loss,
-            "final_val_bpb": self.last_val_bpb,
-            "val_tokens": self.last_val_tokens,
-            "val_sequences": self.last_val_sequences,
-            **self._replay_summary(),
-            "best_val_loss": self.best_val_loss if self.best_step >= 0 else None,
-            "best_val_bpb": self.best_val_bpb if self.best_step >= 0 else None,
-            "best_step": self.best_step,
-            "tokens_per_s": tokens_per_s,
-            "mfu": mfu,
-            "hfu": mfu * self.recompute_factor,
-            "peak_flops": self.peak_flops,
-            "flops_per_token": self.flops_per_token,
-            "peak_mem_mb": peak_memory_mb(self.device),
-            "params": count_params(self.model_cfg),
-            "non_embedding_params": count_params(self.model_cfg, non_embedding=True),
-            "accum_steps": self.accum_steps,
-            "pipeline_bubble": self.layout.bubble_fraction(),
-            "precision": self.cfg.precision,
-            "optimizer_impl": self.cfg.optimizer_impl if self.cfg.optimizer == "adamw" else None,
-            "fp8_linears": self.fp8_linears,
-            "device": str(self.device),
-            "guard_events": self.guard.events,
-            "lr_scale": self.lr_scale,
-            "resumed_from": self.resumed_from,
-            # What kiln.cost bills: devices x the time spent training.
-            "world_size": self.world_size,
-            "train_s": train_time,
-            "threads": torch.get_num_threads() if self.device.type == "cpu" else None,
-            "device_name": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None,
-            "wall_s": time.perf_counter() - start_wall,
-            "checkpoint": str(join(self.ckpt.root, self.ckpt.latest_name)) if self.ckpt.latest_name else None,
-        }
-
-    def _replay_summary(self) -> dict:
-        """The replay pack's split at the last evaluation (final_val_loss/replay, ...) and the share
-        of training sequences drawn from it; nothing without train.replay.pack."""
-        if self.replay_val_loader is None:
-            return {}
-        last = self.last_replay_val or {}
-        out = {f"final_{k}" if k.startswith(("val_loss", "val_bpb")) else k: v for k, v in last.items()}
-        out["replay_fraction"] = self.cfg.replay.fraction
-        out["replay_sequences"] = self.train_loader.old.sequences if isinstance(self.train_loader, ReplayLoader) else 0
-        return out
-
     # ---- guard responses and events ---------------------------------------------------------------
 
     def _event(self, type_: str, **details) -> None:
@@ -869,39 +587,3 @@ class Trainer:
         if self.is_main:
             text = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in details.items())
             tqdm.write(f"step {self.step} | {type_}: {text}", file=sys.stderr)
-
-    def _validate(self) -> bool:
-        """Evaluate, log, print, update best/early-stopping state; True if the loss improved."""
-        result = self.evaluate()
-        if self.replay_val_loader is not None:
-            self.last_replay_val = {f"{k}/replay": v for k, v in self.evaluate(self.replay_val_loader).items()}
-            result.update(self.last_replay_val)
-        val_loss, val_bpb = result["val_loss"], result["val_bpb"]
-        self.last_val_loss, self.last_val_bpb = val_loss, val_bpb
-        self.last_val_tokens, self.last_val_sequences = result["val_tokens"], result["val_sequences"]
-        improved = val_loss < self.best_val_loss
-        if improved:
-            self.best_val_loss, self.best_val_bpb, self.best_step = val_loss, val_bpb, self.step
-            self.evals_since_best = 0
-        else:
-            self.evals_since_best += 1
-            if self.cfg.early_stop_patience and self.evals_since_best >= self.cfg.early_stop_patience:
-                self.stopped_early = True
-        if self.metrics:
-            self.metrics.log({"kind": "val", "step": self.step, **result, "tokens_seen": self.tokens_seen})
-        if self.is_main:
-            tqdm.write(validation_line(self.step, result, self.stopped_early), file=sys.stdout)
-        return improved
-
-
-def validation_line(step: int, result: dict, stopped_early: bool = False) -> str:
-    """The line an evaluation prints. Bits per byte only where it is defined: post-training sources
-    (conversations, preference pairs) count no text bytes, so their val_bpb is NaN and left out."""
-    bpb = result["val_bpb"]
-    return (
-        f"step {step} | val loss {result['val_loss']:.4f}"
-        + ("" if math.isnan(bpb) else f" | val bpb {bpb:.4f}")
-        + f" | on {result['val_tokens']} tokens, {result['val_sequences']} sequences"
-        + (f" | replay val loss {result['val_loss/replay']:.4f}" if "val_loss/replay" in result else "")
-        + (" | early stop" if stopped_early else "")
-    )
