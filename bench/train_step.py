@@ -6,7 +6,9 @@ Each side is stepped the way its own users run it:
   (AdamW, no decay on norms and embeddings) for a default `TrainConfig`.
 - transformers as its documentation and `Trainer` do: `model(input_ids, labels=...)` under the same
   autocast, so the model computes its own float32 cross-entropy, backward, clipping at 1.0 (Trainer's
-  default max_grad_norm), `torch.optim.AdamW`.
+  default max_grad_norm), `torch.optim.AdamW`. Both sides take the same AdamW implementation
+  (--optimizer-impl, default fused: Kiln's shipped recipes set train.optimizer_impl = "fused", and
+  Trainer's default `optim` is "adamw_torch_fused" from torch 2.8 on).
 
 Both are timed eager and compiled, each compiled the way its own users would: Kiln as its trainer does
 with `train.compile = true`, `torch.compile(next_token_loss)` called with the plain model (so the output
@@ -154,11 +156,12 @@ def kiln_step(
     return step
 
 
-def hf_step(cfg: ModelConfig, precision: str, compile: bool):
+def hf_step(cfg: ModelConfig, precision: str, compile: bool, optimizer_impl: str = "fused"):
     torch.manual_seed(0)
     model = hf_llama(cfg)
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
+    impl = {"fused": True} if optimizer_impl == "fused" else {"foreach": True}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, **impl)
     forward_model = torch.compile(model) if compile else model
 
     def step(x, y):
@@ -214,7 +217,7 @@ def run(
     steps_of = {}
     for compiled in compile_modes:
         steps_of[("kiln", compiled)] = kiln_step(cfg, precision, compiled, seq, batch, optimizer_impl)
-        steps_of[("transformers", compiled)] = hf_step(cfg, precision, compiled)
+        steps_of[("transformers", compiled)] = hf_step(cfg, precision, compiled, optimizer_impl)
     gen = torch.Generator().manual_seed(0)
     x = torch.randint(0, cfg.vocab_size, (batch, seq), generator=gen)
     y = torch.randint(0, cfg.vocab_size, (batch, seq), generator=gen)
@@ -261,7 +264,7 @@ def loss_head_report(cfg: ModelConfig, precision: str, args) -> dict:
     x = torch.randint(0, cfg.vocab_size, (batch, seq), generator=gen)
     y = torch.randint(0, cfg.vocab_size, (batch, seq), generator=gen)
     profiled = {
-        "transformers": hf_step(cfg, precision, False),
+        "transformers": hf_step(cfg, precision, False, args.optimizer_impl),
         "kiln": kiln_step(cfg, precision, False, seq, batch, args.optimizer_impl),
         f"kiln chunk {chunk}": kiln_step(cfg, precision, False, seq, batch, args.optimizer_impl, chunk),
     }
@@ -362,8 +365,8 @@ def main() -> None:
     parser.add_argument(
         "--optimizer-impl",
         choices=["foreach", "fused"],
-        default="foreach",
-        help="Kiln's train.optimizer_impl in the timed steps (transformers keeps torch's default AdamW)",
+        default="fused",
+        help="AdamW implementation of both sides: Kiln's train.optimizer_impl, torch.optim.AdamW(fused/foreach=True)",
     )
     parser.add_argument("--no-optimizer-profile", action="store_true", help="skip the fused vs foreach timing")
     parser.add_argument(
@@ -407,7 +410,7 @@ def main() -> None:
             f"fused {medians['fused']:.1f} ms, fused {medians['foreach'] / medians['fused']:.2f}x faster "
             f"(median of {args.repeats} rounds; ms per round {rounds})"
         )
-    print(f"Kiln steps below use train.optimizer_impl = {args.optimizer_impl!r}")
+    print(f"both sides' AdamW below: {args.optimizer_impl!r} (Kiln train.optimizer_impl, torch.optim.AdamW)")
     precisions = ["fp32", "bf16"] if args.precision == "both" else [args.precision]
     compile_modes = [False] if args.no_compile else [False, True]
     summary = []
