@@ -9,8 +9,8 @@ and come in as Mixtral or Qwen2-MoE; their layers are mapped in kiln/hf_moe.py. 
 Weight layout: Kiln's RoPE pairs dimension i with i + head_dim/2 ("rotate half"), the layout HF Llama
 checkpoints are already stored in, so q/k rows are copied unchanged both ways. (Meta's original
 consolidated.*.pth checkpoints pair adjacent dimensions and need a row permutation; Kiln does not
-read that format.) The only reshaping is splitting Kiln's fused projections `wqkv` and `w13` (their
-row layout is described in kiln/model/transformer.py).
+read that format.) The only reshaping is splitting Kiln's fused projection `wqkv` (its row layout is
+described in kiln/model/transformer.py); SwiGLU's w1, w3, w2 are gate_proj, up_proj, down_proj.
 
 The `kiln export` (hf, and single: a one-file Kiln checkpoint) and `kiln import` verbs are at the end.
 """
@@ -53,7 +53,7 @@ from kiln.hf_tensors import TensorTaker
 from kiln.model.config import ModelConfig, arch_of
 from kiln.model.rope import rope_scaling_from_hf, rope_scaling_to_hf
 from kiln.model.t5_config import T5Config
-from kiln.model.transformer import fuse_gate_up, fuse_qkv, split_gate_up, split_qkv
+from kiln.model.transformer import fuse_qkv, split_qkv
 from kiln.peft.load import plain_weights
 from kiln.storage import is_remote, staged_output
 
@@ -89,8 +89,8 @@ def kiln_to_hf_state(cfg: ModelConfig, state_dict: dict[str, torch.Tensor]) -> d
         if cfg.is_moe_layer(i):
             out.update(moe_layer_to_hf(cfg, i, state_dict))
         else:
-            gate, up = split_gate_up(state_dict[f"{src}ffn.w13.weight"])
-            out.update({f"{dst}mlp.gate_proj.weight": gate, f"{dst}mlp.up_proj.weight": up})
+            out[f"{dst}mlp.gate_proj.weight"] = state_dict[f"{src}ffn.w1.weight"]
+            out[f"{dst}mlp.up_proj.weight"] = state_dict[f"{src}ffn.w3.weight"]
             out[f"{dst}mlp.down_proj.weight"] = state_dict[f"{src}ffn.w2.weight"]
         out.update(
             {
@@ -121,8 +121,8 @@ def hf_to_kiln_state(cfg: ModelConfig, tensors: dict[str, torch.Tensor], where: 
         if cfg.is_moe_layer(i):
             out.update(moe_layer_from_hf(cfg, i, take, take.__contains__, where))
         else:
-            gate, up = take(f"{src}mlp.gate_proj.weight"), take(f"{src}mlp.up_proj.weight")
-            out[f"{dst}ffn.w13.weight"] = fuse_gate_up(gate, up)
+            out[f"{dst}ffn.w1.weight"] = take(f"{src}mlp.gate_proj.weight")
+            out[f"{dst}ffn.w3.weight"] = take(f"{src}mlp.up_proj.weight")
             out[f"{dst}ffn.w2.weight"] = take(f"{src}mlp.down_proj.weight")
         out[f"{dst}attn_norm.weight"] = take(f"{src}input_layernorm.weight")
         out[f"{dst}ffn_norm.weight"] = take(f"{src}post_attention_layernorm.weight")

@@ -35,7 +35,6 @@ import torch
 
 from kiln.errors import ConfigError, DataError
 from kiln.model.config import ModelConfig
-from kiln.model.transformer import fuse_gate_up, split_gate_up
 
 MOE_ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
 # (router, expert gate, up, down) tensor names under model.layers.{i}.
@@ -107,15 +106,14 @@ def moe_layer_to_hf(cfg: ModelConfig, layer: int, state: dict[str, torch.Tensor]
     src, dst = f"layers.{layer}.ffn.", f"model.layers.{layer}."
     router, expert, parts = _NAMES[model_type]
     out = {dst + router: state[f"{src}router.weight"]}
-    w13, w2 = state[f"{src}experts.w13"], state[f"{src}experts.w2"]
+    w1, w3, w2 = (state[f"{src}experts.{w}"] for w in ("w1", "w3", "w2"))
     for e in range(cfg.n_experts):
-        gate, up = split_gate_up(w13[e])
-        for part, t in zip(parts, (gate, up, w2[e])):
+        for part, t in zip(parts, (w1[e], w3[e], w2[e])):
             out[dst + expert.format(e=e, p=part)] = t
     if model_type == "mixtral":
         return out
     if cfg.moe_shared_expert:
-        gate, up = split_gate_up(state[f"{src}shared_expert.w13.weight"])
+        gate, up = state[f"{src}shared_expert.w1.weight"], state[f"{src}shared_expert.w3.weight"]
         down = state[f"{src}shared_expert.w2.weight"] * 2  # times sigmoid(0) = 0.5 gives it back exactly
     else:
         w = state[f"{src}router.weight"]
@@ -188,16 +186,10 @@ def moe_layer_from_hf(
     src, dst = f"model.layers.{layer}.", f"layers.{layer}.ffn."
     model_type = "mixtral" if has(src + _NAMES["mixtral"][0]) else "qwen2_moe"
     router, expert, parts = _NAMES[model_type]
-    w13, w2 = [], []
-    for e in range(cfg.n_experts):
-        gate, up, down = (take(src + expert.format(e=e, p=part)) for part in parts)
-        w13.append(fuse_gate_up(gate, up))
-        w2.append(down)
-    out = {
-        f"{dst}router.weight": take(src + router),
-        f"{dst}experts.w13": torch.stack(w13),
-        f"{dst}experts.w2": torch.stack(w2),
-    }
+    per_expert = [[take(src + expert.format(e=e, p=part)) for part in parts] for e in range(cfg.n_experts)]
+    out = {f"{dst}router.weight": take(src + router)}
+    for w, weights in zip(("w1", "w3", "w2"), zip(*per_expert)):
+        out[f"{dst}experts.{w}"] = torch.stack(weights)
     if model_type == "mixtral":
         return out
     gate, up, down = (take(src + _SHARED.format(p=part)) for part in ("gate_proj", "up_proj", "down_proj"))
@@ -208,6 +200,6 @@ def moe_layer_from_hf(
                 f"{where}: {src + _SHARED_GATE} is not zero: Kiln's shared expert has no sigmoid gate, so only "
                 "Qwen2-MoE checkpoints whose shared-expert gate is zero (sigmoid = 0.5) import"
             )
-        out[f"{dst}shared_expert.w13.weight"] = fuse_gate_up(gate, up)
+        out[f"{dst}shared_expert.w1.weight"], out[f"{dst}shared_expert.w3.weight"] = gate, up
         out[f"{dst}shared_expert.w2.weight"] = down / 2
     return out

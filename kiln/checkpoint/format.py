@@ -38,11 +38,11 @@ MANIFEST_FILE = "manifest.json"
 # a missing checksum is damage, so deleting the field cannot switch the self-check off.
 FORMAT_VERSION = 2
 CHECKSUMMED_FROM_VERSION = 2
-# Row layout of the fused wqkv / w13 weights. 1: [q; k; v] and [gate; up] (before 2026-11-30);
-# 2: grouped by kv head and gate/up interleaved (kiln/model/transformer.py). Older checkpoints are
-# converted when they load (kiln.model.weights.upgrade_layout), so they keep computing what they
-# computed when saved.
-WEIGHTS_LAYOUT = 2
+# Row layout of the fused weights. 1: wqkv [q; k; v], SwiGLU's w13 [gate; up] (before 2026-11-30);
+# 2: wqkv grouped by kv head, w13 gate/up rows interleaved; 3: wqkv as 2, gate and up as separate
+# w1 and w3 (2026-12-03; kiln/model/transformer.py). Older checkpoints are converted when they load
+# (kiln.model.weights.upgrade_layout), so they keep computing what they computed when saved.
+WEIGHTS_LAYOUT = 3
 
 
 class CheckpointError(DataError):

@@ -18,7 +18,7 @@ autocast), a heads, kv key/value heads, f the FFN hidden size:
                   logsumexp per head (4*a); no T x T scores (flash-style kernels)
   FFN norm        b*h + 4
   FFN input       the norm's output (b*h)
-  SwiGLU          the fused gate|up output (2*b*f, read by silu and by the product), silu(gate) (b*f)
+  SwiGLU          the gate (w1) and up (w3) outputs (2*b*f, read by silu and by the product), silu(gate) (b*f)
                   and the product, the down projection's input (b*f); GELU: its input and output (2*b*f)
   residual adds   nothing (their backward is the identity)
   QK-norm         (qk_norm only) the q and k norms' inputs, q and k before normalisation (b*h + b*h*kv/a)
@@ -31,11 +31,11 @@ parameters make the stream bf16). Selective checkpointing (kiln.parallel.paralle
 keeps that input and the outputs of the ops its policy saves, and recomputes the rest (the QK-norms
 too, so neither checkpointing mode keeps more for them):
   block input     the residual stream (4h, as under full checkpointing)
-  qkv projection  its fused output b*(h + 2h*kv/a) (an odd matmul, kept)
+  qkv projection  its fused output b*(h + 2h*kv/a) (kept: not of width h)
   SDPA            its output (b*h) and logsumexp (4*a)
-  output proj.    nothing: an even matmul, recomputed from the kept SDPA output
-  FFN up          SwiGLU's fused gate|up output (2*b*f), GELU's w1 output (b*f) (odd, kept)
-  FFN down        nothing: even, and backward never reads its output, so it is not even recomputed
+  output proj.    nothing: of width h, recomputed from the kept SDPA output
+  FFN up          SwiGLU's gate and up outputs (2*b*f), GELU's w1 output (b*f) (kept)
+  FFN down        nothing: of width h, and backward never reads its output, so it is not even recomputed
 Sum: 4h + b*(2h + 2h*kv/a + 2f) + 4a for SwiGLU (b*f for GELU's up projection instead of 2*b*f).
 
 Measuring selective checkpointing needs more than saved_tensors_hooks: the outputs its policy keeps

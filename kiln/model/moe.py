@@ -33,10 +33,9 @@ import torch.nn.functional as F
 from kiln.model.config import ModelConfig
 
 
-def swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    """SwiGLU with gate and up rows interleaved in w13, the layout of the dense FeedForward."""
-    gate, up = F.linear(x, w13).unflatten(-1, (-1, 2)).unbind(-1)
-    return F.linear(F.silu(gate) * up, w2)
+def swiglu(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """SwiGLU with the dense FeedForward's matrices: w1 the gate, w3 the up, w2 the down projection."""
+    return F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2)
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:
@@ -46,7 +45,7 @@ def _local(param: torch.Tensor) -> torch.Tensor:
 
 
 class GroupedExperts(nn.Module):
-    """E SwiGLU experts stored as 3-D weights: w13 [E, 2*hidden, dim], w2 [E, dim, hidden].
+    """E SwiGLU experts stored as 3-D weights: w1 and w3 [E, hidden, dim], w2 [E, dim, hidden].
 
     forward(x, counts): x holds tokens grouped by expert (counts[e] rows for expert e, in order).
     Batched 3-D parameters (rather than E modules) let expert parallelism shard experts as one
@@ -56,18 +55,20 @@ class GroupedExperts(nn.Module):
     def __init__(self, n_experts: int, dim: int, hidden: int):
         super().__init__()
         self.n_experts = n_experts
-        self.w13 = nn.Parameter(torch.empty(n_experts, 2 * hidden, dim))
+        self.w1 = nn.Parameter(torch.empty(n_experts, hidden, dim))
+        self.w3 = nn.Parameter(torch.empty(n_experts, hidden, dim))
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden))
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        w13, w2 = _local(self.w13), _local(self.w2)
+        w1, w3, w2 = _local(self.w1), _local(self.w3), _local(self.w2)
         # A loop over slices: torch._grouped_mm exists on CPU in torch 2.13 but its backward fails
         # there ("Invalid strides/sizes"). Empty slices still run, so every expert weight is part of
         # the graph and gets a (zero) gradient even when no token chose it.
         slices = torch.split(x, counts.tolist())
-        # unbind, not w13[e]: the backward of E separate indexings would build E zero-filled
+        # unbind, not w1[e]: the backward of E separate indexings would build E zero-filled
         # full-size gradients and add them up; unbind's backward stacks the E pieces once.
-        return torch.cat([swiglu(chunk, a, b) for chunk, a, b in zip(slices, w13.unbind(0), w2.unbind(0))])
+        experts = zip(slices, w1.unbind(0), w3.unbind(0), w2.unbind(0))
+        return torch.cat([swiglu(chunk, gate, up, down) for chunk, gate, up, down in experts])
 
 
 class SharedExpert(nn.Module):
@@ -75,11 +76,12 @@ class SharedExpert(nn.Module):
 
     def __init__(self, dim: int, hidden: int):
         super().__init__()
-        self.w13 = nn.Linear(dim, 2 * hidden, bias=False)
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
         self.w2 = nn.Linear(hidden, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return swiglu(x, self.w13.weight, self.w2.weight)
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 class MoEFeedForward(nn.Module):
@@ -105,10 +107,12 @@ class MoEFeedForward(nn.Module):
     @torch.no_grad()
     def init_weights(self, init_std: float, residual_std: float) -> None:
         nn.init.normal_(self.router.weight, std=init_std)
-        for param, std in ((self.experts.w13, init_std), (self.experts.w2, residual_std)):
+        experts = self.experts
+        for param, std in ((experts.w1, init_std), (experts.w3, init_std), (experts.w2, residual_std)):
             _init_per_expert(param, std)
         if self.shared_expert is not None:
-            nn.init.normal_(self.shared_expert.w13.weight, std=init_std)
+            for up in (self.shared_expert.w1, self.shared_expert.w3):
+                nn.init.normal_(up.weight, std=init_std)
             nn.init.normal_(self.shared_expert.w2.weight, std=residual_std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -6,15 +6,17 @@ Conventions chosen so that the weights map one-to-one onto Hugging Face Llama/Qw
 - RoPE uses the "rotate half" pairing (dimension i is rotated with i + head_dim/2), which is the layout
   HF Llama checkpoints are stored in. Exporting or importing q/k weights therefore needs no row
   permutation; only original Meta-format (interleaved-pair) weights would, and Kiln does not read those.
-- q, k and v live in one fused projection `wqkv` and the SwiGLU gate and up projections in one `w13`.
-  One wide matmul instead of three (or two) narrow ones saves kernel launches and re-reads of the
-  input, which matters on CPU where this model is first trained.
-- The fused rows are ordered so that any contiguous, evenly sized block of rows is self-contained
-  (Megatron's layout): `wqkv` is grouped by key/value head, each group holding its query heads, then
-  its k head, then its v head; `w13` interleaves gate and up rows (gate_0, up_0, gate_1, up_1, ...).
-  Tensor parallelism can then split both by plain row chunks and every rank gets whole heads and
-  matching gate/up pairs, whatever its degree. `fuse_qkv`/`split_qkv` and `fuse_gate_up`/
-  `split_gate_up` convert to and from the separate matrices that Hugging Face checkpoints store.
+- q, k and v live in one fused projection `wqkv`: one wide matmul instead of three narrow ones saves
+  kernel launches and re-reads of the input. Its rows are ordered so that any contiguous, evenly
+  sized block of rows is self-contained (Megatron's layout): grouped by key/value head, each group
+  holding its query heads, then its k head, then its v head. Tensor parallelism can then split it by
+  plain row chunks and every rank gets whole heads, whatever its degree. `fuse_qkv`/`split_qkv`
+  convert to and from the separate matrices that Hugging Face checkpoints store.
+- The SwiGLU gate and up projections are two matrices, `w1` (gate) and `w3` (up), as in Llama and
+  torchtitan. One fused matrix would need its gate and up rows interleaved for tensor parallelism's
+  row chunks, and reading every other column of its output is what the elementwise SiLU-and-product
+  kernel (and its backward) then spends its time on: 4x Hugging Face's separate-matrix kernel in a
+  compiled bf16 step on an AMX CPU (docs/benchmarks.md, "SwiGLU layout").
 """
 
 from __future__ import annotations
@@ -84,15 +86,6 @@ def split_qkv(wqkv: torch.Tensor, n_heads: int, n_kv_heads: int, head_dim: int):
     grouped = wqkv.unflatten(0, (n_kv_heads, -1))
     q, k, v = grouped.split([per_group, head_dim, head_dim], dim=1)
     return q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1)
-
-
-def fuse_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return torch.stack([gate, up], dim=1).flatten(0, 1)
-
-
-def split_gate_up(w13: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    pairs = w13.unflatten(0, (-1, 2))
-    return pairs[:, 0], pairs[:, 1]
 
 
 def causal_attention(
@@ -170,16 +163,13 @@ class FeedForward(nn.Module):
         super().__init__()
         self.swiglu = cfg.ffn == "swiglu"
         hidden = cfg.ffn_hidden_size
-        if self.swiglu:
-            self.w13 = nn.Linear(cfg.dim, 2 * hidden, bias=False)  # gate and up rows interleaved
-        else:
-            self.w1 = nn.Linear(cfg.dim, hidden, bias=False)
+        self.w1 = nn.Linear(cfg.dim, hidden, bias=False)  # SwiGLU's gate, or GELU's up projection
+        self.w3 = nn.Linear(cfg.dim, hidden, bias=False) if self.swiglu else None  # SwiGLU's up
         self.w2 = nn.Linear(hidden, cfg.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.swiglu:
-            gate, up = self.w13(x).unflatten(-1, (-1, 2)).unbind(-1)
-            return self.w2(F.silu(gate) * up)
+            return self.w2(F.silu(self.w1(x)) * self.w3(x))
         return self.w2(F.gelu(self.w1(x), approximate="tanh"))
 
 
@@ -260,7 +250,8 @@ class Transformer(nn.Module):
             if isinstance(ffn, MoEFeedForward):
                 ffn.init_weights(cfg.init_std, residual_std)
                 continue
-            nn.init.normal_(ffn.w13.weight if ffn.swiglu else ffn.w1.weight, std=cfg.init_std)
+            for up in (ffn.w1, ffn.w3) if ffn.swiglu else (ffn.w1,):
+                nn.init.normal_(up.weight, std=cfg.init_std)
             nn.init.normal_(ffn.w2.weight, std=residual_std)
         self.norm.reset_parameters()
         if self.output is not None:

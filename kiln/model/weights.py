@@ -21,7 +21,7 @@ from kiln.checkpoint import (
 from kiln.checkpoint.safety import check_sharded_pickles
 from kiln.errors import ConfigError
 from kiln.model.config import ModelConfig, RopeScaling, arch_of, model_family
-from kiln.model.transformer import fuse_gate_up, fuse_qkv
+from kiln.model.transformer import fuse_qkv
 
 
 def model_config_from_dict(d: dict, where: str) -> ModelConfig:
@@ -47,22 +47,33 @@ def model_config_from_dict(d: dict, where: str) -> ModelConfig:
     return cls(**d)
 
 
+def split_gate_up(w13: torch.Tensor, layout: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gate, up) rows of a fused SwiGLU matrix as weights layouts 1 ([gate; up]) and 2 (gate and up
+    rows interleaved) stored them; the rows are the second-to-last dimension (experts stack first)."""
+    if layout == 1:
+        return w13.chunk(2, dim=-2)
+    pairs = w13.unflatten(-2, (-1, 2))
+    return pairs[..., 0, :], pairs[..., 1, :]
+
+
 def upgrade_layout(state: dict, manifest: dict) -> dict:
     """Convert a state dict saved with an older fused-row layout to the current one (in place).
     The manifest's model config is checked first, whatever the layout: a checkpoint written by a
     newer Kiln (unknown keys) is refused, and resume=auto falls back to an older one."""
     model_cfg = model_config_from_dict(manifest["model_config"], MANIFEST_FILE)
-    if manifest.get("weights_layout", 1) >= WEIGHTS_LAYOUT or arch_of(model_cfg) != "decoder":
+    layout = manifest.get("weights_layout", 1)
+    if layout >= WEIGHTS_LAYOUT or arch_of(model_cfg) != "decoder":
         return state
     q_rows, kv_rows = model_cfg.n_heads * model_cfg.head_dim, model_cfg.kv_heads * model_cfg.head_dim
     for i in range(model_cfg.n_layers):
         for suffix in ("weight", "bias"):
             name = f"layers.{i}.attn.wqkv.{suffix}"
-            if name in state:
+            if name in state and layout == 1:
                 state[name] = fuse_qkv(*state[name].split([q_rows, kv_rows, kv_rows]), model_cfg.kv_heads)
-        name = f"layers.{i}.ffn.w13.weight"
-        if name in state:
-            state[name] = fuse_gate_up(*state[name].chunk(2))
+    # Layouts 1 and 2 fused SwiGLU's gate and up rows into one w13 (dense FFN, shared expert, experts).
+    for name in [n for n in state if n.endswith((".w13", ".w13.weight"))]:
+        gate, up = split_gate_up(state.pop(name), layout)
+        state[name.replace("w13", "w1")], state[name.replace("w13", "w3")] = gate.clone(), up.clone()
     return state
 
 
@@ -74,5 +85,5 @@ def load_weights(path) -> tuple[ModelConfig, dict[str, torch.Tensor], dict]:
     if manifest.get("layout") == "sharded":
         verify(folder, manifest)
         check_sharded_pickles(folder, manifest)
-        return cfg, load_sharded_weights(folder), manifest
+        return cfg, upgrade_layout(load_sharded_weights(folder), manifest), manifest
     return cfg, upgrade_layout(load_single_file_state(folder, manifest), manifest), manifest

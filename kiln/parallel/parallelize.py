@@ -32,7 +32,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh) -> None:
     back on exit, which costs the same communication as plain TP's all-reduce but divides the
     activation memory of norms and residuals by the TP degree. The head's logits stay sharded over
     the vocabulary; the loss must run inside `torch.distributed.tensor.parallel.loss_parallel()`.
-    Column chunks of `wqkv` and `w13` are whole kv groups / gate-up pairs by the model's row layout.
+    Column chunks of `wqkv` are whole kv groups by the model's row layout; SwiGLU's w1 (gate) and w3
+    (up) split alike, so each rank holds the gate and up rows of the same hidden units.
     """
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
@@ -88,10 +89,9 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh) -> None:
             "ffn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
             "ffn.w2": RowwiseParallel(output_layouts=Shard(1)),
         }
+        plan["ffn.w1"] = ColwiseParallel()
         if block.ffn.swiglu:
-            plan["ffn.w13"] = ColwiseParallel()
-        else:
-            plan["ffn.w1"] = ColwiseParallel()
+            plan["ffn.w3"] = ColwiseParallel()
         parallelize_module(block, tp_mesh, plan)
 
 
@@ -111,31 +111,26 @@ SAVED_OPS = {
 MATMUL_OPS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
 
 
-def selective_policy():
-    """A fresh policy for one checkpointed call: keep attention and every other matmul (the 1st, 3rd,
-    ...), as torchtitan does. In Kiln's fused block the odd matmuls are wqkv and w13 (the wide ones
-    whose outputs backward reads: q/k/v, gate|up) and the even ones wo and w2. wo is recomputed (one
-    h x h matmul); w2's output is read by nothing in backward (the residual add keeps nothing, w2's
-    own backward needs its input), so it is neither kept nor recomputed: recomputation stops at its
-    input. Keeping every matmul would keep two more width-h values per token (wo's and w2's outputs)
-    to spare the one wo matmul.
-    Forward and recomputation count separately: torch < 2.13 asks the policy again while recomputing
-    (ctx.is_recompute) and its answers must repeat the forward's."""
-    counts = {False: 0, True: 0}
+def selective_policy(model_dim: int):
+    """A fresh policy for one checkpointed call: keep attention and every matmul except those back to
+    the residual width `model_dim` (wo, w2, the experts' w2). The kept ones are wqkv, w1 and w3 (the
+    outputs backward reads: q/k/v, gate, up) and an MoE router's. wo is recomputed (one h x h matmul,
+    for the norm input after the attention residual); w2's output is read by nothing in backward (the
+    residual add keeps nothing, w2's own backward needs its input), so it is neither kept nor
+    recomputed: recomputation stops at its input. In an MoE layer a routed expert's w2 output is
+    recomputed for the router weights' gradient. Keeping every matmul would keep two more width-h
+    values per token (wo's and w2's outputs) to spare the one wo matmul. (torchtitan keeps every
+    other matmul; with separate w1 and w3 that would recompute w3 and keep w2's unread output.)
+    A matmul whose other width happens to equal model_dim is recomputed too: correct, only slower."""
 
     def policy(ctx, func, *args, **kwargs):
         if func in MATMUL_OPS:
-            counts[ctx.is_recompute] += 1
-            keep = counts[ctx.is_recompute] % 2 == 1
+            keep = args[-1].shape[-1] != model_dim  # mm(a, b) and addmm(bias, a, b): out width is b's
         else:
             keep = func in SAVED_OPS
         return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
 
     return policy
-
-
-def _selective_contexts():
-    return create_selective_checkpoint_contexts(selective_policy())
 
 
 def apply_activation_checkpointing(model: torch.nn.Module, mode: str = "full") -> None:
@@ -150,7 +145,9 @@ def apply_activation_checkpointing(model: torch.nn.Module, mode: str = "full") -
         raise ValueError(f"activation checkpointing mode must be one of {', '.join(AC_MODES)}, got {mode!r}")
     if mode == "none":
         return
-    extra = {"context_fn": _selective_contexts} if mode == "selective" else {}
+    dim = model.cfg.dim  # every Kiln model and pipeline stage carries its config
+    extra = {"context_fn": lambda: create_selective_checkpoint_contexts(selective_policy(dim))}
+    extra = extra if mode == "selective" else {}
     for block in model.layers:
 
         def forward(*args, _block_forward=block.forward, **kwargs):

@@ -278,7 +278,7 @@ def layer_activation_bytes(
 
     Per token: each norm's input 2h; q 2h, k and v 2h*kv_heads/n_heads each; the attention output
     2h (the output projection's input); the inputs of the qkv and first MLP matmuls 2h each; the MLP
-    inside (GELU: 2f before and 2f after the activation; SwiGLU: the fused gate|up output 4f, silu(gate)
+    inside (GELU: 2f before and 2f after the activation; SwiGLU: the gate and up outputs 4f, silu(gate)
     2f and the product 2f); with dropout a 1-byte mask after attention and after the MLP; without
     flash attention the scores, a*s*(2 softmax [+ 1 mask + 2 dropout output]). A GPT-3 layer sums to
     h*(34 + 5*a*s/h). Sequence parallelism divides it all by tp, but for the all-gathered matmul
@@ -289,9 +289,9 @@ def layer_activation_bytes(
     4 per head (the logsumexp) more. Full checkpointing keeps the block input, residual_bytes*h
     (act.residual_bytes unless given); Kiln's selective (act.op_selective) the block input, the qkv
     output 2h + 4h*kv/a, the attention output 2h and logsumexp 4a, the up projection's output (SwiGLU
-    4f, GELU 2f) and under TP the two reduce-scattered branch outputs 2h each; in an MoE layer, where
-    the every-other-matmul rule falls on the router and the experts' down projections, the float32
-    router logits 4E and per routed copy (and shared expert) the down projection's output 2h. This is
+    4f, GELU 2f) and under TP the two reduce-scattered branch outputs 2h each; in an MoE layer,
+    where the policy keeps every matmul output but those of width h, the float32 router logits 4E
+    and per routed copy (and shared expert) the gate and up projections' outputs 4*hm. This is
     kiln.model.activations.layer_activation_bytes_per_token's count, measured on one process; the
     tensor-parallel division and the reduce-scatter outputs are read off the policy, not measured.
     """
@@ -302,7 +302,7 @@ def layer_activation_bytes(
     if ac == "selective" and act.op_selective:
         kept = residual + 2 * h + 4 * h * cfg.kv_heads / a + 2 * h + 4 * a + (4 * h if tp > 1 else 0)
         if moe:
-            kept += 4 * cfg.n_experts + (cfg.moe_top_k + cfg.moe_shared_expert) * 2 * h
+            kept += 4 * cfg.n_experts + (cfg.moe_top_k + cfg.moe_shared_expert) * 4 * cfg.moe_hidden_size
         else:
             kept += (4 if cfg.ffn == "swiglu" else 2) * cfg.ffn_hidden_size
         return tokens * kept / tp

@@ -119,12 +119,12 @@ def layer_seconds_per_token(
     # whose backward recomputes the scores inside the kernel in any case).
     if ac == "selective" and act.op_selective:
         # Kiln's op-level policy (kiln.parallel.parallelize.selective_policy) keeps the outputs of
-        # wqkv, w13 and SDPA: backward reruns the output projection wo and the memory-bound ops; in
-        # an MoE layer the every-other-matmul rule falls so that the experts' gate|up projections
-        # (and the shared expert's) rerun instead of w13.
+        # wqkv, w1, w3 and SDPA: backward reruns the output projection wo and the memory-bound ops; in
+        # an MoE layer also each routed expert's down projection, whose output the router weights'
+        # gradient reads (the shared expert's is only added, so nothing reruns it).
         rerun = cfg.n_heads * cfg.head_dim * cfg.dim
         if moe:
-            rerun += (cfg.moe_top_k + cfg.moe_shared_expert) * 2 * cfg.dim * cfg.moe_hidden_size
+            rerun += cfg.moe_top_k * cfg.dim * cfg.moe_hidden_size
         return t + 2.0 * rerun / (peak * cluster.matmul_efficiency) + t_mem / 3
     recompute = {"full": (t_mm + t_attn + t_mem) / 3 + t_score_fwd, "selective": t_attn / 3 + t_score_fwd}
     return t + (recompute.get(ac, 0.0) if ac != "selective" or not act.flash else 0.0)

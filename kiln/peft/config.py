@@ -26,7 +26,7 @@ class PeftConfig:
     r: int = 8  # LoRA rank
     alpha: float = 16.0  # LoRA scale numerator: s = alpha / r (alpha / sqrt(r) with rslora)
     dropout: float = 0.0  # on the LoRA input
-    targets: list[str] = field(default_factory=lambda: ["attn.wqkv", "attn.wo", "ffn.w13", "ffn.w2"])
+    targets: list[str] = field(default_factory=lambda: ["attn.wqkv", "attn.wo", "ffn.w1", "ffn.w3", "ffn.w2"])
     rslora: bool = False
     # LoRA weights' dtype. auto: the base weight's dtype for lora, bfloat16 for qlora (as in QLoRA).
     lora_dtype: str = "auto"
@@ -51,7 +51,14 @@ class PeftConfig:
             raise ConfigError(
                 "targets",
                 f"must be a non-empty list of module names "
-                f"(e.g. attn.wqkv, attn.wo, ffn.w13, ffn.w2, output), got {self.targets!r}",
+                f"(e.g. attn.wqkv, attn.wo, ffn.w1, ffn.w3, ffn.w2, output), got {self.targets!r}",
+            )
+        fused = [t for t in self.targets if t.split(".")[-1] == "w13"]
+        if fused:
+            raise ConfigError(
+                "targets",
+                f"{fused[0]!r} no longer exists: SwiGLU's gate and up projections are ffn.w1 and ffn.w3 "
+                f"(weights layout 3); name those instead",
             )
         if self.lora_dtype not in LORA_DTYPES:
             raise ConfigError("lora_dtype", f"must be one of {', '.join(LORA_DTYPES)}, got {self.lora_dtype!r}")

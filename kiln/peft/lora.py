@@ -7,9 +7,9 @@ starts exactly equal to the base; s = alpha / r, or alpha / sqrt(r) with rsLoRA 
 which keeps the update's scale from shrinking as the rank grows.
 
 Targets are names of Kiln modules, matched on whole dotted components at the end of the module path:
-"wqkv" and "attn.wqkv" both select every layers.<i>.attn.wqkv. Kiln's q/k/v and gate/up projections are
-fused (`attn.wqkv`, `ffn.w13`), so one LoRA covers all three (or both); its B splits by rows into the
-separate projections' LoRAs, all sharing A (see peft_io).
+"wqkv" and "attn.wqkv" both select every layers.<i>.attn.wqkv. Kiln's q/k/v projections are fused
+(`attn.wqkv`), so one LoRA covers all three; its B splits by rows into the separate projections' LoRAs,
+all sharing A (see peft_io). SwiGLU's gate and up are the separate `ffn.w1` and `ffn.w3`.
 
 The base layer is kept as a `base` submodule, an nn.Linear or an NF4Linear (QLoRA). Merging adds
 s * B @ A into an nn.Linear base in float32; a 4-bit base cannot absorb it without re-quantising (lossy,
@@ -29,7 +29,7 @@ from kiln.errors import ConfigError
 from kiln.peft.config import lora_scaling
 from kiln.peft.nf4 import NF4Linear
 
-KILN_LINEAR_NAMES = ("attn.wqkv", "attn.wo", "ffn.w13", "ffn.w2", "output")
+KILN_LINEAR_NAMES = ("attn.wqkv", "attn.wo", "ffn.w1", "ffn.w3", "ffn.w2", "output")
 
 
 @dataclass
@@ -37,7 +37,7 @@ class LoRAConfig:
     r: int = 8
     alpha: float = 16.0
     dropout: float = 0.0
-    targets: list[str] = field(default_factory=lambda: ["wqkv", "wo", "w13", "w2"])
+    targets: list[str] = field(default_factory=lambda: ["wqkv", "wo", "w1", "w3", "w2"])
     rslora: bool = False
     dtype: torch.dtype | None = None  # of A and B; None: the base weight's dtype
 

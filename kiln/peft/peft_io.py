@@ -8,9 +8,8 @@ Two formats:
   `base_model.model.<hf module>.lora_A.weight` [r, in] and `.lora_B.weight` [out, r].
   Kiln's fused layers map exactly: the LoRA of `attn.wqkv` becomes LoRAs on q_proj, k_proj and v_proj that
   all share its A, with B split by rows by kiln.model.transformer.split_qkv (each of rank r, same alpha,
-  so s B_q A is exactly the q rows of s B A); `ffn.w13` likewise becomes gate_proj/up_proj via
-  split_gate_up. `attn.wo`, `ffn.w2`, `output` are o_proj, down_proj, lm_head.
-  Loading the other way fuses q/k/v (and gate/up) back. When the parts share one A and one scale (any
+  so s B_q A is exactly the q rows of s B A). `attn.wo`, `ffn.w1`, `ffn.w3`, `ffn.w2`, `output` are
+  o_proj, gate_proj, up_proj, down_proj, lm_head. Loading the other way fuses q/k/v back. When the parts share one A and one scale (any
   adapter Kiln wrote) the result is the original rank-r LoRA. Otherwise (an adapter trained with `peft`,
   or one that targets only q_proj and v_proj) the parts are stacked into one LoRA of rank
   r_q + r_k + r_v: A = [A_q; A_k; A_v] and each part's B occupies its own columns, zero elsewhere, which
@@ -36,7 +35,7 @@ from kiln.checkpoint import read_safetensors, write_safetensors
 from kiln.data.readers import read_json
 from kiln.errors import DataError
 from kiln.files import write_text_atomic
-from kiln.model.transformer import fuse_gate_up, fuse_qkv, split_gate_up, split_qkv
+from kiln.model.transformer import fuse_qkv, split_qkv
 from kiln.peft.adapter import (
     AdapterConfig,
     adapter_modules,
@@ -51,10 +50,13 @@ from kiln.peft.nf4 import NF4Linear, quantize_base
 PEFT_CONFIG, PEFT_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 KILN_CONFIG, KILN_WEIGHTS = "kiln_peft.json", "kiln_peft.safetensors"
 PREFIX = "base_model.model."
-QKV, GATE_UP = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")
-_KILN_LAYER = re.compile(r"layers\.(\d+)\.(attn\.wqkv|attn\.wo|ffn\.w13|ffn\.w2)$")
+# 2: SwiGLU's gate and up are separate layers (ffn.w1, ffn.w3; weights layout 3). Version 1 files,
+# written for the fused ffn.w13 with gate and up rows interleaved, are converted when they load.
+KILN_PEFT_VERSION = 2
+QKV = ("q_proj", "k_proj", "v_proj")
+_KILN_LAYER = re.compile(r"layers\.(\d+)\.(attn\.wqkv|attn\.wo|ffn\.w1|ffn\.w3|ffn\.w2)$")
 _HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(?:self_attn|mlp)\.(q|k|v|o|gate|up|down)_proj$")
-_SIMPLE = {"attn.wo": "self_attn.o_proj", "ffn.w2": "mlp.down_proj"}
+_SIMPLE = {"attn.wo": "self_attn.o_proj", "ffn.w1": "mlp.gate_proj", "ffn.w3": "mlp.up_proj", "ffn.w2": "mlp.down_proj"}
 # The layers whose base weights peft's save_pretrained copies into the adapter (save_embedding_layers).
 _EMBEDDING_LAYERS = {"lm_head": "output", "model.embed_tokens": "tok_embeddings"}
 
@@ -132,7 +134,7 @@ def save_trainable(model: nn.Module, cfg: PeftConfig, out_dir) -> Path:
         raise ValueError("the model has no LoRA layers or adapters to save")
     meta = {
         "format": "kiln-peft",
-        "version": 1,
+        "version": KILN_PEFT_VERSION,
         "peft": asdict(cfg),
         "lora": {name: {"r": m.r, "scaling": m.scaling} for name, m in lora_modules(model).items()},
     }
@@ -150,6 +152,25 @@ def _freeze_all_but_peft(model: nn.Module) -> None:
                 p.requires_grad_(True)
 
 
+def _split_fused_gate_up(meta: dict, tensors: dict) -> None:
+    """A version-1 file's LoRA on a fused w13 (B's rows gate_0, up_0, gate_1, ...) as the two LoRAs
+    on w1 and w3 that share its A and scale: B's even rows and odd rows, the same update exactly."""
+    targets = []
+    for target in meta["peft"].get("targets", []):
+        stem, _, last = target.rpartition(".")
+        fused = last == "w13"
+        targets += [f"{stem}.{p}" if stem else p for p in ("w1", "w3")] if fused else [target]
+    meta["peft"]["targets"] = targets
+    for name in [n for n in meta.get("lora", {}) if n.endswith(".w13") and f"{n}.lora_B" in tensors]:
+        info, stem = meta["lora"].pop(name), name.removesuffix(".w13")
+        A, B = tensors.pop(f"{name}.lora_A", None), tensors.pop(f"{name}.lora_B")
+        if A is None:  # left for set_lora to name as missing
+            continue
+        for proj, rows in (("w1", B[0::2]), ("w3", B[1::2])):
+            meta["lora"][f"{stem}.{proj}"] = info
+            tensors[f"{stem}.{proj}.lora_A"], tensors[f"{stem}.{proj}.lora_B"] = A.clone(), rows.contiguous()
+
+
 def load_trainable(model: nn.Module, in_dir) -> PeftConfig:
     """Rebuild the PEFT structure saved by save_trainable on a plain (base-weights) Kiln model and load
     the weights; returns the saved PeftConfig."""
@@ -157,9 +178,11 @@ def load_trainable(model: nn.Module, in_dir) -> PeftConfig:
     meta = read_json(folder / KILN_CONFIG)
     if meta.get("format") != "kiln-peft":
         raise DataError(f"{folder / KILN_CONFIG}: not a Kiln PEFT file (format {meta.get('format')!r})")
+    tensors = read_safetensors(folder / KILN_WEIGHTS)
+    if meta.get("version", 1) < 2:
+        _split_fused_gate_up(meta, tensors)
     cfg = PeftConfig(**meta["peft"])
     cfg.validate()
-    tensors = read_safetensors(folder / KILN_WEIGHTS)
     if cfg.method == "qlora" and not any(isinstance(m, NF4Linear) for m in model.modules()):
         quantize_base(model, cfg.nf4_block_size, cfg.double_quant)
     for name, info in meta.get("lora", {}).items():
@@ -198,8 +221,6 @@ def _hf_parts(name: str, lora: LoRALinear, cfg) -> list[tuple[str, torch.Tensor]
     if kind == "attn.wqkv":
         q, k, v = split_qkv(B, cfg.n_heads, cfg.kv_heads, cfg.head_dim)
         return [(f"{prefix}self_attn.{p}", b) for p, b in zip(QKV, (q, k, v))]
-    if kind == "ffn.w13":
-        return [(f"{prefix}mlp.{p}", b) for p, b in zip(GATE_UP, split_gate_up(B))]
     return [(prefix + _SIMPLE[kind], B)]
 
 
@@ -383,8 +404,8 @@ def load_peft_adapter(model: nn.Module, in_dir, model_cfg=None) -> nn.Module:
             "k": "attn.wqkv",
             "v": "attn.wqkv",
             "o": "attn.wo",
-            "gate": "ffn.w13",
-            "up": "ffn.w13",
+            "gate": "ffn.w1",
+            "up": "ffn.w3",
             "down": "ffn.w2",
         }[proj]
         per_layer.setdefault(f"layers.{layer}.{kiln}", {})[f"{proj}_proj"] = (A, B, scale)
@@ -395,7 +416,6 @@ def load_peft_adapter(model: nn.Module, in_dir, model_cfg=None) -> nn.Module:
             f"load it onto a model without LoRA"
         )
     q_rows, kv_rows = cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
-    hidden = cfg.ffn_hidden_size
     for name, parts in per_layer.items():
         try:
             model.get_submodule(name)
@@ -403,8 +423,6 @@ def load_peft_adapter(model: nn.Module, in_dir, model_cfg=None) -> nn.Module:
             raise DataError(f"{weights_path}: the adapter changes {name!r}, which this model does not have") from None
         if name.endswith("attn.wqkv"):
             A, B, s = _stack(parts, QKV, [q_rows, kv_rows, kv_rows], lambda bs: fuse_qkv(*bs, cfg.kv_heads))
-        elif name.endswith("ffn.w13"):
-            A, B, s = _stack(parts, GATE_UP, [hidden, hidden], lambda bs: fuse_gate_up(*bs))
         else:
             A, B, s = next(iter(parts.values()))
         set_lora(model, name, A, B, s, dropout)

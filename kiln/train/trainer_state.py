@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from kiln.checkpoint import (
+    WEIGHTS_LAYOUT,
     capture_rng_state,
     complete_checkpoints,
     load_sharded,
@@ -56,6 +57,16 @@ class Checkpointing:
                 self._set_metrics_aside()
             return None
         folder, manifest = found[:2]
+        layout = manifest.get("weights_layout", 1)
+        if layout < WEIGHTS_LAYOUT:
+            # Its weights convert (upgrade_layout), its optimizer state does not: layout 3 split
+            # SwiGLU's w13 into w1 and w3, so the moments no longer line up with the parameters.
+            raise ConfigError(
+                "resume",
+                f"{folder} was written with weights layout {layout} (before SwiGLU's gate and up became "
+                f"w1 and w3); its optimizer state cannot continue in this Kiln. Its weights still load: "
+                f"start a new run with init_from={folder}",
+            )
         saved_cfg = manifest["model_config"]
         current = dataclasses.asdict(self.model_cfg)
         changed = [f"{k}: {saved_cfg.get(k)!r} -> {v!r}" for k, v in current.items() if saved_cfg.get(k) != v]

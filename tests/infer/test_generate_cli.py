@@ -117,7 +117,7 @@ def test_serve_and_chat_load_the_model_quantised(run):
         args = parser.parse_args([verb, str(run["target"]), "--quant", "int4", "--group-size", "64"])
         model, _ = load_for_inference(args)
         layers = [m for m in model.modules() if isinstance(m, QUANTIZED_TYPES)]
-        assert len(layers) == 2 * 4 + 1  # qkv, out, gate/up, down per block, and the untied head
+        assert len(layers) == 2 * 5 + 1  # qkv, out, gate, up, down per block, and the untied head
         assert next(model.parameters()).dtype == torch.bfloat16
     args = parser.parse_args(["serve", str(run["target"]), "--quant", "int8", "--dtype", "float32"])
     model, _ = load_for_inference(args)

@@ -146,7 +146,7 @@ def test_quantize_model_replaces_every_linear_and_logits_stay_close(scheme, grou
     quantize_model(model, scheme, group_size)
     kinds = {"int8": Int8Linear, "int4": Int4Linear, "nf4": NF4Linear}[scheme]
     assert not any(type(m) is nn.Linear for m in model.modules())
-    assert isinstance(model.output, kinds) and isinstance(model.layers[1].ffn.w13, kinds)
+    assert isinstance(model.output, kinds) and isinstance(model.layers[1].ffn.w3, kinds)
     assert isinstance(model.tok_embeddings, nn.Embedding)
     # The same model with every quantised layer's dequantised weight put back into a plain Linear.
     plain = small_model()

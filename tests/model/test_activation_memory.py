@@ -45,7 +45,7 @@ def test_saved_bytes_match_formula(precision, value_bytes, mode):
     "overrides", [{"ffn": "gelu"}, {"qkv_bias": True}, {"qk_norm": True}], ids=["gelu", "qkv_bias", "qk_norm"]
 )
 def test_selective_bytes_match_formula_across_blocks(overrides):
-    # GELU has one up-projection (w1) where SwiGLU has the fused w13; a qkv bias makes wqkv an addmm.
+    # GELU has one up-projection (w1) where SwiGLU has w1 and w3; a qkv bias makes wqkv an addmm.
     cfg = config(**overrides)
     got = measure(cfg, "bf16", "selective")
     assert got == pytest.approx(layer_activation_bytes_per_token(cfg, 2, "selective"), rel=0.01), got / cfg.dim
@@ -72,7 +72,7 @@ def test_formula_worked_numbers():
     assert layer_activation_bytes_per_token(gpt, 2) == (34 - 2) * 128 + 4 * 8 + 8
     assert layer_activation_bytes_per_token(gpt, 2, "full") == 4 * 128
     # Selective: the float32 block input 4h, wqkv's output 2*(h + 2h*kv/a), SDPA's output 2h and
-    # logsumexp 4a, w13's output 2*2f.
+    # logsumexp 4a, w1's and w3's outputs 2*2f.
     assert layer_activation_bytes_per_token(cfg, 2, "selective") == 512 + 2 * (128 + 64) + 256 + 32 + 4 * 384 == 2720
     assert layer_activation_bytes_per_token(cfg, 2, "selective", residual_bytes=2) == 2720 - 256
 

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from kiln.errors import ConfigError
 from kiln.model import ModelConfig, build_model, count_params, flops_per_token
 from kiln.model.moe import MoEFeedForward, moe_aux_loss, moe_stats
-from kiln.model.transformer import FeedForward, fuse_gate_up, split_gate_up
+from kiln.model.transformer import FeedForward
 
 
 def moe_cfg(**overrides) -> ModelConfig:
@@ -52,11 +52,11 @@ def naive_moe(moe: MoEFeedForward, x: torch.Tensor, capacity: int | None = None)
                 dropped += 1
                 continue
             load[expert] += 1
-            w_gate, w_up = split_gate_up(moe.experts.w13[expert])
+            w_gate, w_up = moe.experts.w1[expert], moe.experts.w3[expert]
             hidden = F.silu(w_gate @ x[t]) * (w_up @ x[t])
             out[t] += gate * (moe.experts.w2[expert] @ hidden)
     if moe.shared_expert is not None:
-        w_gate, w_up = split_gate_up(moe.shared_expert.w13.weight)
+        w_gate, w_up = moe.shared_expert.w1.weight, moe.shared_expert.w3.weight
         out += (F.silu(x @ w_gate.T) * (x @ w_up.T)) @ moe.shared_expert.w2.weight.T
     return out, dropped
 
@@ -83,7 +83,8 @@ def test_matches_hugging_face_qwen3_moe_block(top_k, norm_topk):
     with torch.no_grad():
         moe.router.weight.copy_(hf.gate.weight)
         gate, up = hf.experts.gate_up_proj.chunk(2, dim=1)  # HF keeps gate rows, then up rows
-        moe.experts.w13.copy_(torch.stack([fuse_gate_up(g, u) for g, u in zip(gate, up)]))
+        moe.experts.w1.copy_(gate)
+        moe.experts.w3.copy_(up)
         moe.experts.w2.copy_(hf.experts.down_proj)
     x = torch.randn(3, 10, cfg.dim)
     torch.testing.assert_close(moe(x), hf(x), rtol=1e-5, atol=1e-5)
@@ -185,7 +186,7 @@ def test_router_gets_gradients_from_the_output_and_from_the_aux_loss():
     x = torch.randn(16, moe.router.weight.shape[1])
     moe(x).square().sum().backward()
     assert moe.router.weight.grad.abs().sum() > 0
-    assert moe.experts.w13.grad.abs().sum() > 0 and moe.experts.w2.grad.abs().sum() > 0
+    assert all(getattr(moe.experts, w).grad.abs().sum() > 0 for w in ("w1", "w3", "w2"))
     # Top-1 with renormalised gates: the gate is g / g = 1, so the output's gradient reaches the
     # router only as rounding noise and the aux and z losses are what train it.
     moe = random_moe(moe_cfg(moe_top_k=1, moe_norm_topk=True))
@@ -252,9 +253,10 @@ def test_meta_build_init_is_deterministic_and_experts_differ():
         assert not pa.is_meta, name
         torch.testing.assert_close(pa, pb, rtol=0, atol=0)
     experts = a.layers[0].ffn.experts
-    assert not torch.equal(experts.w13[0], experts.w13[1])
+    assert not torch.equal(experts.w1[0], experts.w1[1]) and not torch.equal(experts.w1[0], experts.w3[0])
     residual_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
-    assert experts.w13.std().item() == pytest.approx(cfg.init_std, rel=0.05)
+    assert experts.w1.std().item() == pytest.approx(cfg.init_std, rel=0.05)
+    assert experts.w3.std().item() == pytest.approx(cfg.init_std, rel=0.05)
     assert experts.w2.std().item() == pytest.approx(residual_std, rel=0.05)
 
 

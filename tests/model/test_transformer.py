@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from kiln.errors import ConfigError
 from kiln.model import ModelConfig, Transformer, build_model, count_params, flops_per_token
-from kiln.model.transformer import apply_rope, fuse_gate_up, fuse_qkv, rope_tables, split_gate_up, split_qkv
+from kiln.model.transformer import apply_rope, fuse_qkv, rope_tables, split_qkv
 
 
 def tiny(**overrides) -> ModelConfig:
@@ -138,7 +138,7 @@ def reference_attention_model(model: Transformer, tokens: torch.Tensor) -> torch
             heads.append(scores.softmax(-1) @ v[:, :, j])
         x = x + torch.cat(heads, dim=-1) @ block.attn.wo.weight.T
         f = rms(x, block.ffn_norm.weight)
-        gate_w, up_w = split_gate_up(block.ffn.w13.weight)
+        gate_w, up_w = block.ffn.w1.weight, block.ffn.w3.weight
         gate, up = f @ gate_w.T, f @ up_w.T
         x = x + (gate * torch.sigmoid(gate) * up) @ block.ffn.w2.weight.T
     return rms(x, model.norm.weight) @ model.output.weight.T
@@ -221,10 +221,10 @@ def test_bf16_autocast_close_to_fp32():
 
 
 @pytest.mark.parametrize("heads,kv_heads,chunks", [(4, 2, 2), (8, 2, 2), (4, 4, 4), (6, 3, 3)])
-def test_fused_layouts_split_into_self_contained_row_chunks(heads, kv_heads, chunks):
-    # Tensor parallelism cuts wqkv and w13 into equal row blocks; each block must hold whole
-    # key/value groups (their query heads, k and v) and matching gate/up rows.
-    hd, dim, hidden = 4, 8, 12
+def test_fused_qkv_layout_splits_into_self_contained_row_chunks(heads, kv_heads, chunks):
+    # Tensor parallelism cuts wqkv into equal row blocks; each block must hold whole key/value
+    # groups (their query heads, k and v).
+    hd, dim = 4, 8
     q = torch.randn(heads * hd, dim)
     k, v = torch.randn(kv_heads * hd, dim), torch.randn(kv_heads * hd, dim)
     fused = fuse_qkv(q, k, v, kv_heads)
@@ -234,11 +234,6 @@ def test_fused_layouts_split_into_self_contained_row_chunks(heads, kv_heads, chu
         qi, ki, vi = split_qkv(block, heads // chunks, local, hd)
         assert torch.equal(qi, q.chunk(chunks)[i]) and torch.equal(ki, k.chunk(chunks)[i])
         assert torch.equal(vi, v.chunk(chunks)[i])
-    gate, up = torch.randn(hidden, dim), torch.randn(hidden, dim)
-    w13 = fuse_gate_up(gate, up)
-    for i, block in enumerate(w13.chunk(chunks)):
-        g, u = split_gate_up(block)
-        assert torch.equal(g, gate.chunk(chunks)[i]) and torch.equal(u, up.chunk(chunks)[i])
 
 
 def test_document_ids_keep_packed_sequences_apart():

@@ -78,7 +78,7 @@ def check_matches_single_process(rank: int, mesh, overrides: dict) -> None:
             dist.all_reduce(grad)
             grad /= WORLD
         torch.testing.assert_close(grad, ref_params[name].grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
-    assert sharded == 2 * sum(cfg.is_moe_layer(layer) for layer in range(cfg.n_layers))  # w13, w2
+    assert sharded == 3 * sum(cfg.is_moe_layer(layer) for layer in range(cfg.n_layers))  # w1, w3, w2
 
     # bf16 autocast: the tokens and results cross the all-to-all in mixed dtypes and still agree.
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
@@ -146,7 +146,7 @@ def worker(rank: int, init_file: str) -> None:
         check_composes_with_fsdp2(rank)
         # A process group works as well as a mesh.
         model = apply_expert_parallel(build_model(moe_config(n_layers=1)), dist.group.WORLD)
-        assert isinstance(model.layers[0].ffn.experts.w13, DTensor)
+        assert isinstance(model.layers[0].ffn.experts.w1, DTensor)
         with pytest.raises(ConfigError, match="must divide model.n_experts=3"):
             apply_expert_parallel(build_model(moe_config(n_experts=3)), mesh)
     finally:

@@ -375,7 +375,7 @@ def test_zero_levels_map_to_distinct_fsdp_configs_or_are_refused():
 
 
 def test_kiln_selective_reruns_the_output_projection_and_the_memory_bound_ops():
-    # kiln.parallel.parallelize.selective_policy keeps wqkv's, w13's and SDPA's outputs: backward
+    # kiln.parallel.parallelize.selective_policy keeps wqkv's, w1's, w3's and SDPA's outputs: backward
     # reruns wo (2 * h * h FLOPs per token) and the elementwise ops (a third of their HBM traffic).
     cfg, cluster = preset("8b", vocab_size=128256), ClusterConfig("h100", 8, 1)
     per = {ac: layer_seconds_per_token(cfg, 8192, cluster, ac) for ac in AC_MODES}

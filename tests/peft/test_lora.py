@@ -130,7 +130,9 @@ def test_merge_equals_unmerged_forward_and_unmerge_restores(tiny_model, tokens, 
         base_logits = model(tokens)
     apply_peft(
         model,
-        PeftConfig(method="lora", r=4, rslora=True, targets=["attn.wqkv", "attn.wo", "ffn.w13", "ffn.w2", "output"]),
+        PeftConfig(
+            method="lora", r=4, rslora=True, targets=["attn.wqkv", "attn.wo", "ffn.w1", "ffn.w3", "ffn.w2", "output"]
+        ),
     )
     fill_peft(model)
     with torch.no_grad():
@@ -141,7 +143,7 @@ def test_merge_equals_unmerged_forward_and_unmerge_restores(tiny_model, tokens, 
         assert not torch.allclose(model.output.base.weight, original["output.weight"])
         torch.testing.assert_close(model(tokens), unmerged, rtol=1e-4, atol=1e-4)
         unmerge_lora(model)
-        for name in ("output", "layers.1.attn.wqkv", "layers.0.ffn.w13"):
+        for name in ("output", "layers.1.attn.wqkv", "layers.0.ffn.w3"):
             torch.testing.assert_close(
                 model.get_submodule(name).base.weight, original[f"{name}.weight"], rtol=0, atol=1e-6
             )
@@ -219,8 +221,14 @@ def test_moe_model_takes_lora_on_attention(tiny_model, tokens, fill_peft):
         unmerged = model(tokens)
         merge_lora(model)
         torch.testing.assert_close(model(tokens), unmerged, rtol=1e-4, atol=1e-4)
-    with pytest.raises(ConfigError, match="ffn.w13"):
-        apply_peft(tiny_model(moe_every=1, n_experts=4, moe_top_k=2), PeftConfig(method="lora", targets=["ffn.w13"]))
+    with pytest.raises(ConfigError, match="ffn.w1"):
+        apply_peft(tiny_model(moe_every=1, n_experts=4, moe_top_k=2), PeftConfig(method="lora", targets=["ffn.w1"]))
+
+
+@pytest.mark.parametrize("target", ["ffn.w13", "w13", "shared_expert.w13"])
+def test_the_fused_gate_up_target_of_weights_layout_2_is_refused_by_name(target):
+    with pytest.raises(ConfigError, match=r"^targets: .*no longer exists.*ffn\.w1 and ffn\.w3"):
+        PeftConfig(method="lora", targets=["attn.wqkv", target]).validate()
 
 
 def test_none_method_leaves_the_model_alone(tiny_model):

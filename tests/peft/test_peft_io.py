@@ -23,7 +23,7 @@ from kiln.peft import (  # noqa: E402
     save_peft_adapter,
 )
 
-ALL = ["attn.wqkv", "attn.wo", "ffn.w13", "ffn.w2", "output"]
+ALL = ["attn.wqkv", "attn.wo", "ffn.w1", "ffn.w3", "ffn.w2", "output"]
 
 
 def hf_logits(model_dir, adapter_dir, tokens):
@@ -41,7 +41,7 @@ def hf_logits(model_dir, adapter_dir, tokens):
         ({"n_kv_heads": 2}, PeftConfig(method="lora", r=4, alpha=8, rslora=True, targets=["attn.wqkv", "attn.wo"])),
         (
             {"n_kv_heads": 1, "qkv_bias": True},
-            PeftConfig(method="lora", r=2, alpha=5, targets=["attn.wqkv", "ffn.w13"]),
+            PeftConfig(method="lora", r=2, alpha=5, targets=["attn.wqkv", "ffn.w1", "ffn.w3"]),
         ),
         ({"n_kv_heads": 2}, PeftConfig(method="qlora", r=4, alpha=8, lora_dtype="float32", targets=ALL)),
     ],
@@ -66,7 +66,8 @@ def test_peft_loads_a_kiln_adapter_onto_the_exported_model(
     expected_targets = {
         "attn.wqkv": ["q_proj", "k_proj", "v_proj"],
         "attn.wo": ["o_proj"],
-        "ffn.w13": ["gate_proj", "up_proj"],
+        "ffn.w1": ["gate_proj"],
+        "ffn.w3": ["up_proj"],
         "ffn.w2": ["down_proj"],
         "output": ["lm_head"],
     }
@@ -116,7 +117,12 @@ def test_a_peft_trained_adapter_loads_into_kiln_and_saves_back(tmp_path, tiny_mo
 
     loads_with_peft_logits_and_saves_back(model, tmp_path, tokens, expected)
     ranks = {n: m.r for n, m in lora_modules(model).items()}
-    assert ranks["layers.0.attn.wqkv"] == 8 and ranks["layers.0.ffn.w13"] == 6 and ranks["layers.0.ffn.w2"] == 4
+    assert (
+        ranks["layers.0.attn.wqkv"] == 8
+        and ranks["layers.0.ffn.w1"] == 2
+        and ranks["layers.0.ffn.w3"] == 4
+        and ranks["layers.0.ffn.w2"] == 4
+    )
 
 
 def loads_with_peft_logits_and_saves_back(model, tmp_path, tokens, expected) -> None:
@@ -144,7 +150,7 @@ def test_unsupported_adapters_are_refused_clearly(tmp_path, tiny_model, fill_pef
     moe = fill_peft(
         apply_peft(
             tiny_model(moe_every=1, n_experts=2, moe_top_k=1, moe_shared_expert=True),
-            PeftConfig(method="lora", r=2, targets=["shared_expert.w13"]),
+            PeftConfig(method="lora", r=2, targets=["shared_expert.w1"]),
         )
     )
     with pytest.raises(ValueError, match="no counterpart"):
@@ -185,3 +191,42 @@ def test_a_saved_base_weight_that_differs_from_the_model_is_refused(tmp_path, ti
         other.output.weight.add_(1e-3)  # the adapter was saved on other lm_head weights
     with pytest.raises(DataError, match=r"adapter_model\.safetensors: base_model\.model\.lm_head\.base_layer\.weight"):
         load_peft_adapter(other, tmp_path / "theirs")
+
+
+def test_a_kiln_adapter_written_for_the_fused_w13_loads_onto_w1_and_w3(tmp_path, tiny_model, tokens, fill_peft):
+    """A version-1 Kiln adapter file (written when gate and up were one fused `ffn.w13`, rows
+    interleaved) loads as LoRAs on w1 and w3 giving the same logits."""
+    from kiln.checkpoint import read_safetensors, write_safetensors
+    from kiln.peft.peft_io import KILN_CONFIG, KILN_WEIGHTS, load_trainable, save_trainable
+
+    torch.manual_seed(0)
+    base = tiny_model()
+    base_state = {k: v.clone() for k, v in base.state_dict().items()}
+    cfg = PeftConfig(method="lora", r=2, alpha=4, targets=["attn.wqkv", "ffn.w1", "ffn.w3"])
+    model = fill_peft(apply_peft(base, cfg))
+    with torch.no_grad():
+        for i in range(model.cfg.n_layers):  # the fused LoRA had one A for gate and up
+            model.get_submodule(f"layers.{i}.ffn.w3").lora_A.copy_(model.get_submodule(f"layers.{i}.ffn.w1").lora_A)
+        expected = model(tokens)
+    save_trainable(model, cfg, tmp_path)
+    meta = json.loads((tmp_path / KILN_CONFIG).read_text())
+    tensors = read_safetensors(tmp_path / KILN_WEIGHTS)
+    meta["version"], meta["peft"]["targets"] = 1, ["attn.wqkv", "ffn.w13"]
+    for i in range(model.cfg.n_layers):
+        stem = f"layers.{i}.ffn"
+        info = meta["lora"].pop(f"{stem}.w1")
+        del meta["lora"][f"{stem}.w3"]
+        meta["lora"][f"{stem}.w13"] = info
+        gate, up = tensors.pop(f"{stem}.w1.lora_B"), tensors.pop(f"{stem}.w3.lora_B")
+        tensors[f"{stem}.w13.lora_A"] = tensors.pop(f"{stem}.w1.lora_A")
+        del tensors[f"{stem}.w3.lora_A"]
+        tensors[f"{stem}.w13.lora_B"] = torch.stack([gate, up], dim=1).flatten(0, 1)
+    write_safetensors(tensors, tmp_path / KILN_WEIGHTS)
+    (tmp_path / KILN_CONFIG).write_text(json.dumps(meta))
+
+    fresh = tiny_model()
+    fresh.load_state_dict(base_state)
+    loaded = load_trainable(fresh, tmp_path)
+    assert loaded.targets == ["attn.wqkv", "ffn.w1", "ffn.w3"]
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(tokens), expected, rtol=1e-5, atol=1e-5)

@@ -141,9 +141,11 @@ def test_nf4_linear_forward_and_backward_use_the_dequantised_weight():
 
 def test_qlora_trains_on_cpu_with_a_frozen_nf4_base(tiny_model, tokens):
     model = tiny_model()
-    apply_peft(model, PeftConfig(method="qlora", r=8, alpha=16, targets=["attn.wqkv", "attn.wo", "ffn.w13", "ffn.w2"]))
+    apply_peft(
+        model, PeftConfig(method="qlora", r=8, alpha=16, targets=["attn.wqkv", "attn.wo", "ffn.w1", "ffn.w3", "ffn.w2"])
+    )
     quantized = [m for m in model.modules() if isinstance(m, NF4Linear)]
-    assert len(quantized) == 4 * model.cfg.n_layers
+    assert len(quantized) == 5 * model.cfg.n_layers  # wqkv, wo, w1, w3, w2
     assert all(m.lora_A.dtype == torch.bfloat16 for m in lora_modules(model).values())
     frozen = {k: v.clone() for k, v in model.state_dict().items() if "lora" not in k}
     opt = torch.optim.AdamW([p for _, p in trainable_parameters(model)], lr=1e-2)
@@ -179,7 +181,7 @@ def test_qlora_merged_weights_and_kiln_format_round_trip(tiny_model, tokens, fil
         torch.testing.assert_close(plain(tokens), logits, rtol=1e-4, atol=1e-4)
     base = base_state_dict(model)
     assert set(base) == set(original)
-    assert (base["layers.0.ffn.w13.weight"] - original["layers.0.ffn.w13.weight"]).abs().max() > 0  # dequantised
+    assert (base["layers.0.ffn.w3.weight"] - original["layers.0.ffn.w3.weight"]).abs().max() > 0  # dequantised
     torch.testing.assert_close(base["output.weight"], original["output.weight"], rtol=0, atol=0)  # never quantised
     # Re-quantising the same base is deterministic: the adapter file alone restores the model.
     save_trainable(model, cfg, tmp_path)

@@ -32,7 +32,7 @@ def recipe(method: str, **peft) -> Recipe:
     r.tasks = TaskConfig(families=["sort"], train_per_family=24, heldout_per_family=2)
     r.sft, r.dpo = SFTConfig(train=SHORT), DPOConfig(train=SHORT)
     # All five linears, the head included, so the merge covers every kind of LoRA layer.
-    targets = ["attn.wqkv", "attn.wo", "ffn.w13", "ffn.w2", "output"]
+    targets = ["attn.wqkv", "attn.wo", "ffn.w1", "ffn.w3", "ffn.w2", "output"]
     r.peft = PeftConfig(method=method, r=4, targets=targets, adapter_hidden=8, lora_dtype="float32", **peft)
     return r
 

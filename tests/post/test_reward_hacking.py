@@ -184,7 +184,7 @@ def test_refresh_on_verifier_labelled_samples_unlearns_the_hack(tok, model_cfg, 
         before = head_scores(rm, bad, bad_last).mean(-1) - head_scores(rm, good, good_last).mean(-1)
     assert (before > 0).all()  # the planted hack: every degenerate output outscores the answer
 
-    cfg = GRPOConfig(reward_model="rm", rm_refresh_every=2, rm_refresh_steps=15, rm_refresh_lr=3e-3)
+    cfg = GRPOConfig(reward_model="rm", rm_refresh_every=2, rm_refresh_steps=30, rm_refresh_lr=3e-3)
     shaped = ShapedReward(cfg, tok, "grpo.reward_model", model=rm, out=tmp_path)
     shaped.start(resumed=False)
     fresh = [list(degenerate) for _ in examples]  # the policy's fresh samples: the hack, every time

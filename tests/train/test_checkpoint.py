@@ -18,10 +18,12 @@ from kiln.checkpoint import (
     save_weights,
 )
 from kiln.checkpoint.format import _manifest_digest
+from kiln.errors import ConfigError
 from kiln.model import ModelConfig, build_model
 from kiln.model.weights import load_weights, upgrade_layout
 from kiln.train.config import TrainConfig
 from kiln.train.optim import build_optimizer
+from kiln.train.trainer_state import Checkpointing
 
 CFG = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, max_seq_len=16)
 
@@ -247,36 +249,71 @@ def test_stale_latest_pointer_falls_back_to_newest_complete(tmp_path):
         resolve_checkpoint(root)
 
 
-def test_checkpoint_saved_in_the_old_fused_layout_is_converted_on_load(tmp_path):
-    """Before the tensor-parallel-friendly layout, wqkv was [q; k; v] and w13 [gate; up]; such a
-    checkpoint (manifest without weights_layout) must still compute what it computed when saved."""
-    import json
+def _fuse_gate_up(gate, up, layout):
+    # Layout 1 stacked SwiGLU's gate rows over its up rows in one w13; layout 2 interleaved them.
+    return torch.cat([gate, up], dim=-2) if layout == 1 else torch.stack([gate, up], dim=-2).flatten(-3, -2)
 
-    import torch
 
-    from kiln.checkpoint import save_weights
-    from kiln.model import ModelConfig, build_model
-    from kiln.model.transformer import split_gate_up, split_qkv
-    from kiln.model.weights import load_weights
+def _old_layout_checkpoint(folder, cfg, model, layout):
+    """`model`'s weights saved as a Kiln of weights layout `layout` wrote them."""
+    from kiln.model.transformer import split_qkv
 
-    cfg = ModelConfig(vocab_size=50, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=16)
-    model = build_model(cfg)
     old = {}
-    for name, t in model.state_dict().items():
-        if name.endswith("attn.wqkv.weight"):
+    state = model.state_dict()
+    for name, t in state.items():
+        if name.endswith("attn.wqkv.weight") and layout == 1:
             t = torch.cat(split_qkv(t, cfg.n_heads, cfg.kv_heads, cfg.head_dim))
-        elif name.endswith("ffn.w13.weight"):
-            t = torch.cat(split_gate_up(t))
+        if name.endswith(("w3", "w3.weight")) and name.rsplit(".", 2)[-2:] != ["attn", "w3"]:
+            continue
+        if name.endswith(("w1", "w1.weight")) and "ffn" in name:
+            up = state[name.replace("w1", "w3")]
+            name, t = name.replace("w1", "w13"), _fuse_gate_up(t, up, layout)
         old[name] = t
-    folder = save_weights(tmp_path / "old", cfg, old)
+    folder = save_weights(folder, cfg, old)
     manifest = json.loads((folder / "manifest.json").read_text())
-    # Such a manifest (format 1) had no weights_layout, and no self-checksum either.
-    del manifest["weights_layout"], manifest["manifest_sha256"]
-    manifest["format"] = 1
+    if layout == 1:  # such a manifest (format 1) had no weights_layout, and no self-checksum either
+        del manifest["weights_layout"], manifest["manifest_sha256"]
+        manifest["format"] = 1
+        (folder / "manifest.json").write_text(json.dumps(manifest))
+    else:
+        _rewrite_manifest(folder, {**manifest, "weights_layout": layout})
+    return folder
+
+
+def _rewrite_manifest(folder, manifest):
+    manifest["manifest_sha256"] = _manifest_digest(manifest)
     (folder / "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("layout", [1, 2])
+@pytest.mark.parametrize("moe", [False, True])
+def test_checkpoint_saved_in_an_old_fused_layout_is_converted_on_load(tmp_path, layout, moe):
+    """Layout 1: wqkv [q; k; v] and w13 [gate; up]; layout 2: wqkv grouped by kv head and w13's gate
+    and up rows interleaved (dense FFN, shared expert and routed experts). Either must still compute
+    what it computed when saved, now with w1 and w3."""
+    extra = {"moe_every": 1, "n_experts": 4, "moe_top_k": 2, "moe_shared_expert": True} if moe else {}
+    cfg = ModelConfig(vocab_size=50, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=16, **extra)
+    model = build_model(cfg)
+    folder = _old_layout_checkpoint(tmp_path / "old", cfg, model, layout)
     _, state, _ = load_weights(folder)
+    assert set(state) == set(model.state_dict())
     for name, t in model.state_dict().items():
         assert torch.equal(state[name], t), name
+
+
+def test_a_run_saved_in_an_old_layout_is_refused_on_resume_with_a_pointer_to_init_from(tmp_path):
+    # Its weights convert (the test above); its optimizer moments, one per old parameter, do not.
+    cfg = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=16)
+    root = tmp_path / "ckpt"
+    manager = CheckpointManager(root, keep_last=3, convert_state=upgrade_layout)
+    model = build_model(cfg)
+    folder = manager.save(1, cfg, model.state_dict(), _train_state(model), {"tokens_seen": 1, "loader": {}})
+    _rewrite_manifest(folder, {**json.loads((folder / "manifest.json").read_text()), "weights_layout": 2})
+
+    probe = Checkpointing()
+    probe.ckpt, probe.is_main, probe.model_cfg = manager, True, cfg
+    with pytest.raises(ConfigError, match=r"weights layout 2 .*init_from="):
+        probe._find_checkpoint(str(folder))
 
 
 def test_manifest_damage_that_keeps_valid_json_is_detected(tmp_path):

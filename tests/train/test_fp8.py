@@ -28,7 +28,7 @@ from kiln.train.precision import autocast, convert_to_fp8, fp8_linears  # noqa: 
 from kiln.train.trainer import Trainer  # noqa: E402
 
 MODEL = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32, vocab_size=64)
-BLOCK_LINEARS = 4  # wqkv, wo, w13, w2
+BLOCK_LINEARS = 5  # wqkv, wo, w1, w3, w2
 GRANULARITY = {"tensorwise": ScalingGranularity.TENSORWISE, "rowwise": ScalingGranularity.AXISWISE}
 
 
@@ -56,11 +56,11 @@ def test_conversion_swaps_block_linears_keeps_head_and_state(recipe):
 
 
 def test_linears_with_dims_not_divisible_by_16_stay_bf16():
-    # ffn_hidden 40: w13 (80 x 32) converts, w2 (32 x 40) does not.
+    # ffn_hidden 40: wqkv (64 x 32) and wo (32 x 32) convert, w1 and w3 (40 x 32) and w2 (32 x 40) do not.
     model = build_model(ModelConfig(**{**MODEL.__dict__, "ffn_hidden": 40}))
     converted, left_out = convert_to_fp8(model)
-    assert left_out == [f"layers.{i}.ffn.w2" for i in range(MODEL.n_layers)]
-    assert converted == MODEL.n_layers * (BLOCK_LINEARS - 1)
+    assert left_out == [f"layers.{i}.ffn.{w}" for i in range(MODEL.n_layers) for w in ("w1", "w3", "w2")]
+    assert converted == MODEL.n_layers * (BLOCK_LINEARS - 3)
     with pytest.raises(ConfigError, match="^precision: fp8 found no block linear with both dims divisible by 16"):
         convert_to_fp8(build_model(ModelConfig(**{**MODEL.__dict__, "dim": 40, "ffn_hidden": 40})))
 
@@ -141,4 +141,4 @@ def test_recipe_keys_reach_the_trainer_from_kiln_pretrain(tmp_path, tiny_pack_fa
     assert main(["pretrain", str(recipe), *overrides]) == 0
     assert seen == ["rowwise"]
     summary = json.loads((stage / "summary.json").read_text())
-    assert summary["precision"] == "fp8" and summary["fp8_linears"] == 8
+    assert summary["precision"] == "fp8" and summary["fp8_linears"] == 2 * BLOCK_LINEARS
