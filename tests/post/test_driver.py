@@ -136,7 +136,8 @@ def test_sft_then_grpo_raise_heldout_task_accuracy(tmp_path):
     """The direction of the demo chain (recipes/tiny.toml: pretrain -> SFT -> GRPO) on a smaller,
     faster configuration: SFT raises held-out accuracy on the reverse/sort tasks and GRPO keeps it.
     Seeds are the recipe's (train.seed 1337, tasks.seed 0); with 120 GRPO steps at temperature 0.7,
-    measured 0.00 -> 0.27 -> 0.28 on Intel with AMX (~120 s on a quiet 2-core machine)."""
+    measured 0.00 -> 0.27 -> 0.28 on Intel with AMX (~120 s on a quiet 2-core machine); 0.00 -> 0.27 -> 0.24
+    there since weights layout 3 changed the initial draw (SwiGLU's w1 and w3 drawn apart)."""
     recipe = load_recipe(
         "recipes/tiny.toml",
         [
@@ -187,5 +188,6 @@ def test_sft_then_grpo_raise_heldout_task_accuracy(tmp_path):
     # differently); the gain of this setting is within one run's noise (docs/benchmarks.md), so what
     # is asserted is that GRPO does not lose what SFT taught.
     assert grpo["heldout_before"]["accuracy"] == sft["heldout_after"]["accuracy"]
-    assert grpo["heldout_after"]["accuracy"] >= grpo["heldout_before"]["accuracy"] - 0.03
+    lost = round(100 * (grpo["heldout_before"]["accuracy"] - grpo["heldout_after"]["accuracy"]))
+    assert lost <= 3, f"GRPO lost {lost} of the 100 held-out problems SFT solved"  # counted, not float-compared
     assert grpo["rollout"]["rollouts"] == 120 * 8 * 8
