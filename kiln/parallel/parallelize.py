@@ -145,9 +145,10 @@ def apply_activation_checkpointing(model: torch.nn.Module, mode: str = "full") -
         raise ValueError(f"activation checkpointing mode must be one of {', '.join(AC_MODES)}, got {mode!r}")
     if mode == "none":
         return
-    dim = model.cfg.dim  # every Kiln model and pipeline stage carries its config
-    extra = {"context_fn": lambda: create_selective_checkpoint_contexts(selective_policy(dim))}
-    extra = extra if mode == "selective" else {}
+    extra = {}
+    if mode == "selective":
+        dim = model.cfg.dim  # every Kiln model and pipeline stage carries its config
+        extra = {"context_fn": lambda: create_selective_checkpoint_contexts(selective_policy(dim))}
     for block in model.layers:
 
         def forward(*args, _block_forward=block.forward, **kwargs):

@@ -36,6 +36,7 @@ from kiln.data.readers import read_json
 from kiln.errors import DataError
 from kiln.files import write_text_atomic
 from kiln.model.transformer import fuse_qkv, split_qkv
+from kiln.model.weights import split_gate_up
 from kiln.peft.adapter import (
     AdapterConfig,
     adapter_modules,
@@ -161,12 +162,14 @@ def _split_fused_gate_up(meta: dict, tensors: dict) -> None:
         fused = last == "w13"
         targets += [f"{stem}.{p}" if stem else p for p in ("w1", "w3")] if fused else [target]
     meta["peft"]["targets"] = targets
-    for name in [n for n in meta.get("lora", {}) if n.endswith(".w13") and f"{n}.lora_B" in tensors]:
+    # A layer missing lora_A or lora_B stays as it is, for load_trainable to name as not fitting.
+    complete = [
+        n for n in meta.get("lora", {}) if n.endswith(".w13") and {f"{n}.lora_A", f"{n}.lora_B"} <= set(tensors)
+    ]
+    for name in complete:
         info, stem = meta["lora"].pop(name), name.removesuffix(".w13")
-        A, B = tensors.pop(f"{name}.lora_A", None), tensors.pop(f"{name}.lora_B")
-        if A is None:  # left for set_lora to name as missing
-            continue
-        for proj, rows in (("w1", B[0::2]), ("w3", B[1::2])):
+        A = tensors.pop(f"{name}.lora_A")
+        for proj, rows in zip(("w1", "w3"), split_gate_up(tensors.pop(f"{name}.lora_B"), layout=2)):
             meta["lora"][f"{stem}.{proj}"] = info
             tensors[f"{stem}.{proj}.lora_A"], tensors[f"{stem}.{proj}.lora_B"] = A.clone(), rows.contiguous()
 

@@ -323,6 +323,7 @@ def test_crawl_demo_recipe_on_s3(tmp_path, s3_bucket, s3_server):
     best = json.loads(storage.read_text(f"{run}/pretrain/summary.json"))["best_step"]
     _, weights, manifest = load_weights(f"{run}/pretrain")
     assert best in (3, 6) and manifest["step"] == best and weights["tok_embeddings.weight"].shape[0] == 1024
+    assert load_weights(f"{run}/pretrain/checkpoints/step-00000006")[2]["step"] == 6
     assert "--- sample 0" in storage.read_text(f"{run}/sample/samples.txt")
     second = subprocess.run(cmd, capture_output=True, text=True, env=env)
     assert second.returncode == 0, second.stderr[-3000:]

@@ -141,6 +141,9 @@ def test_logprobs_match_the_training_time_computation(model):
             assert token in seen or s >= t - 1e-5, (token, s, t)
             seen.add(token)
         assert all(s <= 1e-6 for s in out.sampling_logprobs)
+    # Without the penalty the claim holds for every token.
+    for out in Engine(model).generate(PROMPTS, 10, temperature=temperature, top_p=0.8, seed=5):
+        assert all(s >= t - 1e-5 for s, t in zip(out.sampling_logprobs, out.temperature_logprobs))
     greedy = Engine(model).generate(PROMPTS[:1], 5, temperature=0)[0]
     assert greedy.sampling_logprobs == [0.0] * 5 and greedy.temperature_logprobs == greedy.logprobs
 

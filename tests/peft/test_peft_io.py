@@ -230,3 +230,8 @@ def test_a_kiln_adapter_written_for_the_fused_w13_loads_onto_w1_and_w3(tmp_path,
     assert loaded.targets == ["attn.wqkv", "ffn.w1", "ffn.w3"]
     with torch.no_grad():
         torch.testing.assert_close(fresh(tokens), expected, rtol=1e-5, atol=1e-5)
+    # A fused layer that lost its lora_A is named, not dropped.
+    del tensors["layers.0.ffn.w13.lora_A"]
+    write_safetensors(tensors, tmp_path / KILN_WEIGHTS)
+    with pytest.raises(DataError, match=r"LoRA layer 'layers\.0\.ffn\.w13' does not fit"):
+        load_trainable(tiny_model(), tmp_path)
