@@ -65,7 +65,7 @@ class Checkpointing:
                 "resume",
                 f"{folder} was written with weights layout {layout} (before SwiGLU's gate and up became "
                 f"w1 and w3); its optimizer state cannot continue in this Kiln. Its weights still load: "
-                f"start a new run with init_from={folder}",
+                f"start a new run with --init-from {folder}",
             )
         saved_cfg = manifest["model_config"]
         current = dataclasses.asdict(self.model_cfg)

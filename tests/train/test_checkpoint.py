@@ -312,7 +312,7 @@ def test_a_run_saved_in_an_old_layout_is_refused_on_resume_with_a_pointer_to_ini
 
     probe = Checkpointing()
     probe.ckpt, probe.is_main, probe.model_cfg = manager, True, cfg
-    with pytest.raises(ConfigError, match=r"weights layout 2 .*init_from="):
+    with pytest.raises(ConfigError, match=r"weights layout 2 .*--init-from "):
         probe._find_checkpoint(str(folder))
 
 
