@@ -55,13 +55,16 @@ RECOMPUTE_FACTOR = 4 / 3
 def recompute_factor(cfg: ModelConfig, seq_len: int, mode: str) -> float:
     """Hardware FLOPs over model FLOPs under activation checkpointing `mode`. Selective checkpointing
     (kiln.parallel.parallelize.selective_policy) recomputes, of the matmuls and attention, only each
-    block's output projection wo: 2 * dim * n_heads * head_dim FLOPs per token per layer (the norms,
+    block's output projection wo, 2 * dim * n_heads * head_dim FLOPs per token per layer, and in an
+    MoE layer each routed expert's down projection, 2 * dim * moe_hidden per routed copy (the norms,
     RoPE and SiLU it also recomputes are elementwise, which MFU does not count either)."""
     if mode == "full":
         return RECOMPUTE_FACTOR
     if mode == "selective":
-        wo = 2.0 * cfg.dim * cfg.n_heads * cfg.head_dim * cfg.n_layers
-        return 1.0 + wo / flops_per_token(cfg, seq_len)
+        moe_layers = sum(cfg.is_moe_layer(layer) for layer in range(cfg.n_layers))
+        rerun = cfg.dim * cfg.n_heads * cfg.head_dim * cfg.n_layers
+        rerun += moe_layers * cfg.moe_top_k * cfg.dim * cfg.moe_hidden_size
+        return 1.0 + 2.0 * rerun / flops_per_token(cfg, seq_len)
     return 1.0
 
 

@@ -105,13 +105,13 @@ def test_recipe_refuses_the_old_booleans(tmp_path):
         load_recipe(None, ["train.activation_checkpointing=false"])
 
 
-def _step_flops(mode: str) -> float:
+def _step_flops(mode: str, cfg: ModelConfig = MODEL) -> float:
     from torch.utils.flop_counter import FlopCounterMode
 
     from kiln.parallel.parallelize import apply_activation_checkpointing
 
     torch.manual_seed(0)
-    model = build_model(dataclasses.replace(MODEL, vocab_size=64))
+    model = build_model(dataclasses.replace(cfg, vocab_size=64))
     apply_activation_checkpointing(model, mode)
     with FlopCounterMode(display=False) as counter:
         loss, _ = next_token_loss(model, token_batch())
@@ -131,3 +131,17 @@ def test_recompute_factor_counts_what_selective_recomputes():
     cfg = dataclasses.replace(MODEL, vocab_size=64)
     assert recompute_factor(cfg, 16, "selective") == pytest.approx(1 + extra / (tokens * flops_per_token(cfg, 16)))
     assert recompute_factor(cfg, 16, "none") == 1.0
+
+
+def test_recompute_factor_counts_the_routed_experts_down_projections_in_moe_layers():
+    # In an MoE layer selective also reruns each routed expert's w2, whose output the gates'
+    # gradient reads; the shared expert's output is only added, so nothing reruns it.
+    from kiln.model import flops_per_token
+    from kiln.train.trainer import recompute_factor
+
+    cfg = dataclasses.replace(MODEL, vocab_size=64, moe_every=1, n_experts=4, moe_top_k=2, moe_shared_expert=True)
+    tokens = 4 * 16
+    extra = _step_flops("selective", cfg) - _step_flops("none", cfg)
+    per_layer = 2 * cfg.dim * cfg.n_heads * cfg.head_dim + cfg.moe_top_k * 2 * cfg.dim * cfg.moe_hidden_size
+    assert extra == tokens * cfg.n_layers * per_layer
+    assert recompute_factor(cfg, 16, "selective") == pytest.approx(1 + extra / (tokens * flops_per_token(cfg, 16)))
