@@ -120,3 +120,15 @@ def format_table(columns: dict[str, dict[str, float]]) -> list[str]:
         lines.append(f"  {category:20s}{cells}")
     lines.append(f"  {'total (op self time)':20s}" + "".join(f"{totals[n]:>14.1f} ms {'':8s}" for n in names))
     return lines
+
+
+def kernel_table(step, x, y, steps: int, top: int = 12) -> list[tuple[str, float]]:
+    """(operator or inductor kernel, ms of self time per step), the `top` largest, over `steps` steps
+    of an already compiled and warmed-up step. The step must have been compiled with
+    torch._inductor.config.cpp.enable_kernel_profile on, so each generated C++ kernel shows as an
+    operator of its own (`graph_0_cpp_fused_...`) instead of disappearing into the graph's call."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step(x, y)
+    per_step = {e.key: e.self_cpu_time_total / 1e3 / steps for e in prof.key_averages()}
+    return sorted(per_step.items(), key=lambda kv: -kv[1])[:top]

@@ -27,6 +27,7 @@ dtype, so it says how close a step gets to this machine, not to a datasheet.
     python bench/train_step.py --precision bf16 --repeats 7
     python bench/train_step.py --no-compile             # eager only (no compile warmup)
     python bench/train_step.py --profile --precision bf16 --no-compile   # + per-op profile, chunked head
+    python bench/train_step.py --kernel-profile --precision bf16       # compiled steps, kernel by kernel
 
 --profile adds, per precision: a table of where each eager step's operator time goes (optimizer, loss
 head, attention, block matmuls, norms, elementwise/other; bench/step_profile.py) for transformers,
@@ -43,7 +44,7 @@ import time
 
 import torch
 from machine import cpu_line  # bench/ (the script's folder, on sys.path)
-from step_profile import OPTIMIZER_SCOPE, format_table, profile_steps, scope_modules
+from step_profile import OPTIMIZER_SCOPE, format_table, kernel_table, profile_steps, scope_modules
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.profiler import record_function
 
@@ -323,6 +324,25 @@ def loss_head_report(cfg: ModelConfig, precision: str, args) -> dict:
     return row
 
 
+def compiled_kernel_report(cfg: ModelConfig, precision: str, args) -> None:
+    """--kernel-profile: where each side's compiled step goes, generated kernels named one by one."""
+    import torch._inductor.config as inductor_config  # only this mode needs inductor's settings
+
+    inductor_config.cpp.enable_kernel_profile = True
+    gen = torch.Generator().manual_seed(0)
+    x, y = (torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=gen) for _ in range(2))
+    for side, step in (
+        ("kiln", kiln_step(cfg, precision, True, args.seq, args.batch, args.optimizer_impl)),
+        ("transformers", hf_step(cfg, precision, True, args.optimizer_impl)),
+    ):
+        for _ in range(args.warmup + 1):  # compiles
+            step(x, y)
+        rows = kernel_table(step, x, y, args.profile_steps)
+        print(f"\n[{precision}] {side} compiled step, ms of self time per step (mean of {args.profile_steps}):")
+        for name, ms in rows:
+            print(f"  {ms:8.1f}  {name[:110]}")
+
+
 def label(key) -> str:
     side, compiled = key
     return f"{side} {'compiled' if compiled else 'eager'}"
@@ -374,6 +394,11 @@ def main() -> None:
     )
     parser.add_argument("--profile-only", action="store_true", help="with --profile: skip the kiln/transformers timing")
     parser.add_argument("--profile-steps", type=int, default=3, help="profiled steps per contender")
+    parser.add_argument(
+        "--kernel-profile",
+        action="store_true",
+        help="only: the largest operators and inductor kernels of both compiled steps, per precision",
+    )
     parser.add_argument("--loss-chunk-tokens", type=int, default=256, help="train.loss_chunk_tokens for --profile")
     args = parser.parse_args()
     print(cpu_line(), flush=True)
@@ -415,6 +440,9 @@ def main() -> None:
     compile_modes = [False] if args.no_compile else [False, True]
     summary = []
     for precision in precisions:
+        if args.kernel_profile:
+            compiled_kernel_report(cfg, precision, args)
+            continue
         if args.profile:
             head_row = loss_head_report(cfg, precision, args)
             print("  " + "  ".join(f"{k}={v:.2f}" for k, v in head_row.items()))
