@@ -15,7 +15,8 @@ from kiln.recipe import load_recipe
 from kiln.recipe_files import PACKAGED, packaged_recipes, resolve_recipe, summary
 from kiln.train.config import TrainConfig
 from kiln.train.schedule import lr_at
-from kiln.train.trainer import Trainer, training_device
+from kiln.train.trainer import Trainer
+from kiln.train.trainer_setup import training_device
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -18,16 +17,11 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
-from kiln.checkpoint import ShardedSaver, checkpoint_manager
-from kiln.data.loader import TokenLoader
-from kiln.data.replay import ReplayLoader, check_same_tokenizer
-from kiln.errors import ConfigError, DataError
+from kiln.errors import ConfigError
 from kiln.files import write_text_atomic
 from kiln.model import ModelConfig, build_model, flops_per_token
 from kiln.model.config import arch_of
-from kiln.model.weights import upgrade_layout
 from kiln.parallel.config import ParallelConfig
-from kiln.parallel.layout import Layout
 from kiln.parallel.parallelize import apply_activation_checkpointing
 from kiln.progress import progress_enabled
 from kiln.storage import is_remote
@@ -37,11 +31,12 @@ from kiln.train.metrics import MetricsLogger, detect_peak_flops, model_flops_uti
 from kiln.train.objective import LossFn, chunked_next_token_loss, next_token_loss
 from kiln.train.offload import NVMeAdamW
 from kiln.train.optim import build_optimizer
-from kiln.train.precision import PRECISION_DTYPES, autocast, check_fp8_device, convert_to_fp8, resolve_precision
+from kiln.train.precision import PRECISION_DTYPES, autocast, convert_to_fp8
 from kiln.train.schedule import lr_at
 from kiln.train.seq_warmup import check_applies, split_windows, window_len_at
 from kiln.train.system import prime_system_metrics, system_metrics
 from kiln.train.trainer_eval import Validation, _local, validation_line  # noqa: F401 (validation_line: re-exported)
+from kiln.train.trainer_setup import Setup
 from kiln.train.trainer_state import Checkpointing
 from kiln.train.watchdog import Watchdog
 
@@ -73,27 +68,7 @@ def recompute_factor(cfg: ModelConfig, seq_len: int, mode: str) -> float:
 FIRST_STEP_WATCHDOG_FACTOR = 10
 
 
-def training_device(choice: str) -> torch.device:
-    """train.device as a torch device: auto is CUDA when torch sees a GPU (under torchrun "cuda" is
-    the rank's own, set by init_distributed), else the CPU; a CUDA device torch cannot see is refused."""
-    if choice == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if choice.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise ConfigError(
-                "train.device", f"{choice!r} but torch sees no CUDA device (torch {torch.__version__}); use cpu or auto"
-            )
-        index = torch.device(choice).index
-        if index is not None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            raise ConfigError(
-                "train.device", f"{choice!r} under torchrun: each rank uses its own GPU; use cuda or auto"
-            )
-        if index is not None and index >= torch.cuda.device_count():
-            raise ConfigError("train.device", f"{choice!r} but torch sees {torch.cuda.device_count()} CUDA devices")
-    return torch.device(choice)
-
-
-class Trainer(Checkpointing, Validation):
+class Trainer(Setup, Checkpointing, Validation):
     def __init__(
         self,
         model_cfg: ModelConfig,
@@ -135,111 +110,76 @@ class Trainer(Checkpointing, Validation):
         )
         self.eval_loss_fn = eval_loss_fn or self.loss_fn
         self.after_fit = after_fit
-        self.device = torch.device(device) if device else training_device(cfg.device)
-        if cfg.threads > 0:
-            torch.set_num_threads(cfg.threads)
-        self.layout = Layout(parallel, model_cfg, self.device)
-        # "auto" becomes the precision this device computes fastest in; from here on cfg holds it.
-        precision, note = resolve_precision(cfg.precision, self.device)
-        if note and self.layout.rank == 0:
-            print(note, file=sys.stderr)
-        if precision != cfg.precision:
-            cfg = self.cfg = dataclasses.replace(cfg, precision=precision)
-        if arch != "decoder" and (self.layout.world_size > 1 or self.layout.one_rank_fsdp):
-            # The parallel layouts (kiln.parallel) split the decoder's modules.
-            raise ConfigError(
-                "parallel", f"model.arch = {arch!r} trains on one process; parallel layouts are decoder-only"
-            )
-        if cfg.loss_chunk_tokens and self.layout.mesh is not None:
-            # Under a mesh the head is wrapped or sharded (DDP, FSDP, a vocabulary-parallel head
-            # with loss_parallel, a pipeline's last stage); the chunked head reads its weight directly.
-            raise ConfigError(
-                "train.loss_chunk_tokens", "runs on one process without parallel layouts; set it to 0 under parallel.*"
-            )
-        self.rank, self.world_size = self.layout.rank, self.layout.world_size
-        self.is_main = self.rank == 0
-        if cfg.optimizer == "muon" and self.layout.sharded:
-            raise ConfigError(
-                "optimizer",
-                "muon needs whole matrices: torch.optim.Muon orthogonalises each one, not its FSDP or tensor-"
-                "parallel shards (data parallelism without sharding works)",
-            )
-        if cfg.optimizer_offload == "nvme" and self.layout.sharded:
-            raise ConfigError(
-                "optimizer_offload",
-                "nvme streams the state of whole (unsharded) parameters; with FSDP or tensor "
-                "parallelism use parallel.offload (CPU offload) instead",
-            )
-
+        self._place(device, parallel, model_cfg, arch)
+        cfg = self.cfg  # _place resolved precision "auto"
+        if self.layout.pipelined and loss_fn is not None:
+            raise ConfigError("parallel.pp", "pipeline parallelism runs the pretraining loss only")
+        if cfg.seq_len_warmup_steps:
+            custom = loss_fn is not None or data is not None or wrap_data is not None
+            check_applies(custom, self.layout.pipelined, self.layout.dims.cp, self.layout.dims.tp)
         self._batch_geometry()
-        if data is not None and cfg.replay.pack:
-            raise ConfigError("train.replay.pack", "replays a pretraining pack; this stage brings its own data")
-        self.replay_val_loader = None  # the replay pack's validation split (train.replay.pack)
-        self.train_loader, self.val_loader = data if data is not None else self._pack_loaders()
-        if wrap_data is not None:
-            self.train_loader, self.val_loader = wrap_data(self.train_loader), wrap_data(self.val_loader)
-
-        if model_cfg.vocab_size == 0:
-            model_cfg = dataclasses.replace(model_cfg, vocab_size=self.train_loader.vocab_size)
-        if model_cfg.vocab_size < self.train_loader.vocab_size:
-            raise ConfigError(
-                "vocab_size",
-                f"model has {model_cfg.vocab_size} token ids but the pack "
-                f"{self.pack_dir} uses {self.train_loader.vocab_size}",
-            )
-        if cfg.seq_len > model_cfg.max_seq_len:
-            raise ConfigError("seq_len", f"{cfg.seq_len} exceeds the model's max_seq_len={model_cfg.max_seq_len}")
-        self.model_cfg = model_cfg
+        self._open_data(data, wrap_data)
+        self.model_cfg = self._sized_model_cfg(model_cfg)
 
         self.compute_dtype = PRECISION_DTYPES[cfg.precision]
         if cfg.precision == "fp8":
             self._check_fp8_layout()
         # Before seeding, and with its own generator: the measurement must not change the init.
         self.peak_flops = detect_peak_flops(self.device, self.compute_dtype, cfg.peak_flops)
-        self.flops_per_token = flops_per_token(model_cfg, cfg.seq_len)
-        self.recompute_factor = recompute_factor(model_cfg, cfg.seq_len, cfg.activation_checkpointing)
+        self.flops_per_token = flops_per_token(self.model_cfg, cfg.seq_len)
+        self.recompute_factor = recompute_factor(self.model_cfg, cfg.seq_len, cfg.activation_checkpointing)
 
         torch.manual_seed(cfg.seed)
-        self.model = build_model(model_cfg, device=self.device)
+        self.model = build_model(self.model_cfg, device=self.device)
         self.model.train()
-        self.ckpt = checkpoint_manager(
-            cfg.checkpoint_dir or self.out_dir / "checkpoints",
-            cfg.keep_last,
-            cfg.keep_best,
-            convert_state=upgrade_layout,
-            background=self.layout.cfg.async_checkpoint and not self.layout.sharded,
-        )
-        self.sharded_saver = None
-        if self.layout.sharded and is_remote(cfg.checkpoint_dir):
-            raise ConfigError(
-                "train.checkpoint_dir",
-                f"{cfg.checkpoint_dir}: sharded checkpoints (this layout) are written to local disk only",
-            )
-        if self.layout.sharded:
-            self.sharded_saver = ShardedSaver(self.ckpt, self.layout.cfg.async_checkpoint)
+        self._open_checkpoints()
         # Dynamic loss scaling keeps small fp16 gradients from flushing to zero; bf16 has fp32's
         # exponent range and needs none. A disabled scaler passes everything through unchanged.
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=cfg.precision == "fp16")
-
         self._start_loop_state()
         # Under fp16 the grad scaler owns overflowing gradients (it skips the step and backs off).
         self.guard = LossGuard(cfg.guard, scaler_handles_overflow=cfg.precision == "fp16")
-        # Full weights (a single-file checkpoint, or init_from) load before the model is split, so
-        # they fit any layout; sharded checkpoints load after, through DCP, which reshards.
-        # prepare_model (e.g. adding LoRA weights) runs after the base weights of init_from load, but
-        # before a resumed checkpoint's, which already holds the added weights.
+        found = self._load_weights(resume, init_from, prepare_model)
+        self._convert_for_precision()
+        # Layer groups of the trained parameters, from the whole model (a pipeline rank later holds
+        # only its stages), so every rank computes the same groups' norms.
+        present = {grad_group(n) for n, p in self.model.named_parameters() if p.requires_grad}
+        self.grad_groups = [g for g in GRAD_GROUPS if g in present]
+        self._wrap_for_training()
+        self.optimizer = build_optimizer(self.model, cfg, offload_dir=self.out_dir / "optimizer_offload")
+        self.resumed_from = self._resume(found, init_from) if found is not None else None
+        self.metrics = self._metrics_logger() if self.is_main else None
+        for source in {id(s): s for s in (self.train_loader, self.val_loader)}.values():
+            if hasattr(source, "bind"):
+                source.bind(self)
+
+    # ---- setup -----------------------------------------------------------------------------------
+
+    def _load_weights(self, resume: str, init_from, prepare_model) -> tuple | None:
+        """Loads the weights the run starts from; returns the checkpoint being resumed, or None.
+
+        Full weights (a single-file checkpoint, or init_from) load before the model is split, so
+        they fit any layout; sharded checkpoints load after, through DCP, which reshards.
+        prepare_model (e.g. adding LoRA weights) runs after the base weights of init_from load, but
+        before a resumed checkpoint's, which already holds the added weights."""
         found = self._find_checkpoint(resume)
         if found is None and init_from is not None:
             self._init_from(init_from)
-        elif found is None and cfg.replay.fraction > 0 and self.is_main:
+        elif found is None and self.cfg.replay.fraction > 0 and self.is_main:
             # Allowed: a fresh model on a two-pack mixture is a mixture, not continual pretraining.
-            print(f"train.replay without init_from: a new model trains on {self.pack_dir} mixed with {cfg.replay.pack}")
+            print(
+                f"train.replay without init_from: a new model trains on {self.pack_dir} mixed with {self.cfg.replay.pack}"
+            )
         if prepare_model is not None:
             prepare_model(self.model)
         if found is not None and found[2] is not None:
             self.model.load_state_dict(found[2])
-        # fp8 swaps block linears for Float8Linear before checkpointing, compile and sharding wrap
-        # them (torchtitan's order); the swap keeps parameter names, so it may follow the loads.
+        return found
+
+    def _convert_for_precision(self) -> None:
+        """fp8 swaps block linears for Float8Linear before checkpointing, compile and sharding wrap
+        them (torchtitan's order); the swap keeps parameter names, so it may follow the loads."""
+        cfg = self.cfg
         note = cfg.warmup_note()
         if note and self.is_main:
             print(note)
@@ -250,72 +190,25 @@ class Trainer(Checkpointing, Validation):
                 print(
                     f"fp8: {len(left_out)} block linears keep bf16 (a dim not divisible by 16): {', '.join(left_out)}"
                 )
-        # Layer groups of the trained parameters, from the whole model (a pipeline rank later holds
-        # only its stages), so every rank computes the same groups' norms.
-        present = {grad_group(n) for n, p in self.model.named_parameters() if p.requires_grad}
-        self.grad_groups = [g for g in GRAD_GROUPS if g in present]
 
-        # Compiling the loss function (which calls the model) puts the output head and the loss in
-        # one graph, so the float32 upcast and log-softmax fuse instead of writing a float32 copy of
-        # every logit: bf16 steps ~1.13x faster than compiling the model alone (docs/benchmarks.md).
-        # Under a device mesh the blocks are compiled one by one instead (kiln.parallel), so the
-        # sharding hooks stay outside the graphs. Evaluation stays eager: it runs rarely.
+    def _wrap_for_training(self) -> None:
+        """Activation checkpointing, compile and the parallel layout, applied to the plain model.
+
+        Compiling the loss function (which calls the model) puts the output head and the loss in
+        one graph, so the float32 upcast and log-softmax fuse instead of writing a float32 copy of
+        every logit: bf16 steps ~1.13x faster than compiling the model alone (docs/benchmarks.md).
+        Under a device mesh the blocks are compiled one by one instead (kiln.parallel), so the
+        sharding hooks stay outside the graphs. Evaluation stays eager: it runs rarely."""
+        cfg = self.cfg
         self._compile_loss = cfg.compile and self.layout.mesh is None
         self._compiled_loss = (None, None)  # (loss_fn it was compiled from, compiled function)
         if self.layout.mesh is None:
             apply_activation_checkpointing(self.model, cfg.activation_checkpointing)
         # Training calls go through forward_model (the model, or its DDP wrapper); state is always
         # read from self.model, whose parameter names no wrapper prefixes.
-        if self.layout.pipelined and loss_fn is not None:
-            raise ConfigError("parallel.pp", "pipeline parallelism runs the pretraining loss only")
-        if cfg.seq_len_warmup_steps:
-            custom = loss_fn is not None or data is not None or wrap_data is not None
-            check_applies(custom, self.layout.pipelined, self.layout.dims.cp, self.layout.dims.tp)
         self.model, self.forward_model = self.layout.parallelize(
             self.model, self.compute_dtype, cfg.activation_checkpointing, compile_blocks=cfg.compile
         )
-        self.optimizer = build_optimizer(self.model, cfg, offload_dir=self.out_dir / "optimizer_offload")
-        self.resumed_from = self._resume(found, init_from) if found is not None else None
-        self.metrics = self._metrics_logger() if self.is_main else None
-        for source in {id(s): s for s in (self.train_loader, self.val_loader)}.values():
-            if hasattr(source, "bind"):
-                source.bind(self)
-
-    # ---- setup -----------------------------------------------------------------------------------
-
-    def _check_fp8_layout(self) -> None:
-        """fp8's refusals that the device and the layout decide, before anything is built."""
-        check_fp8_device(self.device)
-        if self.layout.dims.tp > 1:
-            # Kiln's tensor-parallel plan shards nn.Linear weights; Float8Linear would need torchao's
-            # float8 TP styles in its place, which Kiln does not apply.
-            raise ConfigError("parallel.tp", 'tensor parallelism is not combined with precision = "fp8"; use tp = 1')
-
-    def _batch_geometry(self) -> None:
-        """Micro-batches per optimizer step (accum_steps) and at the start of the batch ramp.
-
-        Gradient accumulation keeps the tokens per optimizer step at global_batch_tokens whatever
-        the micro batch and rank count, so the same recipe trains the same way on 1 or 64 devices.
-        Only data-parallel ranks read different data; TP/CP/PP ranks of one replica share a batch."""
-        cfg = self.cfg
-        tokens_per_micro_step = cfg.seq_len * cfg.micro_batch_size * self.layout.dp_size
-        if cfg.global_batch_tokens % tokens_per_micro_step:
-            raise ConfigError(
-                "global_batch_tokens",
-                f"must be a multiple of seq_len*micro_batch_size*dp ranks="
-                f"{tokens_per_micro_step}, got {cfg.global_batch_tokens}",
-            )
-        self.accum_steps = cfg.global_batch_tokens // tokens_per_micro_step
-        self.tokens_per_micro_step = tokens_per_micro_step
-        self.ramp_start_accum = self.accum_steps
-        if cfg.batch_ramp_steps > 0:
-            if cfg.batch_ramp_start_tokens % tokens_per_micro_step:
-                raise ConfigError(
-                    "batch_ramp_start_tokens",
-                    f"must be a multiple of seq_len*micro_batch_size*dp ranks={tokens_per_micro_step}, "
-                    f"got {cfg.batch_ramp_start_tokens}",
-                )
-            self.ramp_start_accum = cfg.batch_ramp_start_tokens // tokens_per_micro_step
 
     def _start_loop_state(self) -> None:
         """The loop's counters at step 0 (a resumed run overwrites them from its checkpoint)."""
@@ -337,45 +230,6 @@ class Trainer(Checkpointing, Validation):
         run_name = f"{self.out_dir.absolute().parent.name}/{self.out_dir.absolute().name}"
         config = self.recipe_dict if self.recipe_dict is not None else {"train": dataclasses.asdict(self.cfg)}
         return MetricsLogger(self.out_dir, loggers=self.cfg.loggers, run_name=run_name, config=config)
-
-    def _pack_loaders(self) -> tuple[TokenLoader, TokenLoader]:
-        """The pack's (train, val) loaders. A post-training stage brings its own sources instead,
-        with the same interface: iteration, state_dict/load_state_dict, validation_batches, vocab_size,
-        bytes_per_token. The validation set is fixed: validation_batches(limit, row_multiple)
-        yields the same batches every time (see TokenLoader.validation_batches)."""
-        cfg = self.cfg
-
-        def make_loader(split: str, pack_dir: Path = self.pack_dir):
-            return TokenLoader(
-                pack_dir,
-                split=split,
-                seq_len=cfg.seq_len,
-                batch_size=cfg.micro_batch_size,
-                rank=self.layout.dp_rank,
-                world_size=self.layout.dp_size,
-                seed=cfg.seed,
-            )
-
-        train, val = make_loader("train"), make_loader("val")
-        if cfg.replay.pack:
-            train = self._replay_loaders(train, make_loader)
-        return train, val
-
-    def _replay_loaders(self, train: TokenLoader, make_loader) -> TokenLoader | ReplayLoader:
-        """The train stream mixed with train.replay.pack's (fraction > 0), and that pack's val split
-        as self.replay_val_loader; every way the pack can be wrong is one error naming the key."""
-        replay = self.cfg.replay
-        path = Path(replay.pack)
-        if not path.is_dir():
-            raise ConfigError("train.replay.pack", f"{path}: no such folder (the earlier run's pack stage folder)")
-        try:
-            self.replay_val_loader = make_loader("val", path)
-            check_same_tokenizer(train, self.replay_val_loader)
-            if replay.fraction == 0:  # its split is evaluated, nothing is replayed
-                return train
-            return ReplayLoader(train, make_loader("train", path), replay.fraction)
-        except DataError as err:
-            raise ConfigError("train.replay.pack", str(err)) from None
 
     def _batch_to_device(self, batch):
         return tuple(t.to(self.device, non_blocking=True) for t in self.layout.shard_batch(batch))
