@@ -26,33 +26,35 @@ class Verb(NamedTuple):
     help: str  # the line `kiln --help` shows, the same the module registers
 
 
-# In the order `kiln --help` lists them. The verbs that read a recipe are kiln.pipeline's, on top of
+# In the order `kiln --help` lists them. The verbs that read a recipe are kiln.pipeline_verbs's, on top of
 # the layers: launch and plan get the recipe's sections from there and keep the rest in kiln.parallel.
 VERBS: dict[str, Verb] = {
-    "run": Verb("kiln.pipeline", "run the stages a recipe names, skipping finished ones"),
+    "run": Verb("kiln.pipeline_verbs", "run the stages a recipe names, skipping finished ones"),
     "recipes": Verb("kiln.recipe_files", "list the recipes shipped with Kiln (run one by name: kiln run tiny)"),
     "init": Verb("kiln.recipe_files", "copy a packaged recipe out for editing (never overwrites a file)"),
-    "corpus": Verb("kiln.pipeline", "build the built-in corpus of real text"),
-    "data": Verb("kiln.pipeline", "curate documents: filter, deduplicate, scrub (runs the data stage)"),
+    "corpus": Verb("kiln.pipeline_verbs", "build the built-in corpus of real text"),
+    "data": Verb("kiln.pipeline_verbs", "curate documents: filter, deduplicate, scrub (runs the data stage)"),
     "classifier": Verb("kiln.data.classifier", "train the data quality classifier used by the quality_classifier step"),
-    "tokenizer": Verb("kiln.pipeline", "train a tokenizer (byte-level BPE, or unigram with tokenizer.model)"),
-    "pack": Verb("kiln.pipeline", "tokenize the corpus into memory-mapped token shards"),
-    "pretrain": Verb("kiln.pipeline", "pretrain the model on the packed shards"),
-    "sft": Verb("kiln.pipeline", "supervised fine-tuning on conversations and the verifiable tasks"),
+    "tokenizer": Verb("kiln.pipeline_verbs", "train a tokenizer (byte-level BPE, or unigram with tokenizer.model)"),
+    "pack": Verb("kiln.pipeline_verbs", "tokenize the corpus into memory-mapped token shards"),
+    "pretrain": Verb("kiln.pipeline_verbs", "pretrain the model on the packed shards"),
+    "sft": Verb("kiln.pipeline_verbs", "supervised fine-tuning on conversations and the verifiable tasks"),
     "judge": Verb(
         "kiln.post.judge",
         "RLAIF: an AI judge ranks two completions per prompt against a rubric; writes preference pairs",
     ),
-    "rm": Verb("kiln.pipeline", "reward model: the transformer with a scalar head, Bradley-Terry on pairs"),
-    "dpo": Verb("kiln.pipeline", "direct preference optimisation (sigmoid, IPO or conservative DPO)"),
-    "ppo": Verb("kiln.pipeline", "PPO: actor, critic, frozen reference, verifier or reward-model reward"),
-    "grpo": Verb("kiln.pipeline", "group-relative policy optimisation with the task verifiers as rewards"),
-    "distill": Verb("kiln.pipeline", "distillation from a teacher checkpoint: generated data and soft targets"),
+    "rm": Verb("kiln.pipeline_verbs", "reward model: the transformer with a scalar head, Bradley-Terry on pairs"),
+    "dpo": Verb("kiln.pipeline_verbs", "direct preference optimisation (sigmoid, IPO or conservative DPO)"),
+    "ppo": Verb("kiln.pipeline_verbs", "PPO: actor, critic, frozen reference, verifier or reward-model reward"),
+    "grpo": Verb("kiln.pipeline_verbs", "group-relative policy optimisation with the task verifiers as rewards"),
+    "distill": Verb("kiln.pipeline_verbs", "distillation from a teacher checkpoint: generated data and soft targets"),
     "generate": Verb("kiln.infer.cli", "sample text from a checkpoint"),
     "export": Verb("kiln.hf", "export a checkpoint to another format"),
     "import": Verb("kiln.hf", "import a checkpoint from another format"),
-    "launch": Verb("kiln.pipeline", "pretrain under torchrun here, or write a Slurm script / Kubernetes manifest"),
-    "plan": Verb("kiln.pipeline", "estimate memory, step time, MFU and cost of parallel layouts on a cluster"),
+    "launch": Verb(
+        "kiln.pipeline_verbs", "pretrain under torchrun here, or write a Slurm script / Kubernetes manifest"
+    ),
+    "plan": Verb("kiln.pipeline_verbs", "estimate memory, step time, MFU and cost of parallel layouts on a cluster"),
     "report": Verb("kiln.report", "HTML report of a run: loss curves, throughput, data funnel, samples"),
     "serve": Verb("kiln.serve.cli", "serve a checkpoint over an OpenAI-compatible API, with a chat page at /"),
     "chat": Verb("kiln.serve.cli", "chat with a checkpoint in the terminal (history kept, chat template)"),

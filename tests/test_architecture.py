@@ -33,6 +33,7 @@ LAYERS = {
         "kiln.recipe",
         "kiln.recipe_files",
         "kiln.pipeline",
+        "kiln.pipeline_verbs",
         "kiln.run_store",
         "kiln.cli",
         "kiln.report",

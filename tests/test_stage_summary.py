@@ -8,7 +8,7 @@ import pytest
 import torch
 from kiln_testing.tokenizer import train_tiny_tokenizer
 
-from kiln import pipeline
+from kiln import pipeline, pipeline_verbs
 from kiln.checkpoint import read_manifest, resolve_checkpoint, save_weights
 from kiln.cli import main
 from kiln.model import build_model
@@ -77,7 +77,7 @@ def test_pretrain_summary_is_formatted_with_outputs_and_next_command(tmp_path, t
 
     monkeypatch.setattr(pipeline, "STAGE_RUNNERS", {s: fake(s) for s in pipeline.STAGE_RUNNERS})
     ns = argparse.Namespace(stages="corpus,tokenizer,pack,pretrain", force=False, recipe="my recipe.toml")
-    pipeline._run_all(recipe, ns)
+    pipeline_verbs._run_all(recipe, ns)
     out = capsys.readouterr().out.splitlines()
     ckpt = tmp_path / "tiny" / "pretrain" / "checkpoints" / "step-00000001"
     assert "[pretrain] val loss 3.96 (1.83 bits/byte), best 3.95 after 600 steps, 1,228,800 tokens" in out

@@ -40,7 +40,7 @@ from kiln.parallel.plan_time import (
     layer_seconds_per_token,
     plan,
 )
-from kiln.pipeline import run as run_plan  # the plan verb: its recipe is read in the top layer
+from kiln.pipeline_verbs import run as run_plan  # the plan verb: its recipe is read in the top layer
 
 # Published MFU must fall within this many points of the planner's estimate (absolute, e.g. 0.41 +- 0.10).
 MFU_BAND = 0.10

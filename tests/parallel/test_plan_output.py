@@ -25,7 +25,7 @@ from kiln.parallel.plan_time import (
     estimate,
     plan,
 )
-from kiln.pipeline import run
+from kiln.pipeline_verbs import run
 from kiln.recipe import load_recipe
 
 # (plan flags, the recipe's [model] table, nodes x GPUs per node for the launch)
