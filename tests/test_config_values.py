@@ -19,7 +19,7 @@ from kiln.config import build
 from kiln.data.steps.base import STEPS
 from kiln.errors import ConfigError
 from kiln.infer.config import SampleConfig, SamplingParams
-from kiln.infer.engine import KVCache
+from kiln.infer.kv_cache import KVCache
 from kiln.infer.load import InferenceOptions, load_for_inference
 from kiln.infer.samples import sample_texts
 from kiln.model import build_model

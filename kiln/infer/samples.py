@@ -6,7 +6,8 @@ from dataclasses import asdict
 
 from kiln.errors import ConfigError
 from kiln.infer.config import SampleConfig
-from kiln.infer.engine import Engine, KVCache
+from kiln.infer.engine import Engine
+from kiln.infer.kv_cache import KVCache
 from kiln.model.memory import require_memory
 
 

@@ -47,7 +47,7 @@ class Seq2SeqCache:
 def prefill_seq2seq(model, prompts: list[list[int]], max_new_tokens: int, make_cache):
     """Encode the right-padded prompts once and run the decoder's start token: (cache, logits
     [B, vocab] after the start token, decoder tokens [B, 1]). make_cache(n_layers, batch, max_len)
-    builds the self-attention cache (kiln.infer.engine.KVCache)."""
+    builds the self-attention cache (kiln.infer.kv_cache.KVCache)."""
     cfg = model.cfg
     device = next(model.parameters()).device
     batch, longest = len(prompts), max(len(p) for p in prompts)

@@ -27,7 +27,8 @@ import torch
 
 from kiln.errors import ConfigError
 from kiln.infer.config import SamplingParams
-from kiln.infer.engine import Completion, Engine, KVCache, TextStream
+from kiln.infer.engine import Completion, Engine, TextStream
+from kiln.infer.kv_cache import KVCache
 from kiln.infer.sampling import sampling_logits
 
 

@@ -145,7 +145,7 @@ class Attention(nn.Module):
         # too, and the output projection reads it in place instead of from a copy.
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if kv_cache is not None:
-            # Inference (kiln.infer.engine.KVCache): the new keys join the row's cached ones, and the
+            # Inference (kiln.infer.kv_cache.KVCache): the new keys join the row's cached ones, and the
             # cache says how to mask queries that sit at an offset in their row (plain is_causal
             # would align them with the first cached key).
             k, v, masking = kv_cache.update(k, v)
@@ -270,7 +270,7 @@ class Transformer(nn.Module):
         position_ids [B, T] (default 0..T-1 in every row) only set the positions used by RoPE or the absolute embeddings. Attention is causal over the
         whole row unless document_ids [B, T] are given: then a token attends only to earlier tokens of
         its own document, so several sequences packed in one row do not see each other.
-        kv_cache (a kiln.infer.engine.KVCache): tokens are appended after each row's cached tokens,
+        kv_cache (a kiln.infer.kv_cache.KVCache): tokens are appended after each row's cached tokens,
         attend to them, and are cached in turn; positions then default to each row's cache length
         onwards."""
         seq = tokens.shape[1]

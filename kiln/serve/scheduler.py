@@ -34,7 +34,8 @@ import torch
 
 from kiln.errors import ConfigError
 from kiln.infer.config import SamplingParams
-from kiln.infer.engine import KVCache, TextStream, WithoutSpecialTokens
+from kiln.infer.engine import TextStream, WithoutSpecialTokens
+from kiln.infer.kv_cache import KVCache
 from kiln.infer.sampling import sample_next_tokens
 from kiln.serve.prefix_cache import DYNAMIC_ROPE, PrefixCache, fit_prefixes, keys_depend_on_length
 

@@ -5,7 +5,8 @@ from kiln_testing.reference_generate import reference_generate
 
 from kiln.errors import ConfigError
 from kiln.infer.config import SamplingParams
-from kiln.infer.engine import Engine, KVCache, TextStream
+from kiln.infer.engine import Engine, TextStream
+from kiln.infer.kv_cache import KVCache
 from kiln.infer.sampling import apply_repetition_penalty, min_p_filter, sampling_logits
 from kiln.model import ModelConfig, build_model
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kiln.infer.engine import KVCache
+from kiln.infer.kv_cache import KVCache
 from kiln.model import ModelConfig, build_model
 from kiln.model.config import RopeScaling
 

@@ -7,7 +7,8 @@ import dataclasses
 import pytest
 import torch
 
-from kiln.infer.engine import Engine, KVCache
+from kiln.infer.engine import Engine
+from kiln.infer.kv_cache import KVCache
 from kiln.infer.seq2seq import prefill_seq2seq
 from tests.model.test_t5 import TINY, hf_twin, make
 

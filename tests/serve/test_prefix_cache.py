@@ -11,7 +11,8 @@ from kiln_testing.serving import serving, tiny_checkpoint
 
 from kiln.errors import ConfigError
 from kiln.infer.config import SamplingParams
-from kiln.infer.engine import Engine, KVCache
+from kiln.infer.engine import Engine
+from kiln.infer.kv_cache import KVCache
 from kiln.model import ModelConfig, build_model
 from kiln.model.config import RopeScaling
 from kiln.serve import cli as serve_cli

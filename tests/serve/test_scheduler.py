@@ -4,7 +4,8 @@ from kiln_testing.models import ForcesToken, Gate
 
 from kiln.errors import ConfigError
 from kiln.infer.config import SamplingParams
-from kiln.infer.engine import Engine, KVCache, TextStream
+from kiln.infer.engine import Engine, TextStream
+from kiln.infer.kv_cache import KVCache
 from kiln.model import ModelConfig, build_model
 from kiln.serve import scheduler as scheduler_module
 from kiln.serve.scheduler import Busy, GenerationRequest, PromptScores, Scheduler, SchedulerError, TokenEvent
