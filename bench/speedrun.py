@@ -27,8 +27,13 @@ as Kiln's logged val_bpb (tests/bench/test_speedrun.py checks they agree). The t
 reached transformers' final val bpb is the wall time of the first snapshot that scores at or below
 it (snapshot granularity, so an upper bound).
 
+With --variant NAME:KEY=VALUE,KEY=VALUE (repeatable) Kiln also trains once per variant, the
+shipped recipe's [train] with those train.* keys changed (Muon, WSD, a shorter schedule...), for the
+same budget against the same transformers run: a method measured on its own at equal wall time.
+
     python bench/speedrun.py                       # 180 s each
     python bench/speedrun.py --budget-s 120 --no-init-variant
+    python bench/speedrun.py --variant muon:train.optimizer=muon,train.muon_adjust_lr=match_rms_adamw
 """
 
 from __future__ import annotations
@@ -226,6 +231,33 @@ def steady_tokens_per_s(step_times: list[tuple[int, float]], tokens_per_step: in
     return (s1 - s0) * tokens_per_step / (t1 - t0)
 
 
+def parse_variant(text: str) -> tuple[str, list[str]]:
+    """`NAME:train.KEY=VALUE,train.KEY=VALUE` -> (NAME, the overrides). Only [train] keys: the
+    shared evaluation loads every Kiln model into the same transformers architecture."""
+    name, sep, keys = text.partition(":")
+    overrides = [k.strip() for k in keys.split(",") if k.strip()]
+    if not sep or not name.strip() or not overrides:
+        raise SystemExit(f"--variant {text!r}: expected NAME:train.KEY=VALUE[,train.KEY=VALUE...]")
+    for key in overrides:
+        if not key.startswith("train.") or "=" not in key:
+            raise SystemExit(f"--variant {text!r}: {key!r} is not a train.KEY=VALUE override")
+    return name.strip(), overrides
+
+
+def kiln_train_config(base_overrides: list[str], args, extra: list[str] = ()) -> TrainConfig:
+    """The recipe's [train] with the bench's flags, then `extra` (a variant's keys, which win)."""
+    flags = [f"train.threads={args.threads}"]
+    if args.max_steps:
+        flags.append(f"train.max_steps={args.max_steps}")
+    if args.no_compile:
+        flags.append("train.compile=false")
+    if args.precision:
+        flags.append(f'train.precision="{args.precision}"')
+    train_cfg = load_recipe(RECIPE, [*base_overrides, *flags, *extra]).train
+    # No validation or periodic checkpoints inside the budget: the shared evaluation scores afterwards.
+    return dataclasses.replace(train_cfg, eval_every=train_cfg.max_steps, ckpt_every=train_cfg.max_steps)
+
+
 def first_reaching(scored: list[tuple[int, float, float]], target: float):
     """The first (step, seconds, bpb) of `scored` at or below `target`, or None."""
     return next((row for row in scored if row[2] <= target), None)
@@ -244,6 +276,13 @@ def main() -> None:
     )
     p.add_argument("--no-init-variant", action="store_true", help="skip transformers from Kiln's initial weights")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        type=parse_variant,
+        help="NAME:train.KEY=VALUE,...: one more Kiln run with these [train] keys (repeatable)",
+    )
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     print(cpu_line())
@@ -253,15 +292,8 @@ def main() -> None:
     run_recipe(recipe, stages=["corpus", "tokenizer", "pack"])
     pack_dir = stage_dir(recipe, "pack")
     model_cfg = resolved_model_config(recipe)
-    train_cfg = dataclasses.replace(recipe.train, threads=args.threads)
-    if args.max_steps:
-        train_cfg = dataclasses.replace(train_cfg, max_steps=args.max_steps)
-    if args.no_compile:
-        train_cfg = dataclasses.replace(train_cfg, compile=False)
-    if args.precision:
-        train_cfg = dataclasses.replace(train_cfg, precision=args.precision)
-    # No validation or periodic checkpoints inside the budget: the shared evaluation scores afterwards.
-    train_cfg = dataclasses.replace(train_cfg, eval_every=train_cfg.max_steps, ckpt_every=train_cfg.max_steps)
+    train_cfg = kiln_train_config(overrides, args)
+    variant_cfgs = {name: kiln_train_config(overrides, args, keys) for name, keys in args.variant}
     tokens_per_step = train_cfg.global_batch_tokens
     print(
         f"model: {count_params(model_cfg) / 1e6:.2f}M params, dim {model_cfg.dim}, {model_cfg.n_layers} layers, "
@@ -272,47 +304,62 @@ def main() -> None:
         flush=True,
     )
     work = Path(args.out) / "speedrun-bench"
-    kiln = run_kiln(model_cfg, train_cfg, pack_dir, work / "kiln", args.budget_s, args.snapshot_every)
-    print(f"kiln: {kiln['curve'][-1][0]} steps in {kiln['curve'][-1][1]:.0f} s", flush=True)
+    kiln_cfgs = {"kiln": train_cfg, **{f"kiln {name}": cfg for name, cfg in variant_cfgs.items()}}
+    kiln_runs = {}
+    for name, cfg in kiln_cfgs.items():
+        folder = work / name.replace(" ", "-")
+        kiln_runs[name] = run_kiln(model_cfg, cfg, pack_dir, folder, args.budget_s, args.snapshot_every)
+        print(f"{name}: {kiln_runs[name]['curve'][-1][0]} steps in {kiln_runs[name]['curve'][-1][1]:.0f} s", flush=True)
     runs = {"transformers": run_hf(model_cfg, train_cfg, pack_dir, work / "hf", args.budget_s)}
     print(f"transformers: {runs['transformers']['steps'][-1][0]} steps", flush=True)
     if not args.no_init_variant:
         runs["transformers (Kiln init)"] = run_hf(
-            model_cfg, train_cfg, pack_dir, work / "hf-init", args.budget_s, initial=kiln["initial"]
+            model_cfg, train_cfg, pack_dir, work / "hf-init", args.budget_s, initial=kiln_runs["kiln"]["initial"]
         )
     load_end = os.getloadavg()
 
     seq = train_cfg.seq_len
-    scored = []  # Kiln's snapshots: (step, s, val bpb)
-    for step, seconds, state in kiln["snapshots"]:
-        scored.append((step, seconds, shared_val_bpb(hf_model_from_kiln(model_cfg, state), pack_dir, seq)["val_bpb"]))
-    kiln_steps = [(s, t) for s, t, _ in kiln["curve"]]
-    rows = {"kiln": (scored[-1][2], kiln_steps, [(s, t, loss) for s, t, loss in kiln["curve"][9::10]])}
+    scored = {}  # per Kiln run, its snapshots: (step, s, val bpb)
+    rows = {}  # name -> (final val bpb, [(step, s)], tokens per step, [(step, s, loss)])
+    for name, kiln in kiln_runs.items():
+        scored[name] = [
+            (step, seconds, shared_val_bpb(hf_model_from_kiln(model_cfg, state), pack_dir, seq)["val_bpb"])
+            for step, seconds, state in kiln["snapshots"]
+        ]
+        steps = [(s, t) for s, t, _ in kiln["curve"]]
+        losses = [(s, t, loss) for s, t, loss in kiln["curve"][9::10]]
+        rows[name] = (scored[name][-1][2], steps, kiln_cfgs[name].global_batch_tokens, losses)
     for name, run in runs.items():
-        rows[name] = (shared_val_bpb(run["model"], pack_dir, seq)["val_bpb"], run["steps"], run["losses"])
+        bpb = shared_val_bpb(run["model"], pack_dir, seq)["val_bpb"]
+        rows[name] = (bpb, run["steps"], tokens_per_step, run["losses"])
 
     print(f"\nload average at end: {load_end} (2-core machine shared with other jobs)")
+    for name, keys in args.variant:
+        print(f"variant kiln {name}: {', '.join(keys)}")
     print("final val bpb (shared evaluation: HF logits, float32, whole validation split):")
-    for name, (bpb, steps, _) in rows.items():
+    for name, (bpb, steps, tokens, _) in rows.items():
         print(
             f"  {name:26s} val bpb {bpb:.4f}  steps {steps[-1][0]:4d}  "
-            f"steady {steady_tokens_per_s(steps, tokens_per_step):7.0f} tokens/s  (last step at {steps[-1][1]:.0f} s)"
+            f"steady {steady_tokens_per_s(steps, tokens):7.0f} tokens/s  (last step at {steps[-1][1]:.0f} s)"
         )
-    print("Kiln snapshots (step, s, val bpb): " + ", ".join(f"({s}, {t:.0f}, {b:.3f})" for s, t, b in scored))
-    hf_bpb = rows["transformers"][0]
-    hit = first_reaching(scored, hf_bpb)
-    if hit is None:
-        print(f"Kiln did not reach transformers' final val bpb {hf_bpb:.4f} within the budget")
-    else:
+    hf_bpb, hf_steps = rows["transformers"][0], rows["transformers"][1]
+    hf_rate = steady_tokens_per_s(hf_steps, tokens_per_step)
+    for name in kiln_runs:
         print(
-            f"Kiln first reached transformers' final val bpb {hf_bpb:.4f} at step {hit[0]}, {hit[1]:.0f} s "
-            f"= {hit[1] / args.budget_s:.2f} of the {args.budget_s:.0f} s budget (snapshot every "
-            f"{args.snapshot_every} steps: an upper bound)"
+            f"{name} snapshots (step, s, val bpb): " + ", ".join(f"({s}, {t:.0f}, {b:.3f})" for s, t, b in scored[name])
         )
-    kiln_rate = steady_tokens_per_s(kiln_steps, tokens_per_step)
-    hf_rate = steady_tokens_per_s(rows["transformers"][1], tokens_per_step)
-    print(f"steady tokens/s ratio kiln/transformers: {kiln_rate / hf_rate:.2f}x")
-    curves = {name: losses for name, (_, _, losses) in rows.items()}
+        hit = first_reaching(scored[name], hf_bpb)
+        if hit is None:
+            print(f"{name} did not reach transformers' final val bpb {hf_bpb:.4f} within the budget")
+        else:
+            print(
+                f"{name} first reached transformers' final val bpb {hf_bpb:.4f} at step {hit[0]}, {hit[1]:.0f} s "
+                f"= {hit[1] / args.budget_s:.2f} of the {args.budget_s:.0f} s budget (snapshot every "
+                f"{args.snapshot_every} steps: an upper bound)"
+            )
+        rate = steady_tokens_per_s(rows[name][1], rows[name][2])
+        print(f"steady tokens/s ratio {name}/transformers: {rate / hf_rate:.2f}x")
+    curves = {name: losses for name, (_, _, _, losses) in rows.items()}
     (work / "curves.json").write_text(json.dumps({"curves": curves, "kiln_snapshots": scored}, indent=1))
     print(f"loss/time curves: {work / 'curves.json'}")
 

@@ -78,3 +78,27 @@ def test_first_reaching_and_steady_rate():
     assert speedrun.first_reaching(scored, 1.0) is None
     steps = [(i, float(i)) for i in range(1, 11)]  # one step a second after step 1
     assert speedrun.steady_tokens_per_s(steps, 100, skip=2) == pytest.approx(100.0)
+
+
+def test_variant_keys_change_only_kilns_train_config():
+    args = speedrun.argparse.Namespace(threads=1, max_steps=50, no_compile=True, precision="fp32")
+    base = speedrun.kiln_train_config([], args)
+    name, keys = speedrun.parse_variant("muon:train.optimizer=muon, train.max_steps=20")
+    variant = speedrun.kiln_train_config([], args, keys)
+    assert name == "muon" and keys == ["train.optimizer=muon", "train.max_steps=20"]
+    assert (base.optimizer, base.max_steps, base.compile, base.precision, base.threads) == (
+        "adamw",
+        50,
+        False,
+        "fp32",
+        1,
+    )
+    # The variant's keys win over the bench's flags; no evaluation or checkpoint inside the budget.
+    assert (variant.optimizer, variant.max_steps, variant.compile) == ("muon", 20, False)
+    assert (variant.eval_every, variant.ckpt_every) == (20, 20)
+
+
+@pytest.mark.parametrize("text", ["muon", "muon:", ":train.lr=1", "qk:model.qk_norm=true", "x:train.lr"])
+def test_variant_that_is_not_train_overrides_is_refused(text):
+    with pytest.raises(SystemExit, match="--variant"):
+        speedrun.parse_variant(text)
