@@ -120,6 +120,7 @@ async def run_scheduler(app: FastAPI):
         state.max_waiting,
         state.max_prefill_tokens,
         prefix_cache=state.prefix_cache,
+        prefill_chunk_tokens=state.prefill_chunk_tokens,
     )
     try:
         yield
@@ -139,13 +140,15 @@ def create_app(
     max_waiting: int = 256,
     max_prefill_tokens: int = 8192,
     prefix_cache_mb: float | None = None,
+    prefill_chunk_tokens: int = 0,
     chat_trained: bool = True,
 ) -> FastAPI:
     """The app for one model. api_keys: when given, /v1/* and the tokenizer endpoints need
     `Authorization: Bearer <key>`. max_tokens_limit (default: the model's context) caps a request's
     max_tokens; max_batch rows decode together and max_waiting more requests queue (then 429).
     prefix_cache_mb: MiB of prompt-prefix keys and values kept for reuse (kiln.serve.prefix_cache;
-    None: its default, 0: off). chat_trained False: the chat page notes that the model has had no
+    None: its default, 0: off). prefill_chunk_tokens: prompts longer than this prefill in chunks of
+    that many tokens between decode steps (kiln.serve.scheduler; 0: off). chat_trained False: the chat page notes that the model has had no
     chat training."""
     limit = model.cfg.max_seq_len if max_tokens_limit is None else max_tokens_limit
     if any(v < 1 for v in (limit, max_body_bytes)):
@@ -162,6 +165,7 @@ def create_app(
         max_waiting=max_waiting,
         max_prefill_tokens=max_prefill_tokens,
         prefix_cache=prefix_cache,
+        prefill_chunk_tokens=prefill_chunk_tokens,
         chat_trained=chat_trained,
     )
     # Every route declares the error answers, so clients and schema-driven tests know their shape.

@@ -59,6 +59,12 @@ def add_parser(subparsers) -> None:
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (413 above)")
     p.add_argument("--max-prefill-tokens", type=int, default=8192, help="padded prompt tokens prefilled at once")
     p.add_argument(
+        "--prefill-chunk-tokens",
+        type=int,
+        default=0,
+        help="prefill prompts longer than this in chunks of this many tokens between decode steps (0: off)",
+    )
+    p.add_argument(
         "--prefix-cache-mb",
         type=finite_float,
         help=f"MiB of prompt-prefix keys/values kept for reuse (default {DEFAULT_MB:g}; 0: off)",
@@ -84,8 +90,9 @@ def run_serve(args: argparse.Namespace) -> int:
         value = getattr(args, key)
         if value is not None and value < 1:
             raise ConfigError("--" + key.replace("_", "-"), f"must be >= 1, got {value}", "<command line>")
-    if args.max_waiting < 0:
-        raise ConfigError("--max-waiting", f"must be >= 0, got {args.max_waiting}", "<command line>")
+    for key in ("max_waiting", "prefill_chunk_tokens"):
+        if getattr(args, key) < 0:
+            raise ConfigError("--" + key.replace("_", "-"), f"must be >= 0, got {getattr(args, key)}", "<command line>")
     if args.prefix_cache_mb is not None and args.prefix_cache_mb < 0:
         raise ConfigError(
             "--prefix-cache-mb", f"must be >= 0 (0 is off), got {args.prefix_cache_mb:g}", "<command line>"
@@ -116,6 +123,7 @@ def run_serve(args: argparse.Namespace) -> int:
             max_batch=args.max_batch,
             max_waiting=args.max_waiting,
             max_prefill_tokens=args.max_prefill_tokens,
+            prefill_chunk_tokens=args.prefill_chunk_tokens,
             prefix_cache_mb=args.prefix_cache_mb,
             chat_trained=trained,
         )

@@ -23,7 +23,7 @@ from kiln.serve.protocol import (
     internal_error,
     usage,
 )
-from kiln.serve.scheduler import PromptScores, SchedulerError, TokenEvent
+from kiln.serve.requests import PromptScores, SchedulerError, TokenEvent
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,8 @@ from kiln.serve.protocol import (
     stop_strings,
 )
 from kiln.serve.replies import ChatReply, CompletionReply, collect_all, sse_response
-from kiln.serve.scheduler import Busy, GenerationRequest, Scheduler
+from kiln.serve.requests import Busy, GenerationRequest
+from kiln.serve.scheduler import Scheduler
 
 GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS
 FLOAT32_TINY = 1.1754943508222875e-38  # torch.finfo(torch.float32).tiny
@@ -52,6 +53,7 @@ class ServeState:
     max_waiting: int
     max_prefill_tokens: int
     prefix_cache: PrefixCache | None = None
+    prefill_chunk_tokens: int = 0
     chat_trained: bool = True
     eos_id: int = field(init=False)
     chat_stop: tuple[int, ...] | None = field(init=False)

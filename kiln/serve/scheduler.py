@@ -13,6 +13,12 @@ parameters, each row drawing from its own generator).
 With a prefix cache (kiln.serve.prefix_cache), a new prompt's stored prefix is copied into its
 row's cache slots and only the rest of the prompt is forwarded.
 
+With prefill_chunk_tokens, a prompt longer than that is prefilled in chunks of that many tokens, one
+chunk per loop iteration, in a cache of its own, while the running rows go on decoding between
+chunks; it joins them after its last chunk. One such prompt is in flight at a time, and the short
+prompts queued behind it are admitted as usual. Without it, a long prompt's prefill holds every
+running row for its whole length.
+
 A request that fails on its own (its prefill, sampling or text) gets the error and leaves the batch;
 the others go on unchanged. Only a failure of the batched decode forward fails every row.
 
@@ -24,10 +30,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import queue
 import threading
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -38,95 +42,18 @@ from kiln.infer.engine import TextStream, WithoutSpecialTokens
 from kiln.infer.kv_cache import KVCache
 from kiln.infer.sampling import sample_next_tokens
 from kiln.serve.prefix_cache import DYNAMIC_ROPE, PrefixCache, fit_prefixes, keys_depend_on_length
+from kiln.serve.requests import (
+    DONE,
+    MAX_LOGPROBS,
+    Busy,
+    GenerationRequest,
+    Handle,
+    PromptScores,
+    SchedulerError,
+    TokenEvent,
+)
 
 log = logging.getLogger(__name__)
-
-MAX_LOGPROBS = 20  # as vLLM's default max_logprobs: more top tokens per position are refused
-
-
-@dataclass
-class GenerationRequest:
-    prompt: list[int]
-    max_tokens: int  # 0: no generation, only the prompt's log-probabilities
-    params: SamplingParams = field(default_factory=SamplingParams)
-    stop_token_ids: Sequence[int] = ()
-    stop_strings: Sequence[str] = ()
-    seed: int | None = None  # None: drawn from torch's global generator
-    logprobs: int | None = None  # None: none; k: the chosen token's and the k most likely ones'
-    prompt_logprobs: bool = False  # log-probabilities of the prompt tokens (echo)
-    skip_special_tokens: bool = False  # leave special tokens out of the text (vLLM's default; Engine keeps them)
-
-
-@dataclass
-class PromptScores:
-    """First event of a request with prompt_logprobs: per prompt token, its log-probability given
-    the tokens before it and the top-k alternatives there (None for the first token)."""
-
-    logprobs: list[float | None]
-    top: list[list[tuple[int, float]] | None]
-
-
-@dataclass
-class TokenEvent:
-    id: int
-    text: str  # new text; "" while a character or a possible stop string is held back
-    logprob: float  # log-softmax of the model's logits (temperature 1, no filters)
-    top: list[tuple[int, float]] | None = None  # (id, logprob) of the most likely tokens, with logprobs=k
-    finish_reason: str | None = None  # "stop" | "length" on the request's last token
-
-
-class Busy(RuntimeError):
-    """The waiting queue is full; the server answers 429."""
-
-
-class SchedulerError(RuntimeError):
-    """The request failed (its own row, or the decode forward of its whole batch), or the scheduler
-    stopped; the other requests carry on."""
-
-
-_DONE = object()
-
-
-class Handle:
-    """One request's events: PromptScores (if asked), then TokenEvents until one carries a
-    finish_reason. Iterating raises SchedulerError if the request failed."""
-
-    def __init__(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop | None = None):
-        self.request = request
-        self.cancelled = False
-        self._loop = loop
-        self._queue: asyncio.Queue | queue.Queue = asyncio.Queue() if loop is not None else queue.Queue()
-
-    def cancel(self) -> None:
-        """The client went away: the row leaves the batch at the next step."""
-        self.cancelled = True
-
-    def _put(self, item) -> None:
-        if self._loop is None:
-            self._queue.put(item)
-            return
-        try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
-        except RuntimeError:  # the event loop is closed: nobody is listening any more
-            self.cancelled = True
-
-    def __iter__(self):
-        while True:
-            item = self._queue.get()
-            if item is _DONE:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-
-    async def __aiter__(self):
-        while True:
-            item = await self._queue.get()
-            if item is _DONE:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            yield item
 
 
 class _Row:
@@ -152,7 +79,9 @@ class Scheduler:
     """Continuous batching over a kiln Transformer. max_batch: rows decoded together; max_waiting:
     requests queued behind them before submit raises Busy; max_prefill_tokens: padded prompt
     tokens prefilled in one forward (at least one request is always admitted); prefix_cache: reuse
-    the keys and values of stored prompt prefixes (kiln.serve.prefix_cache), None: off."""
+    the keys and values of stored prompt prefixes (kiln.serve.prefix_cache), None: off;
+    prefill_chunk_tokens: prompts longer than this prefill that many tokens per step between decode
+    steps (0: off, every prompt in one forward)."""
 
     def __init__(
         self,
@@ -162,17 +91,21 @@ class Scheduler:
         max_waiting: int = 256,
         max_prefill_tokens: int = 8192,
         prefix_cache: PrefixCache | None = None,
+        prefill_chunk_tokens: int = 0,
     ):
         for key, value in (("max_batch", max_batch), ("max_prefill_tokens", max_prefill_tokens)):
             if value < 1:
                 raise ConfigError(key, f"must be >= 1, got {value}")
-        if max_waiting < 0:
-            raise ConfigError("max_waiting", f"must be >= 0, got {max_waiting}")
+        for key, value in (("max_waiting", max_waiting), ("prefill_chunk_tokens", prefill_chunk_tokens)):
+            if value < 0:
+                raise ConfigError(key, f"must be >= 0, got {value}")
         if prefix_cache is not None and keys_depend_on_length(model.cfg):
             raise ConfigError("prefix_cache", DYNAMIC_ROPE)
         self.model, self.tokenizer = model.eval(), tokenizer
         self.prefix_cache = prefix_cache
         self.max_batch, self.max_waiting, self.max_prefill_tokens = max_batch, max_waiting, max_prefill_tokens
+        self.prefill_chunk_tokens = prefill_chunk_tokens
+        self._chunked: _ChunkedPrefill | None = None  # the long prompt being prefilled chunk by chunk
         self.device = next(model.parameters()).device
         self._pending: deque[Handle] = deque()
         self._cond = threading.Condition()
@@ -181,7 +114,9 @@ class Scheduler:
         # Counters for tests and /health: joined_running counts requests admitted while other rows
         # were mid-generation, which is what continuous batching is for.
         # failures: forwards (prefill or decode) that failed; row_failures: requests that failed alone.
-        names = ("steps", "prefills", "tokens", "joined_running", "max_rows", "failures", "row_failures")
+        # prefill_chunks: forwards of a chunked prefill (its completion also counts in prefills).
+        names = ("steps", "prefills", "prefill_chunks", "tokens", "joined_running", "max_rows", "failures")
+        names += ("row_failures",)
         self.stats = dict.fromkeys(names, 0)
         self._thread = threading.Thread(target=self._run, name="kiln-scheduler", daemon=True)
         self._thread.start()
@@ -249,10 +184,12 @@ class Scheduler:
         cache, logits = None, None
         while True:
             with self._cond:
-                while not self._pending and not rows and not self._closing:
+                while not self._pending and not rows and self._chunked is None and not self._closing:
                     self._cond.wait()
                 if self._closing:
                     stopped = [r.handle for r in rows] + list(self._pending)
+                    if self._chunked is not None:
+                        stopped.append(self._chunked.handle)
                     self._pending.clear()
                     break
                 new = self._admit(len(rows))
@@ -264,19 +201,26 @@ class Scheduler:
                 self.stats["failures"] += 1
                 failed = SchedulerError(f"generation failed: {type(err).__name__}: {err}")
                 for handle in [r.handle for r in rows] + new:
-                    handle._put(failed)
+                    handle.put(failed)
                 rows, cache, logits = [], None, None
             self._active = len(rows)
         for handle in stopped:
-            handle._put(SchedulerError("the server is shutting down"))
+            handle.put(SchedulerError("the server is shutting down"))
 
     def _admit(self, running: int) -> list[Handle]:
+        """The waiting requests that prefill this iteration; a long prompt (prefill_chunk_tokens)
+        becomes the chunked prefill instead, if none is in flight, else it and those behind it wait."""
         new: list[Handle] = []
         longest = 0
-        while self._pending and running + len(new) < self.max_batch:
+        while self._pending and running + len(new) + (self._chunked is not None) < self.max_batch:
             handle = self._pending[0]
             if handle.cancelled:
                 self._pending.popleft()
+                continue
+            if 0 < self.prefill_chunk_tokens < len(handle.request.prompt):
+                if self._chunked is not None:
+                    break
+                self._chunked = _ChunkedPrefill(self._pending.popleft())
                 continue
             padded = (len(new) + 1) * max(longest, len(handle.request.prompt))
             if new and padded > self.max_prefill_tokens:
@@ -300,6 +244,11 @@ class Scheduler:
             if rows:
                 self.stats["joined_running"] += len(new)
             rows, cache, logits = _joined((rows, cache, logits), self._prefill_isolated(new))
+        if self._chunked is not None:
+            finished = self._prefill_chunk()
+            if finished[0] and rows:
+                self.stats["joined_running"] += 1
+            rows, cache, logits = _joined((rows, cache, logits), finished)
         self._active = len(rows)
         self.stats["max_rows"] = max(self.stats["max_rows"], len(rows))
         if not rows:
@@ -319,7 +268,7 @@ class Scheduler:
         """One request failed on its own: it gets the error, its batch carries on without it."""
         log.exception("request failed in the scheduler", exc_info=err)
         self.stats["row_failures"] += 1
-        handle._put(SchedulerError(f"generation failed: {type(err).__name__}: {err}"))
+        handle.put(SchedulerError(f"generation failed: {type(err).__name__}: {err}"))
 
     def _prefill_isolated(self, handles: list[Handle]):
         """_prefill; when the forward of a group of prompts fails, each prompt again alone, so the
@@ -364,32 +313,88 @@ class Scheduler:
         all_logits = self.model(tokens, kv_cache=cache)
         cache.set_lengths(lengths)
         self.stats["prefills"] += 1
+        self._store_prefixes(requests, cache)
+        at = torch.tensor([n - p - 1 for n, p in zip(lengths, reused)], device=self.device)  # last prompt token
+        last = all_logits[torch.arange(len(requests), device=self.device), at].float()
+        prompt_logits = [all_logits[i, :n] for i, n in enumerate(lengths)]  # no reuse with prompt_logprobs
+        return self._prefilled(handles, cache, prompt_logits, last)
+
+    def _prefill_chunk(self):
+        """The next chunk of the chunked prefill's prompt. Returns its row, cache and next-token
+        logits after the last chunk, else no rows; a chunk that fails fails that request alone."""
+        state = self._chunked
+        if state.handle.cancelled:
+            self._chunked = None
+            return [], None, None
+        request = state.handle.request
+        try:
+            if state.cache is None:
+                state.cache, state.done = self._prompt_cache(request)
+            end = min(len(request.prompt), state.done + self.prefill_chunk_tokens)
+            tokens = torch.tensor(request.prompt[state.done : end], device=self.device)[None]
+            logits = self.model(tokens, kv_cache=state.cache)[0]  # the cache advances by the chunk
+            self.stats["prefill_chunks"] += 1
+            if request.prompt_logprobs:
+                state.logits.append(logits)
+            state.done = end
+            if end < len(request.prompt):
+                return [], None, None
+            self._chunked = None
+            self.stats["prefills"] += 1
+            self._store_prefixes([request], state.cache)
+            prompt_logits = [torch.cat(state.logits)] if request.prompt_logprobs else [None]
+            return self._prefilled([state.handle], state.cache, prompt_logits, logits[-1:].float())
+        except Exception as err:
+            self._chunked = None
+            self.stats["failures"] += 1
+            self._fail(state.handle, err)
+            return [], None, None
+
+    def _prompt_cache(self, request: GenerationRequest) -> tuple[KVCache, int]:
+        """A one-row cache for the request's prompt and generation, holding its reused prefix; and
+        that prefix's length."""
+        n = len(request.prompt)
+        need = min(self.model.cfg.max_seq_len, n + request.max_tokens - 1)
+        cache = KVCache.for_model(self.model, 1, max(n, need))
+        reused = self._reused([request])[0]
+        if reused:
+            cache.k[:, 0, :, :reused], cache.v[:, 0, :, :reused] = self.prefix_cache.take(request.prompt, reused)
+        elif self.prefix_cache is not None and not request.prompt_logprobs:
+            self.prefix_cache.take(request.prompt, 0)  # a miss
+        cache.set_lengths([reused])
+        return cache, reused
+
+    def _store_prefixes(self, requests: list[GenerationRequest], cache: KVCache) -> None:
         if self.prefix_cache is not None:
             for i, r in enumerate(requests):
                 self.prefix_cache.store(r.prompt, cache.k[:, i], cache.v[:, i])
+
+    def _prefilled(self, handles: list[Handle], cache: KVCache, prompt_logits: list, last: torch.Tensor):
+        """After a prefill's forward: each request's prompt scores (if asked) and its row, or its end
+        (prompt only). Returns the rows that go on, their cache and next-token logits (last [B, vocab]);
+        a request that fails here fails alone."""
         vocab = self.model.cfg.vocab_size
         going, rows = [], []
-        for i, (handle, request) in enumerate(zip(handles, requests)):
+        for i, handle in enumerate(handles):
+            request = handle.request
             try:
-                scores = self._prompt_scores(all_logits[i, : lengths[i]], request) if request.prompt_logprobs else None
+                scores = self._prompt_scores(prompt_logits[i], request) if request.prompt_logprobs else None
                 row = _Row(handle, self.tokenizer, vocab, self.device) if request.max_tokens > 0 else None
             except Exception as err:
                 self._fail(handle, err)
                 continue
             if scores is not None:
-                handle._put(scores)
+                handle.put(scores)
             if row is None:
-                handle._put(_DONE)
+                handle.put(DONE)
             else:
                 going.append(i)
                 rows.append(row)
         if not going:
             return [], None, None
-        at = [lengths[i] - reused[i] - 1 for i in going]  # each row's last prompt token, after its prefix
-        last = all_logits[torch.tensor(going, device=self.device), torch.tensor(at, device=self.device)].float()
-        if len(going) < len(requests):
+        if len(going) < len(handles):
             cache.keep(going)
-        return rows, cache, last
+        return rows, cache, last[torch.tensor(going, device=self.device)]
 
     def _reused(self, requests: list[GenerationRequest]) -> list[int]:
         """Per request, the tokens of its prompt whose keys and values come from the prefix cache.
@@ -492,9 +497,9 @@ class Scheduler:
             finish = "length"
         if finish is not None and row.text is not None:
             piece += row.text.finish()
-        row.handle._put(TokenEvent(token, piece, logprob, top, finish))
+        row.handle.put(TokenEvent(token, piece, logprob, top, finish))
         if finish is not None:
-            row.handle._put(_DONE)
+            row.handle.put(DONE)
         return finish
 
     def _top_logprobs(self, rows, logits, new, logprob, failed) -> list:
@@ -515,6 +520,17 @@ class Scheduler:
             n = rows[i].request.logprobs
             tops[i] = list(zip(ids[j, :n].tolist(), values[j, :n].tolist())) if n > 0 else []
         return tops
+
+
+class _ChunkedPrefill:
+    """A long prompt being prefilled a chunk per loop iteration: its cache (made at its first
+    chunk), the prompt tokens already in it, and the chunks' logits when it asked for prompt_logprobs."""
+
+    def __init__(self, handle: Handle):
+        self.handle = handle
+        self.cache: KVCache | None = None
+        self.done = 0
+        self.logits: list[torch.Tensor] = []
 
 
 def _joined(running: tuple, new: tuple) -> tuple:

@@ -17,7 +17,8 @@ from kiln.model import ModelConfig, build_model
 from kiln.model.config import RopeScaling
 from kiln.serve import cli as serve_cli
 from kiln.serve.prefix_cache import DEFAULT_MB, PrefixCache, fit_prefixes, from_megabytes
-from kiln.serve.scheduler import GenerationRequest, PromptScores, Scheduler
+from kiln.serve.requests import GenerationRequest, PromptScores
+from kiln.serve.scheduler import Scheduler
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -1,14 +1,15 @@
 import pytest
 import torch
 from kiln_testing.models import ForcesToken, Gate
+from kiln_testing.scheduling import collect, scheduler_model
 
 from kiln.errors import ConfigError
 from kiln.infer.config import SamplingParams
 from kiln.infer.engine import Engine, TextStream
 from kiln.infer.kv_cache import KVCache
-from kiln.model import ModelConfig, build_model
 from kiln.serve import scheduler as scheduler_module
-from kiln.serve.scheduler import Busy, GenerationRequest, PromptScores, Scheduler, SchedulerError, TokenEvent
+from kiln.serve.requests import Busy, GenerationRequest, SchedulerError, TokenEvent
+from kiln.serve.scheduler import Scheduler
 
 PROMPTS = [[5, 17, 42], [1, 2, 3, 4, 5, 6, 7, 8, 9], [9], [33, 2, 250, 7, 7]]
 
@@ -18,10 +19,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def model():
-    torch.manual_seed(0)
-    return build_model(
-        ModelConfig(vocab_size=300, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=48, init_std=0.2)
-    ).eval()
+    return scheduler_model(max_seq_len=48)
 
 
 class Fails(torch.nn.Module):
@@ -34,29 +32,6 @@ class Fails(torch.nn.Module):
             self.armed = False
             raise RuntimeError("simulated device error")
         return self.inner(tokens, **kwargs)
-
-
-def collect(handle):
-    scores, events = None, []
-    for event in handle:
-        if isinstance(event, PromptScores):
-            scores = event
-        else:
-            events.append(event)
-    return scores, events
-
-
-@pytest.fixture
-def scheduler_for():
-    made = []
-
-    def make(model, tokenizer=None, **kwargs):
-        made.append(Scheduler(model, tokenizer, **kwargs))
-        return made[-1]
-
-    yield make
-    for s in made:
-        s.close()
 
 
 @torch.inference_mode()
