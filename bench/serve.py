@@ -12,8 +12,9 @@ the same max_tokens, so both servers make the same number of tokens; each client
 --requests-per-client requests one after another. --shared-prefix-tokens N puts the same text of
 about N tokens (code-like lines, the same every run) before every prompt, as a system prompt or
 few-shot header would be. --kiln-prefix-cache-mb 0,256 runs `kiln serve` once per value (its
---prefix-cache-mb) and prints each cache-on run against the 0 run. Printed per server and
-concurrency:
+--prefix-cache-mb) and prints each cache-on run against the 0 run; --kiln-prefill-chunk-tokens
+0,64 does the same for --prefill-chunk-tokens (chunked prefill; one of the two at a time). Printed
+per server and concurrency:
 
 - output tokens/s: completion tokens (the servers' `usage`) of all requests / wall time of the level;
 - TTFT: time from sending a request to its first streamed token, p50 and p99 over the requests;
@@ -154,11 +155,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def kiln_command(args, port: int, prefix_cache_mb: float | None = None) -> list[str]:
-    cache = [] if prefix_cache_mb is None else ["--prefix-cache-mb", f"{prefix_cache_mb:g}"]
+def kiln_command(args, port: int, extra: list[str]) -> list[str]:
     return [sys.executable, "-m", "kiln.cli", "serve", str(args.ckpt), "--port", str(port),
             "--served-model-name", "bench", "--log-level", "warning", "--max-batch",
-            str(max(args.concurrency)), *cache, *args.kiln_arg]  # fmt: skip
+            str(max(args.concurrency)), *extra, *args.kiln_arg]  # fmt: skip
+
+
+# The kiln serve runs each option compares: (name prefix, option, what the 0 run means).
+KILN_SWEEPS = {
+    "kiln_prefix_cache_mb": ("kiln-pc", "--prefix-cache-mb", "prefix cache on / off"),
+    "kiln_prefill_chunk_tokens": ("kiln-chunk", "--prefill-chunk-tokens", "chunked prefill on / off"),
+}
+
+
+def kiln_runs(args) -> tuple[list[tuple[str, list[str]]], tuple[str, str] | None]:
+    """[(run name, extra kiln serve arguments)], and (the 0 run's name, what on / off means) when an
+    option is swept."""
+    swept = [key for key in KILN_SWEEPS if getattr(args, key)]
+    if len(swept) > 1:
+        raise SystemExit("--kiln-prefix-cache-mb and --kiln-prefill-chunk-tokens: sweep one at a time")
+    if not swept:
+        return [("kiln", [])], None
+    prefix, option, meaning = KILN_SWEEPS[swept[0]]
+    runs = [(f"{prefix}{v:g}", [option, f"{v:g}"]) for v in getattr(args, swept[0])]
+    return runs, (f"{prefix}0", meaning)
 
 
 def shared_prefix(tokenizer, tokens: int) -> str:
@@ -308,7 +328,7 @@ def format_row(s: dict) -> str:
     )
 
 
-def print_table(results: dict, concurrency: list[int]) -> None:
+def print_table(results: dict, concurrency: list[int], baseline: tuple[str, str] | None = None) -> None:
     print("\nserver      clients  tok/s    TTFT p50  TTFT p99  ITL p50  ITL p99   (ms)")
     for name, levels in results.items():
         for c in concurrency:
@@ -321,23 +341,20 @@ def print_table(results: dict, concurrency: list[int]) -> None:
     if "vllm" in results:
         for name in kilns:
             print_ratios(f"{name} / vLLM", results[name], results["vllm"], concurrency)
-    if "kiln-pc0" in results:
+    if baseline is not None and baseline[0] in results:
+        off, meaning = baseline
         for name in kilns:
-            if name != "kiln-pc0":
-                print_ratios(
-                    f"{name} / kiln-pc0 (prefix cache on / off)", results[name], results["kiln-pc0"], concurrency
-                )
+            if name != off:
+                print_ratios(f"{name} / {off} ({meaning})", results[name], results[off], concurrency)
     print(f"\n{cpu_line()}")
 
 
 def print_ratios(title: str, a: dict, b: dict, concurrency: list[int]) -> None:
-    print(f"\n{title}: tokens/s ratio (higher is better for the first), TTFT p50 and ITL p50 ratios (lower is)")
+    print(f"\n{title}: tokens/s ratio (higher is better for the first), TTFT and ITL ratios (lower is)")
     for c in concurrency:
         x, y = a[c], b[c]
-        print(
-            f"  {c:3d} clients: throughput {x['tokens_per_s'] / y['tokens_per_s']:5.2f}x"
-            f"  TTFT p50 {x['ttft_p50'] / y['ttft_p50']:5.2f}x  ITL p50 {x['itl_p50'] / y['itl_p50']:5.2f}x"
-        )
+        latency = "  ".join(f"{k} {x[k] / y[k]:5.2f}x" for k in ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99"))
+        print(f"  {c:3d} clients: throughput {x['tokens_per_s'] / y['tokens_per_s']:5.2f}x  {latency}")
 
 
 def randomised_checkpoint(args) -> None:
@@ -389,6 +406,11 @@ def parse_args(argv=None):
         type=lambda s: [float(v) for v in s.split(",")],
         help="run kiln serve once per --prefix-cache-mb value (e.g. 0,256; default: one run, its default)",
     )
+    p.add_argument(
+        "--kiln-prefill-chunk-tokens",
+        type=lambda s: [int(v) for v in s.split(",")],
+        help="run kiln serve once per --prefill-chunk-tokens value (e.g. 0,64; default: one run, off)",
+    )
     p.add_argument("--kiln-arg", action="append", default=[], help="extra `kiln serve` argument (repeatable)")
     p.add_argument("--vllm-arg", action="append", default=[], help="extra vLLM server argument (repeatable)")
     p.add_argument("--start-timeout", type=float, default=300)
@@ -408,12 +430,12 @@ def main(argv=None) -> None:
         print(f"shared prefix: {len(tokenizer.encode(args.prefix))} tokens", flush=True)
     print(cpu_line(), flush=True)
     results, texts = {}, {}
-    for mb in args.kiln_prefix_cache_mb or [None]:
-        name = "kiln" if mb is None else f"kiln-pc{mb:g}"
-        results[name], texts[name] = bench_server(name, kiln_command(args, free_port(), mb), dict(os.environ),
+    runs, baseline = kiln_runs(args)
+    for name, extra in runs:
+        results[name], texts[name] = bench_server(name, kiln_command(args, free_port(), extra), dict(os.environ),
                                                   "/health", args)  # fmt: skip
     first = next(iter(texts))
-    if len(texts) > 1:  # the prefix cache must not change a greedy token
+    if len(texts) > 1:  # the prefix cache and chunked prefill must not change a greedy token
         same = sum(texts[name] == texts[first] for name in texts)
         print(f"\ngreedy completions equal across the kiln runs: {same}/{len(texts)} runs")
     if not args.skip_vllm:
@@ -425,7 +447,7 @@ def main(argv=None) -> None:
         for prompt, verdict, a, b in zip(PROMPTS, verdicts, texts[first], texts["vllm"]):
             if verdict != "equal":
                 print(f"  {verdict} for {prompt!r}:\n    kiln {a!r}\n    vllm {b!r}")
-    print_table(results, args.concurrency)
+    print_table(results, args.concurrency, baseline)
     if args.json:
         Path(args.json).write_text(json.dumps({"results": results, "texts": texts, "cpu": cpu_line()}, indent=1))
 

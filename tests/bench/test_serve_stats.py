@@ -55,3 +55,19 @@ def test_compare_texts_tells_a_cut_character_from_a_different_token():
     assert compare("ab c\ufffd", "ab c") == "equal but the last character"
     assert compare("ab c", "ab d") == "differ"
     assert compare("ab c\ufffd", "ab d") == "differ"
+
+
+def test_kiln_runs_sweep_one_option_against_its_zero_run():
+    parse = bench["parse_args"]
+    ckpt = ["--ckpt", "c", "--export", "e"]
+    assert bench["kiln_runs"](parse(ckpt)) == ([("kiln", [])], None)
+    runs, baseline = bench["kiln_runs"](parse([*ckpt, "--kiln-prefill-chunk-tokens", "0,64"]))
+    assert runs == [
+        ("kiln-chunk0", ["--prefill-chunk-tokens", "0"]),
+        ("kiln-chunk64", ["--prefill-chunk-tokens", "64"]),
+    ]
+    assert baseline == ("kiln-chunk0", "chunked prefill on / off")
+    runs, baseline = bench["kiln_runs"](parse([*ckpt, "--kiln-prefix-cache-mb", "0,256"]))
+    assert [name for name, _ in runs] == ["kiln-pc0", "kiln-pc256"] and runs[1][1] == ["--prefix-cache-mb", "256"]
+    with pytest.raises(SystemExit, match="one at a time"):
+        bench["kiln_runs"](parse([*ckpt, "--kiln-prefix-cache-mb", "0,256", "--kiln-prefill-chunk-tokens", "0,64"]))
