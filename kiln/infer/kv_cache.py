@@ -108,6 +108,20 @@ class KVCache:
         self.v = self.v.index_select(1, index)
         self.lengths = [self.lengths[r] for r in rows]
 
+    def split(self, rows: Sequence[int]) -> "KVCache":
+        """Move these rows (in this order) into a new cache with the same slot count; the others stay
+        here, in their order. A chunked prefill's finished prompts leave the ones still prefilling."""
+        if self._step is not None:
+            raise RuntimeError("KVCache.split between steps only (after advance)")
+        layers, _, heads, _, head_dim = self.k.shape
+        out = KVCache(layers, 0, heads, self.max_len, head_dim, self.k.dtype, self.k.device)
+        index = torch.tensor(rows, dtype=torch.long, device=self.k.device)
+        out.k, out.v = self.k.index_select(1, index), self.v.index_select(1, index)
+        out.lengths = [self.lengths[r] for r in rows]
+        moved = set(rows)
+        self.keep([r for r in range(self.batch) if r not in moved])
+        return out
+
     def extend(self, other: "KVCache") -> None:
         """Append the rows of `other` (prefilled on their own) after this cache's rows, keeping their
         lengths: a server's new requests join the running batch between decode steps. Rows start at

@@ -13,11 +13,10 @@ parameters, each row drawing from its own generator).
 With a prefix cache (kiln.serve.prefix_cache), a new prompt's stored prefix is copied into its
 row's cache slots and only the rest of the prompt is forwarded.
 
-With prefill_chunk_tokens, a prompt longer than that is prefilled in chunks of that many tokens, one
-chunk per loop iteration, in a cache of its own, while the running rows go on decoding between
-chunks; it joins them after its last chunk. One such prompt is in flight at a time, and the short
-prompts queued behind it are admitted as usual. Without it, a long prompt's prefill holds every
-running row for its whole length.
+With prefill_chunk_tokens, prompts longer than that are prefilled in chunks of that many tokens, one
+chunk per loop iteration, while the running rows go on decoding between chunks
+(kiln.serve.chunked_prefill). Without it, a long prompt's prefill holds every running row for its
+whole length.
 
 A request that fails on its own (its prefill, sampling or text) gets the error and leaves the batch;
 the others go on unchanged. Only a failure of the batched decode forward fails every row.
@@ -41,6 +40,7 @@ from kiln.infer.config import SamplingParams
 from kiln.infer.engine import TextStream, WithoutSpecialTokens
 from kiln.infer.kv_cache import KVCache
 from kiln.infer.sampling import sample_next_tokens
+from kiln.serve.chunked_prefill import ChunkedPrefilling, ChunkGroup
 from kiln.serve.prefix_cache import DYNAMIC_ROPE, PrefixCache, fit_prefixes, keys_depend_on_length
 from kiln.serve.requests import (
     DONE,
@@ -75,7 +75,7 @@ class _Row:
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
 
-class Scheduler:
+class Scheduler(ChunkedPrefilling):
     """Continuous batching over a kiln Transformer. max_batch: rows decoded together; max_waiting:
     requests queued behind them before submit raises Busy; max_prefill_tokens: padded prompt
     tokens prefilled in one forward (at least one request is always admitted); prefix_cache: reuse
@@ -105,7 +105,7 @@ class Scheduler:
         self.prefix_cache = prefix_cache
         self.max_batch, self.max_waiting, self.max_prefill_tokens = max_batch, max_waiting, max_prefill_tokens
         self.prefill_chunk_tokens = prefill_chunk_tokens
-        self._chunked: _ChunkedPrefill | None = None  # the long prompt being prefilled chunk by chunk
+        self._groups: deque[ChunkGroup] = deque()  # long prompts being prefilled chunk by chunk, in order
         self.device = next(model.parameters()).device
         self._pending: deque[Handle] = deque()
         self._cond = threading.Condition()
@@ -184,12 +184,11 @@ class Scheduler:
         cache, logits = None, None
         while True:
             with self._cond:
-                while not self._pending and not rows and self._chunked is None and not self._closing:
+                while not self._pending and not rows and not self._groups and not self._closing:
                     self._cond.wait()
                 if self._closing:
                     stopped = [r.handle for r in rows] + list(self._pending)
-                    if self._chunked is not None:
-                        stopped.append(self._chunked.handle)
+                    stopped += [h for group in self._groups for h in group.handles]
                     self._pending.clear()
                     break
                 new = self._admit(len(rows))
@@ -208,25 +207,33 @@ class Scheduler:
             handle.put(SchedulerError("the server is shutting down"))
 
     def _admit(self, running: int) -> list[Handle]:
-        """The waiting requests that prefill this iteration; a long prompt (prefill_chunk_tokens)
-        becomes the chunked prefill instead, if none is in flight, else it and those behind it wait."""
+        """The waiting requests that prefill this iteration. Long prompts (prefill_chunk_tokens)
+        become a chunked group instead, of up to max_prefill_tokens / prefill_chunk_tokens of them,
+        if no group is in flight; else they, and what waits behind them, wait."""
         new: list[Handle] = []
         longest = 0
-        while self._pending and running + len(new) + (self._chunked is not None) < self.max_batch:
+        forming = None if self._groups else ChunkGroup([])
+        busy = running + self._chunking_rows()
+        while self._pending and busy + len(new) + (len(forming.handles) if forming else 0) < self.max_batch:
             handle = self._pending[0]
             if handle.cancelled:
                 self._pending.popleft()
                 continue
             if 0 < self.prefill_chunk_tokens < len(handle.request.prompt):
-                if self._chunked is not None:
+                full = forming is not None and (len(forming.handles) + 1) * self.prefill_chunk_tokens > (
+                    self.max_prefill_tokens
+                )
+                if forming is None or (full and forming.handles):
                     break
-                self._chunked = _ChunkedPrefill(self._pending.popleft())
+                forming.add(self._pending.popleft())
                 continue
             padded = (len(new) + 1) * max(longest, len(handle.request.prompt))
             if new and padded > self.max_prefill_tokens:
                 break
             longest = max(longest, len(handle.request.prompt))
             new.append(self._pending.popleft())
+        if forming is not None and forming.handles:
+            self._groups.append(forming)
         return new
 
     def _step(self, rows, cache, logits, new):
@@ -244,10 +251,10 @@ class Scheduler:
             if rows:
                 self.stats["joined_running"] += len(new)
             rows, cache, logits = _joined((rows, cache, logits), self._prefill_isolated(new))
-        if self._chunked is not None:
+        if self._groups:
             finished = self._prefill_chunk()
             if finished[0] and rows:
-                self.stats["joined_running"] += 1
+                self.stats["joined_running"] += len(finished[0])
             rows, cache, logits = _joined((rows, cache, logits), finished)
         self._active = len(rows)
         self.stats["max_rows"] = max(self.stats["max_rows"], len(rows))
@@ -300,14 +307,10 @@ class Scheduler:
         width = max(n - p for n, p in zip(lengths, reused))
         # A row's last token is sampled but never fed back, so it needs no slot.
         need = max(min(max_seq_len, n + r.max_tokens - 1) for n, r in zip(lengths, requests))
-        cache = KVCache.for_model(self.model, len(requests), max(max(reused) + width, need))
+        cache = self._new_cache(requests, reused, max(max(reused) + width, need))
         tokens = torch.zeros(len(requests), width, dtype=torch.long, device=self.device)
         for i, (r, p) in enumerate(zip(requests, reused)):
             tokens[i, : lengths[i] - p] = torch.tensor(r.prompt[p:], device=self.device)
-            if p:
-                cache.k[:, i, :, :p], cache.v[:, i, :, :p] = self.prefix_cache.take(r.prompt, p)
-            elif self.prefix_cache is not None and not r.prompt_logprobs:
-                self.prefix_cache.take(r.prompt, 0)  # a miss
         # Rows at different lengths: KVCache.prepare masks each row's queries to its own keys.
         cache.set_lengths(reused)
         all_logits = self.model(tokens, kv_cache=cache)
@@ -319,50 +322,15 @@ class Scheduler:
         prompt_logits = [all_logits[i, :n] for i, n in enumerate(lengths)]  # no reuse with prompt_logprobs
         return self._prefilled(handles, cache, prompt_logits, last)
 
-    def _prefill_chunk(self):
-        """The next chunk of the chunked prefill's prompt. Returns its row, cache and next-token
-        logits after the last chunk, else no rows; a chunk that fails fails that request alone."""
-        state = self._chunked
-        if state.handle.cancelled:
-            self._chunked = None
-            return [], None, None
-        request = state.handle.request
-        try:
-            if state.cache is None:
-                state.cache, state.done = self._prompt_cache(request)
-            end = min(len(request.prompt), state.done + self.prefill_chunk_tokens)
-            tokens = torch.tensor(request.prompt[state.done : end], device=self.device)[None]
-            logits = self.model(tokens, kv_cache=state.cache)[0]  # the cache advances by the chunk
-            self.stats["prefill_chunks"] += 1
-            if request.prompt_logprobs:
-                state.logits.append(logits)
-            state.done = end
-            if end < len(request.prompt):
-                return [], None, None
-            self._chunked = None
-            self.stats["prefills"] += 1
-            self._store_prefixes([request], state.cache)
-            prompt_logits = [torch.cat(state.logits)] if request.prompt_logprobs else [None]
-            return self._prefilled([state.handle], state.cache, prompt_logits, logits[-1:].float())
-        except Exception as err:
-            self._chunked = None
-            self.stats["failures"] += 1
-            self._fail(state.handle, err)
-            return [], None, None
-
-    def _prompt_cache(self, request: GenerationRequest) -> tuple[KVCache, int]:
-        """A one-row cache for the request's prompt and generation, holding its reused prefix; and
-        that prefix's length."""
-        n = len(request.prompt)
-        need = min(self.model.cfg.max_seq_len, n + request.max_tokens - 1)
-        cache = KVCache.for_model(self.model, 1, max(n, need))
-        reused = self._reused([request])[0]
-        if reused:
-            cache.k[:, 0, :, :reused], cache.v[:, 0, :, :reused] = self.prefix_cache.take(request.prompt, reused)
-        elif self.prefix_cache is not None and not request.prompt_logprobs:
-            self.prefix_cache.take(request.prompt, 0)  # a miss
-        cache.set_lengths([reused])
-        return cache, reused
+    def _new_cache(self, requests: list[GenerationRequest], reused: list[int], max_len: int) -> KVCache:
+        """A cache of max_len slots for the requests, holding each one's reused prefix."""
+        cache = KVCache.for_model(self.model, len(requests), max_len)
+        for i, (r, p) in enumerate(zip(requests, reused)):
+            if p:
+                cache.k[:, i, :, :p], cache.v[:, i, :, :p] = self.prefix_cache.take(r.prompt, p)
+            elif self.prefix_cache is not None and not r.prompt_logprobs:
+                self.prefix_cache.take(r.prompt, 0)  # a miss
+        return cache
 
     def _store_prefixes(self, requests: list[GenerationRequest], cache: KVCache) -> None:
         if self.prefix_cache is not None:
@@ -520,17 +488,6 @@ class Scheduler:
             n = rows[i].request.logprobs
             tops[i] = list(zip(ids[j, :n].tolist(), values[j, :n].tolist())) if n > 0 else []
         return tops
-
-
-class _ChunkedPrefill:
-    """A long prompt being prefilled a chunk per loop iteration: its cache (made at its first
-    chunk), the prompt tokens already in it, and the chunks' logits when it asked for prompt_logprobs."""
-
-    def __init__(self, handle: Handle):
-        self.handle = handle
-        self.cache: KVCache | None = None
-        self.done = 0
-        self.logits: list[torch.Tensor] = []
 
 
 def _joined(running: tuple, new: tuple) -> tuple:

@@ -107,14 +107,50 @@ def test_short_prompts_behind_a_long_one_start_while_it_prefills(model, schedule
     assert scheduler.stats["max_rows"] == 2
 
 
-def test_one_long_prompt_in_flight_at_a_time(model, scheduler_for):
+def test_long_prompts_admitted_together_prefill_as_one_group(model, scheduler_for):
     calls = Calls(model)
     scheduler = scheduler_for(calls, prefill_chunk_tokens=CHUNK)
-    handles = scheduler.submit([GenerationRequest(LONG, 3, GREEDY), GenerationRequest(LONG[::-1], 3, GREEDY)])
-    for handle, prompt in zip(handles, (LONG, LONG[::-1])):
+    prompts = [LONG, LONG[::-1][:12], LONG[5:]]  # 30, 12 and 25 tokens
+    handles = scheduler.submit([GenerationRequest(p, 3, GREEDY) for p in prompts])
+    for handle, prompt in zip(handles, prompts):
+        assert [e.id for e in collect(handle)[1]] == alone(model, prompt, 3)
+    # Chunk 2 ends the 12-token prompt (4 tokens, right-padded to 8), which leaves the group and
+    # decodes; the other two go on together, and their last chunk (6 and 1 tokens) ends both.
+    assert calls.shapes[:6] == [(3, 8), (3, 8), (1, 1), (2, 8), (1, 1), (2, 6)]
+    assert scheduler.stats["prefill_chunks"] == 4 and scheduler.stats["prefills"] == 2
+
+
+def test_a_long_prompt_waits_for_the_group_in_flight(model, scheduler_for):
+    calls = Calls(model)
+    gated = Gate(calls, hold=2)  # the group's second chunk waits
+    scheduler = scheduler_for(gated, prefill_chunk_tokens=CHUNK, max_prefill_tokens=8)
+    [first] = scheduler.submit([GenerationRequest(LONG, 3, GREEDY)])
+    assert gated.reached.wait(30)
+    [second] = scheduler.submit([GenerationRequest(LONG[::-1], 3, GREEDY)])
+    gated.open.set()
+    for handle, prompt in zip((first, second), (LONG, LONG[::-1])):
         assert [e.id for e in collect(handle)[1]] == alone(model, prompt, 3)
     assert calls.shapes[:4] == [(1, 8)] * 3 + [(1, 6)]  # the first prompt's chunks, none of the second's
     assert scheduler.stats["prefill_chunks"] == 8
+
+
+def test_a_group_is_at_most_max_prefill_tokens_of_chunks(model, scheduler_for):
+    calls = Calls(model)
+    scheduler = scheduler_for(calls, prefill_chunk_tokens=CHUNK, max_prefill_tokens=2 * CHUNK)
+    handles = scheduler.submit([GenerationRequest(LONG[i:], 2, GREEDY) for i in range(3)])
+    for i, handle in enumerate(handles):
+        assert [e.id for e in collect(handle)[1]] == alone(model, LONG[i:], 2)
+    assert calls.shapes[0] == (2, 8)  # two rows of 8 tokens: the third prompt waits for the next group
+
+
+def test_a_failed_chunk_of_a_group_prefills_each_request_again_alone(model, scheduler_for):
+    calls = Calls(model, fail=2)  # the group's second chunk fails once
+    scheduler = scheduler_for(calls, prefill_chunk_tokens=CHUNK)
+    handles = scheduler.submit([GenerationRequest(LONG, 4, GREEDY), GenerationRequest(LONG[3:], 4, GREEDY)])
+    for handle, prompt in zip(handles, (LONG, LONG[3:])):
+        assert [e.id for e in collect(handle)[1]] == alone(model, prompt, 4)
+    assert (scheduler.stats["failures"], scheduler.stats["row_failures"]) == (1, 0)
+    assert calls.shapes[:3] == [(2, 8), (2, 8), (1, 8)]  # the failed one, then the first prompt alone
 
 
 def test_a_chunk_that_fails_fails_that_request_alone(model, scheduler_for):
