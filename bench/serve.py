@@ -421,6 +421,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    runs, baseline = kiln_runs(args)  # refuses a bad sweep before any export or server start
     ensure_export(args)
     if args.shared_prefix_tokens < 0:
         raise SystemExit(f"--shared-prefix-tokens must be >= 0, got {args.shared_prefix_tokens}")
@@ -430,7 +431,6 @@ def main(argv=None) -> None:
         print(f"shared prefix: {len(tokenizer.encode(args.prefix))} tokens", flush=True)
     print(cpu_line(), flush=True)
     results, texts = {}, {}
-    runs, baseline = kiln_runs(args)
     for name, extra in runs:
         results[name], texts[name] = bench_server(name, kiln_command(args, free_port(), extra), dict(os.environ),
                                                   "/health", args)  # fmt: skip

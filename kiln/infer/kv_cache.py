@@ -101,12 +101,14 @@ class KVCache:
             raise ValueError(f"need {self.batch} lengths in 0..{self.max_len}, got {list(lengths)}")
         self.lengths = list(lengths)
 
+    def _rows(self, rows: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """Copies of these rows' keys and values, and their lengths."""
+        index = torch.tensor(rows, dtype=torch.long, device=self.k.device)
+        return self.k.index_select(1, index), self.v.index_select(1, index), [self.lengths[r] for r in rows]
+
     def keep(self, rows: Sequence[int]) -> None:
         """Keep only these rows (in this order): finished requests stop costing compute."""
-        index = torch.tensor(rows, dtype=torch.long, device=self.k.device)
-        self.k = self.k.index_select(1, index)
-        self.v = self.v.index_select(1, index)
-        self.lengths = [self.lengths[r] for r in rows]
+        self.k, self.v, self.lengths = self._rows(rows)
 
     def split(self, rows: Sequence[int]) -> "KVCache":
         """Move these rows (in this order) into a new cache with the same slot count; the others stay
@@ -115,9 +117,7 @@ class KVCache:
             raise RuntimeError("KVCache.split between steps only (after advance)")
         layers, _, heads, _, head_dim = self.k.shape
         out = KVCache(layers, 0, heads, self.max_len, head_dim, self.k.dtype, self.k.device)
-        index = torch.tensor(rows, dtype=torch.long, device=self.k.device)
-        out.k, out.v = self.k.index_select(1, index), self.v.index_select(1, index)
-        out.lengths = [self.lengths[r] for r in rows]
+        out.k, out.v, out.lengths = self._rows(rows)
         moved = set(rows)
         self.keep([r for r in range(self.batch) if r not in moved])
         return out

@@ -30,14 +30,22 @@ class ChunkGroup:
         self.handles.append(handle)
         self.logits.append([])
 
-    def keep(self, rows: list[int], cache_too: bool = True) -> None:
-        """Keep only these rows (in this order); cache_too False: the cache has dropped the others already."""
+    def keep(self, rows: list[int]) -> None:
+        """Keep only these rows (in this order), in the cache too once there is one."""
         self.handles = [self.handles[i] for i in rows]
         self.logits = [self.logits[i] for i in rows]
         if self.cache is not None:
             self.done = [self.done[i] for i in rows]
-            if cache_too:
-                self.cache.keep(rows)
+            self.cache.keep(rows)
+
+    def split_off(self, rows: list[int]) -> KVCache:
+        """These rows leave the group: their cache (KVCache.split); the others stay, in order."""
+        cache, leaving = self.cache.split(rows), set(rows)
+        stay = [i for i in range(len(self.handles)) if i not in leaving]
+        self.handles = [self.handles[i] for i in stay]
+        self.logits = [self.logits[i] for i in stay]
+        self.done = [self.done[i] for i in stay]
+        return cache
 
 
 class ChunkedPrefilling:
@@ -103,8 +111,7 @@ class ChunkedPrefilling:
             cache = group.cache
             self._groups.popleft()
         else:
-            cache = group.cache.split(complete)
-            group.keep([i for i in range(len(requests)) if i not in complete], cache_too=False)
+            cache = group.split_off(complete)
         self.stats["prefills"] += 1
         self._store_prefixes([h.request for h in handles], cache)
         return self._prefilled(handles, cache, prompt_logits, last)

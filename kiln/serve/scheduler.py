@@ -115,8 +115,16 @@ class Scheduler(ChunkedPrefilling):
         # were mid-generation, which is what continuous batching is for.
         # failures: forwards (prefill or decode) that failed; row_failures: requests that failed alone.
         # prefill_chunks: forwards of a chunked prefill (its completion also counts in prefills).
-        names = ("steps", "prefills", "prefill_chunks", "tokens", "joined_running", "max_rows", "failures")
-        names += ("row_failures",)
+        names = (
+            "steps",
+            "prefills",
+            "prefill_chunks",
+            "tokens",
+            "joined_running",
+            "max_rows",
+            "failures",
+            "row_failures",
+        )
         self.stats = dict.fromkeys(names, 0)
         self._thread = threading.Thread(target=self._run, name="kiln-scheduler", daemon=True)
         self._thread.start()
@@ -212,18 +220,19 @@ class Scheduler(ChunkedPrefilling):
         if no group is in flight; else they, and what waits behind them, wait."""
         new: list[Handle] = []
         longest = 0
-        forming = None if self._groups else ChunkGroup([])
+        chunk = self.prefill_chunk_tokens
+        forming = ChunkGroup([]) if chunk and not self._groups else None
         busy = running + self._chunking_rows()
         while self._pending and busy + len(new) + (len(forming.handles) if forming else 0) < self.max_batch:
             handle = self._pending[0]
             if handle.cancelled:
                 self._pending.popleft()
                 continue
-            if 0 < self.prefill_chunk_tokens < len(handle.request.prompt):
-                full = forming is not None and (len(forming.handles) + 1) * self.prefill_chunk_tokens > (
-                    self.max_prefill_tokens
-                )
-                if forming is None or (full and forming.handles):
+            if 0 < chunk < len(handle.request.prompt):
+                # A group holds at least one prompt, and at most max_prefill_tokens of chunk rows.
+                if forming is None or (
+                    forming.handles and (len(forming.handles) + 1) * chunk > self.max_prefill_tokens
+                ):
                     break
                 forming.add(self._pending.popleft())
                 continue
