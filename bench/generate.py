@@ -10,7 +10,7 @@ turns inside every round (the order rotates), rounds in which other processes ke
 --max-others CPU cores busy (from /proc/stat) are starred and left out of the medians.
 
 Contenders: transformers fp32 / bf16 (`generate(do_sample=False)`, its default DynamicCache); Kiln
-Engine fp32 / bf16; Kiln bf16 with prepacked oneDNN weights (kiln.infer.quant.prepack_bf16); and Kiln
+Engine fp32 / bf16; Kiln bf16 with prepacked oneDNN weights (kiln.infer.quant.prepack_model); and Kiln
 with int8 / int4 weights (kiln.infer.quant.quantize_model on the bf16 model, bf16 activations, torch's
 int8/int4 CPU kernels). Greedy tokens of Kiln fp32 and transformers fp32 are compared as a check that
 both do the same work.
@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from machine import cpu_line  # bench/ (the script's folder, on sys.path)
 
 from kiln.infer.engine import Engine
-from kiln.infer.quant import model_bytes, prepack_bf16, quantize_model, quantized_bits_per_param
+from kiln.infer.quant import model_bytes, prepack_model, quantize_model, quantized_bits_per_param
 from kiln.model import ModelConfig, build_model, count_params
 
 
@@ -111,9 +111,9 @@ def contenders(base, export_dir: Path, schemes: list[str], compiled: bool) -> di
         out[f"kiln {name}"] = kiln_generate(copy.deepcopy(base).to(dtype))
         if compiled:
             out[f"kiln {name} compiled"] = kiln_generate(copy.deepcopy(base).to(dtype), compile_decode=True)
-    out["kiln bf16 prepacked"] = kiln_generate(prepack_bf16(copy.deepcopy(base).to(torch.bfloat16)))
+    out["kiln bf16 prepacked"] = kiln_generate(prepack_model(copy.deepcopy(base).to(torch.bfloat16)))
     if compiled:
-        packed = prepack_bf16(copy.deepcopy(base).to(torch.bfloat16))
+        packed = prepack_model(copy.deepcopy(base).to(torch.bfloat16))
         out["kiln bf16 prepacked compiled"] = kiln_generate(packed, compile_decode=True)
     for scheme in schemes:
         kind, _, group = scheme.partition("-g")
@@ -307,8 +307,8 @@ def speculative(ckpt: str, pack: str, steps: int, new: int, rounds: int, max_oth
             f"{'yes' if same else 'NO'}; {s.accepted}/{s.proposed} proposals kept ({s.acceptance_rate:.2f}), "
             f"{1 + k * s.acceptance_rate:.2f} tokens per row per verification pass"
         )
-    fast_target = prepack_bf16(copy.deepcopy(target).to(torch.bfloat16))
-    fast_draft = prepack_bf16(copy.deepcopy(draft).to(torch.bfloat16))
+    fast_target = prepack_model(copy.deepcopy(target).to(torch.bfloat16))
+    fast_draft = prepack_model(copy.deepcopy(draft).to(torch.bfloat16))
     one = prompts[:1]
     runs = {
         "target alone": lambda n: Engine(fast_target).generate(one, n, temperature=0),

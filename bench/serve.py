@@ -13,7 +13,8 @@ the same max_tokens, so both servers make the same number of tokens; each client
 about N tokens (code-like lines, the same every run) before every prompt, as a system prompt or
 few-shot header would be. --kiln-prefix-cache-mb 0,256 runs `kiln serve` once per value (its
 --prefix-cache-mb) and prints each cache-on run against the 0 run; --kiln-prefill-chunk-tokens
-0,64 does the same for --prefill-chunk-tokens (chunked prefill; one of the two at a time). Printed
+0,64 does the same for --prefill-chunk-tokens (chunked prefill) and --kiln-prepack 0,1 for --prepack
+(oneDNN-prepacked weights; with --kiln-arg=--dtype=float32 in fp32), one sweep at a time. Printed
 per server and concurrency:
 
 - output tokens/s: completion tokens (the servers' `usage`) of all requests / wall time of the level;
@@ -161,10 +162,16 @@ def kiln_command(args, port: int, extra: list[str]) -> list[str]:
             str(max(args.concurrency)), *extra, *args.kiln_arg]  # fmt: skip
 
 
-# The kiln serve runs each option compares: (name prefix, option, what the 0 run means).
+# The kiln serve runs each option compares: (name prefix, the serve arguments for a value, what the
+# 0 run means).
 KILN_SWEEPS = {
-    "kiln_prefix_cache_mb": ("kiln-pc", "--prefix-cache-mb", "prefix cache on / off"),
-    "kiln_prefill_chunk_tokens": ("kiln-chunk", "--prefill-chunk-tokens", "chunked prefill on / off"),
+    "kiln_prefix_cache_mb": ("kiln-pc", lambda v: ["--prefix-cache-mb", f"{v:g}"], "prefix cache on / off"),
+    "kiln_prefill_chunk_tokens": (
+        "kiln-chunk",
+        lambda v: ["--prefill-chunk-tokens", f"{v:g}"],
+        "chunked prefill on / off",
+    ),
+    "kiln_prepack": ("kiln-prepack", lambda v: ["--prepack"] if v else [], "prepacked weights on / off"),
 }
 
 
@@ -173,11 +180,11 @@ def kiln_runs(args) -> tuple[list[tuple[str, list[str]]], tuple[str, str] | None
     option is swept."""
     swept = [key for key in KILN_SWEEPS if getattr(args, key)]
     if len(swept) > 1:
-        raise SystemExit("--kiln-prefix-cache-mb and --kiln-prefill-chunk-tokens: sweep one at a time")
+        raise SystemExit(f"{', '.join('--' + k.replace('_', '-') for k in swept)}: sweep one at a time")
     if not swept:
         return [("kiln", [])], None
-    prefix, option, meaning = KILN_SWEEPS[swept[0]]
-    runs = [(f"{prefix}{v:g}", [option, f"{v:g}"]) for v in getattr(args, swept[0])]
+    prefix, serve_args, meaning = KILN_SWEEPS[swept[0]]
+    runs = [(f"{prefix}{v:g}", serve_args(v)) for v in getattr(args, swept[0])]
     return runs, (f"{prefix}0", meaning)
 
 
@@ -411,6 +418,11 @@ def parse_args(argv=None):
         type=lambda s: [int(v) for v in s.split(",")],
         help="run kiln serve once per --prefill-chunk-tokens value (e.g. 0,64; default: one run, off)",
     )
+    p.add_argument(
+        "--kiln-prepack",
+        type=lambda s: [int(v) for v in s.split(",")],
+        help="0,1: run kiln serve without and with --prepack (in the dtype --kiln-arg=--dtype=... names)",
+    )
     p.add_argument("--kiln-arg", action="append", default=[], help="extra `kiln serve` argument (repeatable)")
     p.add_argument("--vllm-arg", action="append", default=[], help="extra vLLM server argument (repeatable)")
     p.add_argument("--start-timeout", type=float, default=300)
@@ -435,7 +447,7 @@ def main(argv=None) -> None:
         results[name], texts[name] = bench_server(name, kiln_command(args, free_port(), extra), dict(os.environ),
                                                   "/health", args)  # fmt: skip
     first = next(iter(texts))
-    if len(texts) > 1:  # the prefix cache and chunked prefill must not change a greedy token
+    if len(texts) > 1:  # the prefix cache and chunked prefill must not change a greedy token (fp32 prepack rarely may)
         same = sum(texts[name] == texts[first] for name in texts)
         print(f"\ngreedy completions equal across the kiln runs: {same}/{len(texts)} runs")
     if not args.skip_vllm:

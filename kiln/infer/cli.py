@@ -39,8 +39,8 @@ def add_inference_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--prepack",
         action="store_true",
-        help="CPU, bf16: reorder each weight once into oneDNN's layout (bit-identical, faster decode; "
-        "needs AVX512 or AVX-NE-CONVERT)",
+        help="CPU: reorder each weight once into oneDNN's layout; bf16 (what --dtype auto becomes): "
+        "bit-identical, faster decode, needs AVX512 or AVX-NE-CONVERT; float32: faster steps of 2+ rows",
     )
 
 

@@ -16,7 +16,7 @@ import torch
 from kiln.checkpoint import loaded_line, resolve_checkpoint
 from kiln.data.tokenizer import Tokenizer, find_tokenizer
 from kiln.errors import ConfigError
-from kiln.infer.quant import prepack_bf16, quantize_model
+from kiln.infer.quant import prepack_model, quantize_model
 from kiln.peft.load import load_model
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -31,7 +31,7 @@ class InferenceOptions:
     dtype: str = "auto"  # auto: bfloat16 on a GPU or when quantising, float32 otherwise
     quant: str | None = None  # int8 | int4 | nf4
     group_size: int | None = None  # int4: 32/64/128/256 (default 64); nf4: block size (default 64)
-    prepack: bool = False  # bf16 CPU weights reordered once into oneDNN's layout (kiln.infer.quant.prepack_bf16)
+    prepack: bool = False  # bf16/fp32 CPU weights reordered once into oneDNN's layout (kiln.infer.quant.prepack_model)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -74,18 +74,13 @@ def quantize(model, opts: InferenceOptions):
 
 
 def prepack(model, opts: InferenceOptions):
-    """The bf16 linears reordered once for oneDNN: bit-identical logits, faster CPU decode."""
+    """The bf16 or fp32 linears reordered once for oneDNN (kiln.infer.quant.PackedLinear)."""
     if opts.quant is not None:
         raise ConfigError(
-            "--prepack", f"applies to unquantised bf16 weights, not with --quant {opts.quant}", "<command line>"
-        )
-    param = next(model.parameters())
-    if param.device.type != "cpu" or param.dtype != torch.bfloat16:
-        raise ConfigError(
-            "--prepack", f"needs --dtype bfloat16 on the CPU, got {param.dtype} on {param.device}", "<command line>"
+            "--prepack", f"applies to unquantised weights, not with --quant {opts.quant}", "<command line>"
         )
     try:
-        return prepack_bf16(model)
+        return prepack_model(model)
     except ConfigError as err:
         raise ConfigError("--prepack", err.message, "<command line>") from None
 

@@ -280,52 +280,80 @@ _PACKED_KEYS = itertools.count()
 
 @torch.library.custom_op("kiln::packed_linear", mutates_args=(), schema="(Tensor x, int key) -> Tensor")
 def packed_linear(x, key):
-    layer = _PACKED_LAYERS[key]
-    return torch.ops.mkldnn._linear_pointwise(x, layer.packed, layer.bias, "none", [], "")
+    return _PACKED_LAYERS[key].linear(x)
 
 
 @packed_linear.register_fake
 def _packed_linear_shape(x, key):
-    return x.new_empty(*x.shape[:-1], _PACKED_LAYERS[key].out_features)
+    layer = _PACKED_LAYERS[key]
+    return x.new_empty(*x.shape[:-1], layer.out_features, dtype=layer.dtype)
+
+
+PACKABLE_DTYPES = (torch.bfloat16, torch.float32)
 
 
 class PackedLinear(nn.Module):
-    """A bf16 nn.Linear whose weight is reordered once into oneDNN's blocked layout. F.linear on a
-    plain bf16 weight lets oneDNN reorder it on every call, which at decode batch sizes costs as much as
-    the matmul itself; the prepacked weight skips that (the results are bit-identical). CPU only, and
-    the packed tensor is opaque: it cannot be saved, copied or moved, so pack as the last step."""
+    """A bf16 or fp32 nn.Linear whose weight is reordered once into oneDNN's blocked layout. CPU only,
+    and the packed tensor is opaque: it cannot be saved, copied or moved, so pack as the last step.
 
-    def __init__(self, linear: nn.Linear, batch_hint: int = 1):
+    bf16: F.linear on a plain bf16 weight lets oneDNN reorder it on every call, which at decode batch
+    sizes costs as much as the matmul itself; the prepacked weight skips that, bit-identical.
+    fp32: torch's own fp32 matmul of a few rows (the server's steps of 2-32 streams) runs far below the
+    CPU's peak; oneDNN's packed kernel was 1.5-2.8x faster at 2-32 rows and 1.3-1.5x at one row on
+    Zen 4 (docs/benchmarks.md), within ~1e-6 relative of F.linear but not bit-identical."""
+
+    def __init__(self, linear: nn.Linear, batch_hint: int | None = None):
         super().__init__()
-        if linear.weight.dtype != torch.bfloat16 or linear.weight.device.type != "cpu":
+        weight = linear.weight.detach()
+        if weight.dtype not in PACKABLE_DTYPES or weight.device.type != "cpu":
             raise ConfigError(
                 "dtype",
-                f"prepacking needs a bfloat16 model on the CPU, got {linear.weight.dtype} on {linear.weight.device}",
+                f"prepacking needs a bfloat16 or float32 model on the CPU, got {weight.dtype} on {weight.device}",
             )
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), batch_hint)
+        self.in_features, self.out_features, self.dtype = linear.in_features, linear.out_features, weight.dtype
+        if batch_hint is None:
+            # oneDNN lays the weight out for this many rows. fp32 laid out for one row ran 2-16 rows no
+            # faster than F.linear; laid out for 4 or more it was 1.5-2.8x faster at 2-32 rows and 1.3x
+            # at one (Zen 4, docs/benchmarks.md). For bf16 the hint made no measurable difference.
+            batch_hint = 8 if weight.dtype == torch.float32 else 1
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
         self.bias = None if linear.bias is None else linear.bias.detach().clone()
         self.key = next(_PACKED_KEYS)
         _PACKED_LAYERS[self.key] = self
 
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x.to(self.dtype), self.packed, self.bias, "none", [], "")
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():  # Engine(compile_decode=True): one opaque op in the graph
-            return packed_linear(x.to(torch.bfloat16), self.key)
-        return torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), self.packed, self.bias, "none", [], "")
+            return packed_linear(x, self.key)
+        return self.linear(x)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+            f"dtype={self.dtype}"
+        )
 
 
 @torch.no_grad()
-def prepack_bf16(model: nn.Module, include_output: bool = True, batch_hint: int = 1) -> nn.Module:
-    """Replace the bf16 linears that quantize_model would touch by PackedLinear, in place."""
+def prepack_model(model: nn.Module, include_output: bool = True, batch_hint: int | None = None) -> nn.Module:
+    """Replace the bf16 or fp32 linears that quantize_model would touch by PackedLinear, in place."""
     if not torch.backends.mkldnn.is_available():
         raise ConfigError("prepack", "this torch build has no oneDNN (mkldnn); prepacking is unavailable")
-    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+    targets = _targets(model, include_output)
+    weights = [linear.weight for _, linear in targets]
+    refused = sorted(
+        {f"{w.dtype} on {w.device}" for w in weights if w.dtype not in PACKABLE_DTYPES or w.device.type != "cpu"}
+    )
+    if refused:  # before any layer is replaced, so a refused model is left whole
+        raise ConfigError("dtype", f"prepacking needs a bfloat16 or float32 model on the CPU, got {', '.join(refused)}")
+    if any(w.dtype == torch.bfloat16 for w in weights) and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         # oneDNN's bf16 reorder needs AVX512-BW/VL/DQ or AVX-NE-CONVERT; on AVX2 it raises a raw RuntimeError.
-        raise ConfigError("prepack", "this CPU has no oneDNN bf16 kernels (AVX2 only); run without prepacking")
-    for name, linear in _targets(model, include_output):
+        raise ConfigError(
+            "prepack", "this CPU has no oneDNN bf16 kernels (AVX2 only); run without prepacking or in float32"
+        )
+    for name, linear in targets:
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, PackedLinear(linear, batch_hint))
     return model

@@ -69,5 +69,7 @@ def test_kiln_runs_sweep_one_option_against_its_zero_run():
     assert baseline == ("kiln-chunk0", "chunked prefill on / off")
     runs, baseline = bench["kiln_runs"](parse([*ckpt, "--kiln-prefix-cache-mb", "0,256"]))
     assert [name for name, _ in runs] == ["kiln-pc0", "kiln-pc256"] and runs[1][1] == ["--prefix-cache-mb", "256"]
+    runs, baseline = bench["kiln_runs"](parse([*ckpt, "--kiln-prepack", "0,1"]))
+    assert runs == [("kiln-prepack0", []), ("kiln-prepack1", ["--prepack"])]
     with pytest.raises(SystemExit, match="one at a time"):
         bench["kiln_runs"](parse([*ckpt, "--kiln-prefix-cache-mb", "0,256", "--kiln-prefill-chunk-tokens", "0,64"]))

@@ -15,7 +15,7 @@ from kiln.infer.quant import (
     int4_layout_is_native,
     model_bytes,
     pack_int4,
-    prepack_bf16,
+    prepack_model,
     quantize_model,
     quantized_bits_per_param,
     unpack_int4,
@@ -211,7 +211,7 @@ def test_prepacking_where_onednn_has_no_bf16_is_a_named_error(monkeypatch):
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
     model = small_model().to(torch.bfloat16)
     with pytest.raises(ConfigError, match="prepack.*no oneDNN bf16"):
-        prepack_bf16(model)
+        prepack_model(model)
     assert isinstance(model.layers[0].attn.wqkv, nn.Linear)  # nothing was replaced
 
 
@@ -223,9 +223,61 @@ def test_prepacked_bf16_is_bit_identical():
     tokens = torch.randint(0, 320, (2, 9))
     with torch.no_grad():
         ref = model(tokens)
-        prepack_bf16(model)
+        prepack_model(model)
         out = model(tokens)
     assert isinstance(model.layers[0].attn.wqkv, PackedLinear)
     assert torch.equal(out, ref)
-    with pytest.raises(ConfigError, match="dtype"):
-        prepack_bf16(small_model())
+
+
+def test_prepacking_refuses_float16_and_leaves_the_model_whole():
+    model = small_model().to(torch.float16)
+    with pytest.raises(ConfigError, match="bfloat16 or float32.*float16 on cpu") as err:
+        prepack_model(model)
+    assert err.value.key == "dtype"
+    assert not any(isinstance(m, PackedLinear) for m in model.modules())
+
+
+def kernels_run(layer, x):
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof, torch.no_grad():
+        layer(x)
+    return {event.key for event in prof.key_averages()}
+
+
+def test_prepacked_fp32_runs_onednn_at_one_row_and_at_several():
+    """The packed kernel, never torch's own matmul, at one row (batch-1 decode) and at several (the
+    server's batched steps), close to F.linear but not bit-identical (oneDNN, not MKL)."""
+    plain = linear(96, 128, bias=True)
+    packed = PackedLinear(plain)
+    for x in (torch.randn(1, 1, 128), torch.randn(3, 5, 128)):
+        with torch.no_grad():
+            torch.testing.assert_close(packed(x), plain(x), atol=1e-5, rtol=1e-5)
+        kernels = kernels_run(packed, x)
+        assert "mkldnn::_linear_pointwise" in kernels and not {"aten::mm", "aten::addmm"} & kernels, kernels
+
+
+def test_prepacked_fp32_model_needs_no_onednn_bf16_and_decodes_the_same_tokens(monkeypatch):
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)  # an AVX2 CPU
+    model = small_model()
+    prompts = [[3, 14, 15, 92, 65], [2, 7, 1, 8]]
+    kwargs = dict(max_new_tokens=12, temperature=0)
+    tokens = torch.randint(0, 320, (2, 9))
+    with torch.no_grad():
+        ref, ref_ids = model(tokens), [r.ids for r in Engine(model).generate(prompts, **kwargs)]
+        prepack_model(model)
+        out = model(tokens)
+    assert isinstance(model.layers[0].attn.wqkv, PackedLinear) and model.layers[0].attn.wqkv.dtype == torch.float32
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    assert [r.ids for r in Engine(model).generate(prompts, **kwargs)] == ref_ids
+
+
+@pytest.mark.skipif(
+    not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="oneDNN has no bf16 kernels on this CPU (AVX2 only)"
+)
+def test_the_packed_linear_ops_shape_function_agrees_with_the_op():
+    """Under torch.compile a PackedLinear is the kiln::packed_linear op, traced through its shape
+    function: that must give the layer's dtype, not the input's (float32 activations into bf16
+    weights come out bf16), or the compiled graph is wrong about every tensor after it."""
+    for dtype in (torch.bfloat16, torch.float32):
+        packed = PackedLinear(linear(96, 128, dtype=dtype))
+        for x in (torch.randn(4, 128), torch.randn(2, 3, 128).to(dtype)):
+            torch.library.opcheck(torch.ops.kiln.packed_linear.default, (x, packed.key), test_utils="test_faketensor")

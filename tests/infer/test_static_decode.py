@@ -14,7 +14,7 @@ from torch._dynamo.utils import counters
 
 from kiln.errors import ConfigError
 from kiln.infer.engine import Engine
-from kiln.infer.quant import prepack_bf16
+from kiln.infer.quant import prepack_model
 from kiln.infer.static_decode import CompiledDecoder, cache_length
 from kiln.model import ModelConfig, build_model
 from kiln.model.config import RopeScaling
@@ -129,6 +129,17 @@ def test_prepacked_bf16_weights_compile_and_give_the_unpacked_tokens():
     model = tiny_model().to(torch.bfloat16)
     kwargs = dict(max_new_tokens=20, temperature=0)
     plain = compiled_engine(model).generate(PROMPTS, **kwargs)
-    packed = prepack_bf16(copy.deepcopy(model))
+    packed = prepack_model(copy.deepcopy(model))
     assert_same(plain, compiled_engine(packed).generate(PROMPTS, **kwargs))
     assert graphs_and_recompiles() == (1, 0)
+
+
+def test_prepacked_fp32_weights_compile_and_give_the_eager_tokens():
+    """fp32 packed weights reach the graph through the kiln::packed_linear op as bf16 ones do, at a
+    step of four streams and of one, with the tokens of eager decode on the same packed model."""
+    packed = prepack_model(copy.deepcopy(tiny_model()))
+    kwargs = dict(max_new_tokens=20, temperature=0)
+    assert_same(Engine(packed).generate(PROMPTS, **kwargs), compiled_engine(packed).generate(PROMPTS, **kwargs))
+    assert graphs_and_recompiles() == (1, 0)
+    one = PROMPTS[1:2]
+    assert_same(Engine(packed).generate(one, **kwargs), compiled_engine(packed).generate(one, **kwargs))
