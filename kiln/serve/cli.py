@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import threading
 
 from kiln.checkpoint.format import resolve_checkpoint
 from kiln.config import finite_float
@@ -81,31 +82,35 @@ def add_parser(subparsers) -> None:
     p.add_argument("--seed", type=int, help="turn t samples with seed + t (default: random)")
 
 
-def run_serve(args: argparse.Namespace) -> int:
-    import uvicorn
+def on_passing_thread(fn, *args):
+    """fn(*args) on a thread that ends before this returns: its value, or its exception re-raised.
 
+    Why: torch's OpenMP runtime (libgomp) keeps a pool of worker threads for every thread that ran a
+    parallel op, and once it manages more threads than there are CPUs it stops spin-waiting between
+    parallel regions and sleeps on futexes instead. Loading on the main thread left a second pool
+    beside the scheduler thread's, and every one of the decode step's many small ops paid a wake-up:
+    steps 1.3-2x slower on a 2-core machine (docs/benchmarks.md). A pool goes away with its thread, so
+    the model is loaded, cast and prepacked here, and the scheduler thread holds the only pool."""
+    outcome = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = fn(*args)
+        except BaseException as err:  # noqa: BLE001 - re-raised on the calling thread below
+            outcome["error"] = err
+
+    thread = threading.Thread(target=run, name="kiln-load")
+    thread.start()
+    thread.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
+def build_app(args: argparse.Namespace):
+    """(the server's app, the line that announces it) for `kiln serve`'s parsed arguments."""
     from kiln.serve.app import create_app  # fastapi: the optional [serve] extra; `kiln chat` runs without it
 
-    for key in ("max_batch", "max_tokens_limit", "max_body_bytes", "max_prefill_tokens"):
-        value = getattr(args, key)
-        if value is not None and value < 1:
-            raise ConfigError("--" + key.replace("_", "-"), f"must be >= 1, got {value}", "<command line>")
-    for key in ("max_waiting", "prefill_chunk_tokens"):
-        if getattr(args, key) < 0:
-            raise ConfigError("--" + key.replace("_", "-"), f"must be >= 0, got {getattr(args, key)}", "<command line>")
-    if args.prefix_cache_mb is not None and args.prefix_cache_mb < 0:
-        raise ConfigError(
-            "--prefix-cache-mb", f"must be >= 0 (0 is off), got {args.prefix_cache_mb:g}", "<command line>"
-        )
-    if args.compile_decode:
-        # The scheduler adds requests to and drops them from the running batch between steps
-        # (KVCache.extend/keep), so its decode shapes change every few steps.
-        raise ConfigError(
-            "--compile-decode",
-            "is not supported by kiln serve: continuous batching changes the batch between steps; "
-            "it applies to kiln generate and kiln chat",
-            "<command line>",
-        )
     model, tokenizer = load_for_inference(args)
     trained = chat_trained(args.checkpoint)
     keys = list(args.api_key)
@@ -129,13 +134,39 @@ def run_serve(args: argparse.Namespace) -> int:
         )
     except ConfigError as err:  # what only the loaded model can refuse (dynamic RoPE and a prefix cache)
         raise ConfigError("--" + err.key.replace("_", "-"), err.message, "<command line>") from None
-    print(
+    banner = (
         f"kiln serve: {name} on http://{args.host}:{args.port} (chat page at /, API at /v1, docs at /docs"
         f"{', API key required' if keys else ''}; {next(model.parameters()).dtype}"
-        f"{', weights ' + args.quant if args.quant else ''}{'' if trained else '; no chat training'})",
-        file=sys.stderr,
-        flush=True,
+        f"{', weights ' + args.quant if args.quant else ''}{'' if trained else '; no chat training'})"
     )
+    return app, banner
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    for key in ("max_batch", "max_tokens_limit", "max_body_bytes", "max_prefill_tokens"):
+        value = getattr(args, key)
+        if value is not None and value < 1:
+            raise ConfigError("--" + key.replace("_", "-"), f"must be >= 1, got {value}", "<command line>")
+    for key in ("max_waiting", "prefill_chunk_tokens"):
+        if getattr(args, key) < 0:
+            raise ConfigError("--" + key.replace("_", "-"), f"must be >= 0, got {getattr(args, key)}", "<command line>")
+    if args.prefix_cache_mb is not None and args.prefix_cache_mb < 0:
+        raise ConfigError(
+            "--prefix-cache-mb", f"must be >= 0 (0 is off), got {args.prefix_cache_mb:g}", "<command line>"
+        )
+    if args.compile_decode:
+        # The scheduler adds requests to and drops them from the running batch between steps
+        # (KVCache.extend/keep), so its decode shapes change every few steps.
+        raise ConfigError(
+            "--compile-decode",
+            "is not supported by kiln serve: continuous batching changes the batch between steps; "
+            "it applies to kiln generate and kiln chat",
+            "<command line>",
+        )
+    app, banner = on_passing_thread(build_app, args)
+    print(banner, file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 

@@ -1,0 +1,51 @@
+"""`kiln serve`'s start-up (kiln/serve/cli.py): where the model is loaded."""
+
+import argparse
+import threading
+
+import pytest
+import torch
+from kiln_testing.serving import tiny_checkpoint
+
+from kiln.errors import ConfigError
+from kiln.infer.quant import PackedLinear
+from kiln.serve import cli as serve_cli
+
+
+def test_on_passing_thread_returns_the_value_from_an_ended_thread_and_raises_its_errors():
+    seen = []
+
+    def work(x):
+        seen.append(threading.current_thread())
+        return x * 2
+
+    assert serve_cli.on_passing_thread(work, 21) == 42
+    assert seen[0] is not threading.current_thread() and not seen[0].is_alive()
+
+    def refuse():
+        raise ConfigError("--prepack", "no", "<command line>")
+
+    with pytest.raises(ConfigError, match="--prepack: no"):
+        serve_cli.on_passing_thread(refuse)
+
+
+def test_serve_loads_and_prepacks_the_model_off_the_calling_thread(tmp_path, monkeypatch):
+    """The calling thread (the one that will run uvicorn) must run no parallel torch op, so that
+    the scheduler thread's OpenMP pool is the process's only one (on_passing_thread says why)."""
+    checkpoint = tiny_checkpoint(tmp_path, tmp_path / "ckpt")
+    loaders, apps = [], []
+    real = serve_cli.load_for_inference
+
+    def recording_load(args):
+        loaders.append(threading.current_thread())
+        return real(args)
+
+    monkeypatch.setattr(serve_cli, "load_for_inference", recording_load)
+    monkeypatch.setattr("uvicorn.run", lambda app, **kwargs: apps.append(app))
+    parser = argparse.ArgumentParser()
+    serve_cli.add_parser(parser.add_subparsers(dest="verb"))
+    args = parser.parse_args(["serve", str(checkpoint), "--device", "cpu", "--dtype", "float32", "--prepack"])
+    assert serve_cli.run_serve(args) == 0
+    assert len(loaders) == 1 and loaders[0] is not threading.current_thread()
+    packed = [m for m in apps[0].state.serve.model.modules() if isinstance(m, PackedLinear)]
+    assert packed and all(m.dtype == torch.float32 for m in packed)
