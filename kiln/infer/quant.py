@@ -292,6 +292,15 @@ def _packed_linear_shape(x, key):
 PACKABLE_DTYPES = (torch.bfloat16, torch.float32)
 
 
+def _refuse_unpackable(weights: list[torch.Tensor]) -> None:
+    """One named error for every weight oneDNN cannot pack, raised before anything is replaced."""
+    refused = sorted(
+        {f"{w.dtype} on {w.device}" for w in weights if w.dtype not in PACKABLE_DTYPES or w.device.type != "cpu"}
+    )
+    if refused:
+        raise ConfigError("dtype", f"prepacking needs a bfloat16 or float32 model on the CPU, got {', '.join(refused)}")
+
+
 class PackedLinear(nn.Module):
     """A bf16 or fp32 nn.Linear whose weight is reordered once into oneDNN's blocked layout. CPU only,
     and the packed tensor is opaque: it cannot be saved, copied or moved, so pack as the last step.
@@ -305,11 +314,7 @@ class PackedLinear(nn.Module):
     def __init__(self, linear: nn.Linear, batch_hint: int | None = None):
         super().__init__()
         weight = linear.weight.detach()
-        if weight.dtype not in PACKABLE_DTYPES or weight.device.type != "cpu":
-            raise ConfigError(
-                "dtype",
-                f"prepacking needs a bfloat16 or float32 model on the CPU, got {weight.dtype} on {weight.device}",
-            )
+        _refuse_unpackable([weight])
         self.in_features, self.out_features, self.dtype = linear.in_features, linear.out_features, weight.dtype
         if batch_hint is None:
             # oneDNN lays the weight out for this many rows. fp32 laid out for one row ran 2-16 rows no
@@ -343,11 +348,7 @@ def prepack_model(model: nn.Module, include_output: bool = True, batch_hint: int
         raise ConfigError("prepack", "this torch build has no oneDNN (mkldnn); prepacking is unavailable")
     targets = _targets(model, include_output)
     weights = [linear.weight for _, linear in targets]
-    refused = sorted(
-        {f"{w.dtype} on {w.device}" for w in weights if w.dtype not in PACKABLE_DTYPES or w.device.type != "cpu"}
-    )
-    if refused:  # before any layer is replaced, so a refused model is left whole
-        raise ConfigError("dtype", f"prepacking needs a bfloat16 or float32 model on the CPU, got {', '.join(refused)}")
+    _refuse_unpackable(weights)  # before any layer is replaced, so a refused model is left whole
     if any(w.dtype == torch.bfloat16 for w in weights) and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         # oneDNN's bf16 reorder needs AVX512-BW/VL/DQ or AVX-NE-CONVERT; on AVX2 it raises a raw RuntimeError.
         raise ConfigError(

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import threading
 
 from kiln.checkpoint.format import resolve_checkpoint
 from kiln.config import finite_float
@@ -14,6 +13,7 @@ from kiln.errors import ConfigError
 from kiln.infer.cli import add_compile_decode_arg, add_inference_args, load_for_inference
 from kiln.infer.engine import Engine
 from kiln.serve.prefix_cache import DEFAULT_MB
+from kiln.serve.threads import on_passing_thread
 
 # The post-training stages that train on conversations (kiln.recipe.POST_STAGES less rm, the reward
 # model): a checkpoint under a run's folder of one of them has had chat training. kiln.recipe is a
@@ -80,31 +80,6 @@ def add_parser(subparsers) -> None:
     p.add_argument("--top-p", type=finite_float, default=0.95)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, help="turn t samples with seed + t (default: random)")
-
-
-def on_passing_thread(fn, *args):
-    """fn(*args) on a thread that ends before this returns: its value, or its exception re-raised.
-
-    Why: torch's OpenMP runtime (libgomp) keeps a pool of worker threads for every thread that ran a
-    parallel op, and once it manages more threads than there are CPUs it stops spin-waiting between
-    parallel regions and sleeps on futexes instead. Loading on the main thread left a second pool
-    beside the scheduler thread's, and every one of the decode step's many small ops paid a wake-up:
-    steps 1.3-2x slower on a 2-core machine (docs/benchmarks.md). A pool goes away with its thread, so
-    the model is loaded, cast and prepacked here, and the scheduler thread holds the only pool."""
-    outcome = {}
-
-    def run() -> None:
-        try:
-            outcome["value"] = fn(*args)
-        except BaseException as err:  # noqa: BLE001 - re-raised on the calling thread below
-            outcome["error"] = err
-
-    thread = threading.Thread(target=run, name="kiln-load")
-    thread.start()
-    thread.join()
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["value"]
 
 
 def build_app(args: argparse.Namespace):

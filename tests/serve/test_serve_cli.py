@@ -3,30 +3,11 @@
 import argparse
 import threading
 
-import pytest
 import torch
 from kiln_testing.serving import tiny_checkpoint
 
-from kiln.errors import ConfigError
 from kiln.infer.quant import PackedLinear
 from kiln.serve import cli as serve_cli
-
-
-def test_on_passing_thread_returns_the_value_from_an_ended_thread_and_raises_its_errors():
-    seen = []
-
-    def work(x):
-        seen.append(threading.current_thread())
-        return x * 2
-
-    assert serve_cli.on_passing_thread(work, 21) == 42
-    assert seen[0] is not threading.current_thread() and not seen[0].is_alive()
-
-    def refuse():
-        raise ConfigError("--prepack", "no", "<command line>")
-
-    with pytest.raises(ConfigError, match="--prepack: no"):
-        serve_cli.on_passing_thread(refuse)
 
 
 def test_serve_loads_and_prepacks_the_model_off_the_calling_thread(tmp_path, monkeypatch):
