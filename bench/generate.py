@@ -10,7 +10,8 @@ turns inside every round (the order rotates), rounds in which other processes ke
 --max-others CPU cores busy (from /proc/stat) are starred and left out of the medians.
 
 Contenders: transformers fp32 / bf16 (`generate(do_sample=False)`, its default DynamicCache); Kiln
-Engine fp32 / bf16; Kiln bf16 with prepacked oneDNN weights (kiln.infer.quant.prepack_model); and Kiln
+Engine fp32 / bf16; Kiln fp32 and bf16 with prepacked oneDNN weights (kiln.infer.quant.prepack_model;
+bf16 only where oneDNN has bf16 kernels, i.e. not on an AVX2-only CPU); and Kiln
 with int8 / int4 weights (kiln.infer.quant.quantize_model on the bf16 model, bf16 activations, torch's
 int8/int4 CPU kernels). Greedy tokens of Kiln fp32 and transformers fp32 are compared as a check that
 both do the same work.
@@ -111,10 +112,17 @@ def contenders(base, export_dir: Path, schemes: list[str], compiled: bool) -> di
         out[f"kiln {name}"] = kiln_generate(copy.deepcopy(base).to(dtype))
         if compiled:
             out[f"kiln {name} compiled"] = kiln_generate(copy.deepcopy(base).to(dtype), compile_decode=True)
-    out["kiln bf16 prepacked"] = kiln_generate(prepack_model(copy.deepcopy(base).to(torch.bfloat16)))
-    if compiled:
-        packed = prepack_model(copy.deepcopy(base).to(torch.bfloat16))
-        out["kiln bf16 prepacked compiled"] = kiln_generate(packed, compile_decode=True)
+    # oneDNN packs bf16 only with AVX512-BW/VL/DQ or AVX-NE-CONVERT (prepack_model refuses it on AVX2).
+    packed_dtypes = [("fp32", torch.float32)]
+    if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        packed_dtypes.append(("bf16", torch.bfloat16))
+    else:
+        print("kiln bf16 prepacked: left out, this CPU has no oneDNN bf16 kernels (AVX2 only)")
+    for name, dtype in packed_dtypes:
+        out[f"kiln {name} prepacked"] = kiln_generate(prepack_model(copy.deepcopy(base).to(dtype)))
+        if compiled:
+            packed = prepack_model(copy.deepcopy(base).to(dtype))
+            out[f"kiln {name} prepacked compiled"] = kiln_generate(packed, compile_decode=True)
     for scheme in schemes:
         kind, _, group = scheme.partition("-g")
         model = quantize_model(copy.deepcopy(base).to(torch.bfloat16), kind, int(group) if group else None)
@@ -413,14 +421,14 @@ def main() -> None:
             summary[batch] = report_speed(rates, others, args.max_others, batch)
         print("\nsummary: Kiln / transformers decode tokens/s (same dtype)")
         for batch, med in summary.items():
+            kinds = ("fp32", "fp32 prepacked", "bf16", "bf16 prepacked")
             print(
-                f"  batch {batch}: fp32 {med['kiln fp32'] / med['transformers fp32']:.2f}x, "
-                f"bf16 {med['kiln bf16'] / med['transformers bf16']:.2f}x, "
-                f"bf16 prepacked {med['kiln bf16 prepacked'] / med['transformers bf16']:.2f}x"
-                + "".join(
-                    f", {d} compiled {med[f'kiln {d} compiled'] / med['transformers ' + d.split()[0]]:.2f}x"
-                    for d in ("fp32", "bf16", "bf16 prepacked")
-                    if f"kiln {d} compiled" in med
+                f"  batch {batch}: "
+                + ", ".join(
+                    f"{d}{suffix} {med[f'kiln {d}{suffix}'] / med['transformers ' + d.split()[0]]:.2f}x"
+                    for suffix in ("", " compiled")
+                    for d in kinds
+                    if f"kiln {d}{suffix}" in med
                 )
                 + "".join(
                     f", {s} {med[f'kiln {s}'] / med['transformers bf16']:.2f}x" for s in args.schemes.split(",") if s

@@ -39,8 +39,8 @@ def add_inference_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--prepack",
         action="store_true",
-        help="CPU: reorder each weight once into oneDNN's layout; bf16 (what --dtype auto becomes): "
-        "bit-identical, faster decode, needs AVX512 or AVX-NE-CONVERT; float32: faster steps of 2+ rows",
+        help="CPU: reorder each weight once into oneDNN's layout; bf16 (what --dtype auto becomes where oneDNN "
+        "has bf16 kernels, else float32): bit-identical, faster decode; float32: faster steps of 2+ rows",
     )
 
 

@@ -48,12 +48,22 @@ def resolve_device(name: str) -> torch.device:
 def resolve_dtype(opts: InferenceOptions, device: torch.device) -> torch.dtype:
     if opts.dtype not in DTYPES:
         raise ConfigError("--dtype", f"must be one of {', '.join(DTYPES)}, got {opts.dtype!r}", "<command line>")
-    name = opts.dtype
-    if name == "auto":
-        # The CPU kernels that read int8/int4 codes directly take bf16 activations; with float32 the
-        # quantised layers dequantise in every forward, which is slower than not quantising.
-        name = "bfloat16" if device.type == "cuda" or opts.quant or opts.prepack else "float32"
-    return getattr(torch, name)
+    return getattr(torch, _auto_dtype(opts, device) if opts.dtype == "auto" else opts.dtype)
+
+
+def _auto_dtype(opts: InferenceOptions, device: torch.device) -> str:
+    if device.type == "cuda":
+        return "bfloat16"
+    if opts.prepack:
+        if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            return "bfloat16"
+        # oneDNN packs bf16 only with AVX512-BW/VL/DQ or AVX-NE-CONVERT; on an AVX2-only CPU packed
+        # fp32 is what there is (and bf16 matmuls there run ~78x slower than fp32's, docs/benchmarks.md).
+        print("note: --dtype auto with --prepack: float32, this CPU has no oneDNN bf16 kernels", file=sys.stderr)
+        return "float32"
+    # The CPU kernels that read int8/int4 codes directly take bf16 activations; with float32 the
+    # quantised layers dequantise in every forward, which is slower than not quantising.
+    return "bfloat16" if opts.quant else "float32"
 
 
 def quantize(model, opts: InferenceOptions):

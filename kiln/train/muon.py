@@ -5,9 +5,17 @@ for the 2-D weights of hidden layers. Embedding tables (one row per token, spars
 vocabulary head, norm gains and biases keep AdamW, as in Keller Jordan's Muon, modded-nanogpt and
 nanochat. Both halves are torch's own optimizers (torch.optim.Muon, torch >= 2.9; torch.optim.AdamW);
 MuonAdamW only joins them so the trainer's schedule, gradient scaler and checkpoints see one optimizer.
+
+torch.optim.Muon runs its Newton-Schulz matmuls in bf16, whatever the device. A CPU without bf16
+kernels (AVX2 only) runs those through a reference loop: one Muon step of a 17M-parameter model took
+35 s there against 11 ms for AdamW (docs/benchmarks.md). `Muon` below is torch's optimizer with the
+matmul dtype as a choice (train.muon_ns_dtype); in bf16 it is torch's own step, and its float32
+step is the same algorithm (tests/train/test_muon.py checks it bit for bit against torch's in bf16).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import nn
@@ -16,6 +24,7 @@ from kiln.errors import ConfigError
 from kiln.peft.adapter import adapter_modules
 from kiln.peft.lora import lora_modules
 from kiln.train.config import TrainConfig
+from kiln.train.precision import cpu_bf16_is_fast
 
 # Keller Jordan's and nanochat's peak Muon lr under the "original" shape scaling; with
 # "match_rms_adamw" (Moonshot) the update RMS matches AdamW's, so AdamW's lr carries over.
@@ -37,6 +46,77 @@ def muon_split(model: nn.Module) -> tuple[list[nn.Parameter], set[int]]:
     return chosen, seen
 
 
+def newton_schulz(update: torch.Tensor, coefficients, steps: int, eps: float, dtype: torch.dtype) -> torch.Tensor:
+    """Muon's orthogonalised update: torch.optim.Muon's quintic Newton-Schulz iteration (Keller
+    Jordan's coefficients), with its matmuls in `dtype`. The Gram matrix is taken on the short side."""
+    a, b, c = coefficients
+    x = update.to(dtype)
+    tall = x.size(0) > x.size(1)
+    if tall:
+        x = x.T
+    x = x / x.norm().clamp(min=eps)  # spectral norm <= Frobenius norm <= 1: inside the iteration's basin
+    for _ in range(steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if tall else x
+
+
+def lr_scale(adjust_lr_fn: str | None, shape: torch.Size) -> float:
+    """Muon's per-matrix lr factor: "original" (Keller Jordan) sqrt(max(1, rows / cols)), so that tall
+    and wide matrices take updates of like RMS; "match_rms_adamw" (Moonshot) 0.2 sqrt(max(rows, cols)),
+    which gives the update AdamW's RMS, so AdamW's lr carries over."""
+    rows, cols = shape[:2]
+    if adjust_lr_fn == "match_rms_adamw":
+        return 0.2 * math.sqrt(max(rows, cols))
+    return math.sqrt(max(1, rows / cols))
+
+
+class Muon(torch.optim.Muon):
+    """torch.optim.Muon with its Newton-Schulz matmuls in `ns_dtype`: torch's own step in bf16, and
+    `step_in_dtype` (the same update, written out) otherwise. The state (one momentum buffer per
+    matrix) and param_groups are torch's, so a checkpoint resumes under either dtype."""
+
+    def __init__(self, params, *, ns_dtype: torch.dtype, **kwargs):
+        super().__init__(params, **kwargs)
+        self.ns_dtype = ns_dtype
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if self.ns_dtype == torch.bfloat16:
+            return super().step(closure)
+        return self.step_in_dtype(closure)
+
+    @torch.no_grad()
+    def step_in_dtype(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            momentum = group["momentum"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
+                buf = state["momentum_buffer"]
+                buf.lerp_(p.grad, 1 - momentum)
+                update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
+                update = newton_schulz(update, group["ns_coefficients"], group["ns_steps"], group["eps"], self.ns_dtype)
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+                p.add_(update, alpha=-group["lr"] * lr_scale(group["adjust_lr_fn"], p.shape))
+        return loss
+
+
+def ns_dtype(cfg: TrainConfig, device_type: str) -> torch.dtype:
+    """train.muon_ns_dtype; auto: bf16 (torch's choice) except on a CPU whose bf16 matmuls are not
+    faster than fp32's (kiln.train.precision's probe, the one train.precision = "auto" uses)."""
+    if cfg.muon_ns_dtype != "auto":
+        return getattr(torch, cfg.muon_ns_dtype)
+    return torch.float32 if device_type == "cpu" and not cpu_bf16_is_fast() else torch.bfloat16
+
+
 class MuonAdamW:
     """torch.optim.Muon over `muon_params` and torch.optim.AdamW over `adamw_groups`.
 
@@ -46,7 +126,7 @@ class MuonAdamW:
     """
 
     def __init__(self, muon_params, adamw_groups, *, muon_kwargs: dict, adamw_kwargs: dict, lr_ratio: float):
-        self.muon = torch.optim.Muon([{"params": muon_params, "lr_ratio": lr_ratio}], **muon_kwargs)
+        self.muon = Muon([{"params": muon_params, "lr_ratio": lr_ratio}], **muon_kwargs)
         self.adamw = torch.optim.AdamW(adamw_groups, **adamw_kwargs)
         # GradScaler.unscale_/step key their per-optimizer records by id(self) and read
         # param_groups, which is all a scaler needs from an optimizer.
@@ -93,6 +173,7 @@ def build_muon(model: nn.Module, groups: list[dict], cfg: TrainConfig, foreach: 
             momentum=cfg.muon_momentum,
             ns_steps=cfg.muon_ns_steps,
             adjust_lr_fn=cfg.muon_adjust_lr,
+            ns_dtype=ns_dtype(cfg, muon_params[0].device.type),
         ),
         adamw_kwargs=dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
         | ({"fused": True} if cfg.optimizer_impl == "fused" else {"foreach": foreach}),

@@ -52,6 +52,12 @@ def cpu_bf16_speedup() -> tuple[float, float]:
     )
 
 
+def cpu_bf16_is_fast() -> bool:
+    """Whether this CPU's bf16 matmuls beat fp32's by AUTO_BF16_MIN_SPEEDUP (measured once per process)."""
+    fp32, bf16 = cpu_bf16_speedup()
+    return bf16 >= AUTO_BF16_MIN_SPEEDUP * fp32
+
+
 @functools.lru_cache(maxsize=None)
 def _resolve(precision: str, device_type: str) -> tuple[str, str | None]:
     if device_type == "cuda":
@@ -76,7 +82,7 @@ def _resolve(precision: str, device_type: str) -> tuple[str, str | None]:
                 f'precision = "auto" would train in fp32 here'
             )
         return "bf16", None
-    chosen = "bf16" if bf16 >= AUTO_BF16_MIN_SPEEDUP * fp32 else "fp32"
+    chosen = "bf16" if cpu_bf16_is_fast() else "fp32"
     return chosen, f"note: train.precision = auto: {chosen} on this CPU ({rates})"
 
 

@@ -179,10 +179,18 @@ def test_bad_flags_are_named(run, capsys, argv, flag):
     assert f"{flag}:" in err, err
 
 
-def test_prepack_on_a_cpu_without_onednn_bf16_is_one_named_line(run, capsys, monkeypatch):
+def test_prepack_on_a_cpu_without_onednn_bf16_packs_float32_or_names_the_asked_bf16(run, capsys, monkeypatch):
+    """An AVX2-only CPU: --dtype auto packs float32 (and says so); an explicit bfloat16 is one named line."""
+    from kiln.serve.cli import load_for_inference
+
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
     capsys.readouterr()
-    assert main(["generate", str(run["target"]), "--max-new-tokens", "4", "--prepack"]) == 2
+    packed, _ = load_for_inference(build_parser().parse_args(["serve", str(run["target"]), "--prepack"]))
+    layers = [m for m in packed.modules() if isinstance(m, PackedLinear)]
+    assert layers and all(m.dtype == torch.float32 for m in layers)
+    assert "--dtype auto with --prepack: float32" in capsys.readouterr().err
+    argv = ["generate", str(run["target"]), "--max-new-tokens", "4", "--prepack", "--dtype", "bfloat16"]
+    assert main(argv) == 2
     err = capsys.readouterr().err
     assert "--prepack:" in err and "no oneDNN bf16" in err and "Traceback" not in err, err
 

@@ -12,7 +12,9 @@ from kiln.errors import ConfigError
 from kiln.model import ModelConfig, build_model
 from kiln.model.weights import load_weights
 from kiln.peft.lora import LoRAConfig, apply_lora
+from kiln.train import muon as muon_module
 from kiln.train.config import TrainConfig
+from kiln.train.muon import Muon, newton_schulz
 from kiln.train.optim import build_optimizer, param_groups
 from kiln.train.schedule import lr_at
 from kiln.train.trainer import Trainer
@@ -58,7 +60,13 @@ def test_muon_and_adamw_halves_equal_torch_alone():
     model = build_model(MODEL)
     start = copy.deepcopy(model.state_dict())
     cfg = TrainConfig(
-        optimizer="muon", lr=3e-3, muon_lr=0.05, muon_momentum=0.9, muon_ns_steps=4, muon_adjust_lr=adjust
+        optimizer="muon",
+        lr=3e-3,
+        muon_lr=0.05,
+        muon_momentum=0.9,
+        muon_ns_steps=4,
+        muon_adjust_lr=adjust,
+        muon_ns_dtype="bfloat16",  # torch.optim.Muon's own step
     )
     opt = build_optimizer(model, cfg)
     muon_names = _muon_names(model, opt)
@@ -131,14 +139,86 @@ def test_muon_keys_refused_without_muon_and_bad_values():
         ("muon_momentum", 0.9),
         ("muon_ns_steps", 3),
         ("muon_adjust_lr", "match_rms_adamw"),
+        ("muon_ns_dtype", "float32"),
     ]:
         with pytest.raises(ConfigError, match=key):
             TrainConfig(**{key: value}).validate()
-    for key, value in [("muon_lr", -1.0), ("muon_momentum", 1.0), ("muon_ns_steps", 100), ("muon_adjust_lr", "x")]:
+    for key, value in [
+        ("muon_lr", -1.0),
+        ("muon_momentum", 1.0),
+        ("muon_ns_steps", 100),
+        ("muon_adjust_lr", "x"),
+        ("muon_ns_dtype", "float16"),
+    ]:
         with pytest.raises(ConfigError, match=key):
             TrainConfig(optimizer="muon", **{key: value}).validate()
     with pytest.raises(ConfigError, match="optimizer_offload"):
         TrainConfig(optimizer="muon", optimizer_offload="nvme").validate()
+
+
+def _matrices(seed: int) -> list[torch.nn.Parameter]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(rows, cols, generator=gen)) for rows, cols in [(48, 16), (16, 40), (24, 24)]]
+
+
+def _run(opt, params, step_fn, steps=3):
+    for step in range(steps):
+        gen = torch.Generator().manual_seed(100 + step)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen)
+        step_fn()
+        for group in opt.param_groups:
+            group["lr"] *= 0.5
+
+
+@pytest.mark.parametrize("adjust, nesterov", [("original", True), ("match_rms_adamw", True), ("original", False)])
+def test_written_out_step_is_torchs_muon_bit_for_bit_in_bf16(adjust, nesterov):
+    """Muon.step_in_dtype, the step that runs when the Newton-Schulz dtype is not bf16, is checked
+    against torch.optim.Muon by running it in torch's bf16: every parameter and buffer bit-equal."""
+    kwargs = dict(lr=0.05, weight_decay=0.1, momentum=0.9, nesterov=nesterov, ns_steps=4, adjust_lr_fn=adjust)
+    ours, theirs = _matrices(0), _matrices(0)
+    kiln_muon = Muon(ours, ns_dtype=torch.bfloat16, **kwargs)
+    torch_muon = torch.optim.Muon(theirs, **kwargs)
+    _run(kiln_muon, ours, kiln_muon.step_in_dtype)
+    _run(torch_muon, theirs, torch_muon.step)
+    for p, q in zip(ours, theirs):
+        assert torch.equal(p, q)
+        assert torch.equal(kiln_muon.state[p]["momentum_buffer"], torch_muon.state[q]["momentum_buffer"])
+
+
+def test_float32_newton_schulz_is_the_bf16_update_without_its_rounding():
+    """The fp32 iteration gives torch's bf16 update within bf16's rounding, the fp32 step moves the
+    weights differently from the bf16 one (the dtype takes effect), and the state round-trips."""
+    update = torch.randn(64, 24, generator=torch.Generator().manual_seed(3))
+    coefficients = torch.optim.Muon([torch.nn.Parameter(update)]).defaults["ns_coefficients"]
+    fp32 = newton_schulz(update, coefficients, 5, 1e-7, torch.float32)
+    bf16 = newton_schulz(update, coefficients, 5, 1e-7, torch.bfloat16)
+    assert fp32.dtype == torch.float32 and bf16.dtype == torch.bfloat16
+    torch.testing.assert_close(fp32, bf16.float(), atol=0.03, rtol=0.03)
+    singular = torch.linalg.svdvals(fp32)
+    assert singular.min() > 0.5 and singular.max() < 1.5  # orthogonalised: the quintic's band around 1
+    runs = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        params = _matrices(1)
+        opt = Muon(params, ns_dtype=dtype, lr=0.05)
+        _run(opt, params, opt.step)
+        runs[dtype] = params
+    assert all(not torch.equal(p, q) for p, q in zip(runs[torch.float32], runs[torch.bfloat16]))
+    for p, q in zip(runs[torch.float32], runs[torch.bfloat16]):
+        torch.testing.assert_close(p, q, atol=0.01, rtol=0.01)
+
+
+def test_ns_dtype_auto_is_float32_only_on_a_cpu_without_fast_bf16(monkeypatch):
+    auto, model = TrainConfig(optimizer="muon"), build_model(MODEL)
+    for fast, expected in [(False, torch.float32), (True, torch.bfloat16)]:
+        monkeypatch.setattr(muon_module, "cpu_bf16_is_fast", lambda fast=fast: fast)
+        assert muon_module.ns_dtype(auto, "cpu") == expected
+        assert build_optimizer(model, auto).muon.ns_dtype == expected
+        assert muon_module.ns_dtype(auto, "cuda") == torch.bfloat16
+        for name in ("float32", "bfloat16"):
+            assert muon_module.ns_dtype(TrainConfig(optimizer="muon", muon_ns_dtype=name), "cpu") == getattr(
+                torch, name
+            )
 
 
 def test_muon_refuses_lora():
