@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, field
 
 from kiln.errors import ConfigError
-from kiln.train.config import TrainConfig
+from kiln.train.config import MUON_DEFAULTS, OPTIMIZERS, TrainConfig
 
 KL_ESTIMATORS = ("k1", "k2", "k3")  # kiln.post.losses.KL_ESTIMATORS, without importing torch
 DISTILL_KINDS = ("forward", "reverse")  # kiln.post.losses.DISTILL_KINDS, without importing torch
@@ -63,8 +63,13 @@ class StageTrainConfig:
     # changes from step to step and a compiled model recompiles; a recipe that compiles pretraining
     # (recipes/tiny.toml) turns it off here.
     compile: bool | None = None
+    # None keeps [train].optimizer. A stage that names another optimizer starts that optimizer's own
+    # keys (muon_*) from their defaults: [train]'s tune the pretraining optimizer, not this one.
+    optimizer: str | None = None
 
     def validate(self) -> None:
+        if self.optimizer is not None and self.optimizer not in OPTIMIZERS:
+            raise ConfigError("optimizer", f"must be one of {', '.join(OPTIMIZERS)} (or unset), got {self.optimizer!r}")
         if not 0 < self.lr < math.inf:  # also refuses NaN, which a config built in Python can hold
             raise ConfigError("lr", f"must be a positive finite number, got {self.lr}")
         if not 0 <= self.min_lr_ratio <= 1:
@@ -90,6 +95,10 @@ class StageTrainConfig:
         tokens = values.pop("global_batch_tokens") or self.seq_len * self.micro_batch_size
         if values["compile"] is None:
             values.pop("compile")
+        if values["optimizer"] in (None, base.optimizer):
+            values.pop("optimizer")
+        else:
+            values.update(MUON_DEFAULTS)
         # Pretraining's batch ramp is sized in pretraining tokens; a fine-tuning stage runs at its own batch.
         return dataclasses.replace(
             base, **values, global_batch_tokens=tokens, schedule="cosine", batch_ramp_steps=0, batch_ramp_start_tokens=0

@@ -12,6 +12,7 @@ from kiln.model.config import AC_MODES
 FP8_RECIPES = ("tensorwise", "rowwise")  # torchao's float8 training recipes Kiln offers
 
 LOGGERS = ("tensorboard", "wandb", "mlflow")
+OPTIMIZERS = ("adamw", "lion", "adafactor", "muon")
 
 
 ACTIONS = ("off", "skip", "rollback")
@@ -186,7 +187,7 @@ class TrainConfig:
             raise ConfigError("activation_checkpointing", refused)
         choices = {
             "activation_checkpointing": AC_MODES,
-            "optimizer": ("adamw", "lion", "adafactor", "muon"),
+            "optimizer": OPTIMIZERS,
             "optimizer_impl": ("foreach", "fused"),
             "muon_adjust_lr": ("original", "match_rms_adamw"),
             "muon_ns_dtype": ("auto", "bfloat16", "float32"),
@@ -282,8 +283,8 @@ class TrainConfig:
 
     def _validate_muon(self) -> None:
         if self.optimizer != "muon":
-            for key in _MUON_DEFAULTS:
-                if getattr(self, key) != _MUON_DEFAULTS[key]:
+            for key in MUON_DEFAULTS:
+                if getattr(self, key) != MUON_DEFAULTS[key]:
                     raise ConfigError(key, f"is set but optimizer is {self.optimizer!r} (set optimizer = 'muon')")
             return
         if not 0 <= self.muon_lr < math.inf:
@@ -312,4 +313,4 @@ class TrainConfig:
                     raise ConfigError(key, "is set but optimizer_offload is 'none' (set it to 'nvme' to offload)")
 
 
-_MUON_DEFAULTS = {f.name: f.default for f in fields(TrainConfig) if f.name.startswith("muon_")}
+MUON_DEFAULTS = {f.name: f.default for f in fields(TrainConfig) if f.name.startswith("muon_")}

@@ -32,6 +32,23 @@ def test_stage_compile_inherits_train_compile_unless_the_stage_sets_it():
     assert again.dpo.train.train_config(again.train).compile is False
 
 
+def test_stage_optimizer_inherits_train_optimizer_unless_the_stage_sets_it():
+    muon = ["train.optimizer=muon", "train.muon_adjust_lr=match_rms_adamw", "train.muon_ns_dtype=float32"]
+    recipe = load_recipe("recipes/tiny.toml", [*muon, "sft.train.optimizer=adamw", "dpo.train.optimizer=muon"])
+    kept = recipe.grpo.train.train_config(recipe.train)
+    assert recipe.grpo.train.optimizer is None and kept.optimizer == "muon"
+    assert kept.muon_adjust_lr == "match_rms_adamw" and kept.muon_ns_dtype == "float32"
+    same = recipe.dpo.train.train_config(recipe.train)  # naming [train]'s optimizer keeps its keys
+    assert same.optimizer == "muon" and same.muon_adjust_lr == "match_rms_adamw"
+    sft = recipe.sft.train.train_config(recipe.train)
+    assert sft.optimizer == "adamw" and sft.muon_adjust_lr == "original" and sft.muon_ns_dtype == "auto"
+    sft.validate()  # [train]'s muon_* keys tune pretraining's Muon; they do not reach the AdamW stage
+    adamw = load_recipe("recipes/tiny.toml", ["train.optimizer=adamw", "train.optimizer_impl=fused"])
+    assert adamw.sft.train.train_config(adamw.train).optimizer == "adamw"
+    with pytest.raises(ConfigError, match="sft.train.optimizer"):
+        load_recipe("recipes/tiny.toml", ["sft.train.optimizer=sgd"])
+
+
 def test_post_stages_do_not_inherit_the_pretraining_batch_ramp():
     recipe = load_recipe("recipes/tiny.toml", ["train.batch_ramp_steps=30", "train.batch_ramp_start_tokens=2048"])
     cfg = recipe.sft.train.train_config(recipe.train)
