@@ -88,7 +88,7 @@ class TrainConfig:
     muon_ns_steps: int = 5  # muon: Newton-Schulz iterations per step
     muon_adjust_lr: str = "original"  # muon: original (sqrt(max(1, out/in))) | match_rms_adamw (0.2 sqrt(max dim))
     # muon: dtype of the Newton-Schulz matmuls. auto: bfloat16 (torch.optim.Muon's) on a GPU and on a
-    # CPU with fast bf16 matmuls, float32 where bf16 has no kernels (AVX2 only: 3000x faster there)
+    # CPU with fast bf16 matmuls, float32 where bf16 has no kernels (AVX2 only: 53x faster there)
     muon_ns_dtype: str = "auto"  # auto | bfloat16 | float32
     # adamw: foreach (bit-equal to torch's single-tensor reference) | fused (one kernel per tensor
     # group, faster on CPU and CUDA, rounds differently; docs/pretrain.md "AdamW implementation")

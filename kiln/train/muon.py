@@ -8,7 +8,7 @@ MuonAdamW only joins them so the trainer's schedule, gradient scaler and checkpo
 
 torch.optim.Muon runs its Newton-Schulz matmuls in bf16, whatever the device. A CPU without bf16
 kernels (AVX2 only) runs those through a reference loop: one Muon step of a 17M-parameter model took
-35 s there against 11 ms for AdamW (docs/benchmarks.md). `Muon` below is torch's optimizer with the
+36 s there against 13 ms for fused AdamW (docs/benchmarks.md). `Muon` below is torch's optimizer with the
 matmul dtype as a choice (train.muon_ns_dtype); in bf16 it is torch's own step, and its float32
 step is the same algorithm (tests/train/test_muon.py checks it bit for bit against torch's in bf16).
 """
