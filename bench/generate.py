@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from machine import cpu_line  # bench/ (the script's folder, on sys.path)
 
 from kiln.infer.engine import Engine
-from kiln.infer.quant import model_bytes, prepack_model, quantize_model, quantized_bits_per_param
+from kiln.infer.quant import model_bytes, onednn_packs_bf16, prepack_model, quantize_model, quantized_bits_per_param
 from kiln.model import ModelConfig, build_model, count_params
 
 
@@ -114,7 +114,7 @@ def contenders(base, export_dir: Path, schemes: list[str], compiled: bool) -> di
             out[f"kiln {name} compiled"] = kiln_generate(copy.deepcopy(base).to(dtype), compile_decode=True)
     # oneDNN packs bf16 only with AVX512-BW/VL/DQ or AVX-NE-CONVERT (prepack_model refuses it on AVX2).
     packed_dtypes = [("fp32", torch.float32)]
-    if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+    if onednn_packs_bf16():
         packed_dtypes.append(("bf16", torch.bfloat16))
     else:
         print("kiln bf16 prepacked: left out, this CPU has no oneDNN bf16 kernels (AVX2 only)")

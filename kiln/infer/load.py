@@ -16,7 +16,7 @@ import torch
 from kiln.checkpoint import loaded_line, resolve_checkpoint
 from kiln.data.tokenizer import Tokenizer, find_tokenizer
 from kiln.errors import ConfigError
-from kiln.infer.quant import prepack_model, quantize_model
+from kiln.infer.quant import onednn_packs_bf16, prepack_model, quantize_model
 from kiln.peft.load import load_model
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -55,7 +55,7 @@ def _auto_dtype(opts: InferenceOptions, device: torch.device) -> str:
     if device.type == "cuda":
         return "bfloat16"
     if opts.prepack:
-        if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        if onednn_packs_bf16():
             return "bfloat16"
         # oneDNN packs bf16 only with AVX512-BW/VL/DQ or AVX-NE-CONVERT; on an AVX2-only CPU packed
         # fp32 is what there is (and bf16 matmuls there run ~78x slower than fp32's, docs/benchmarks.md).

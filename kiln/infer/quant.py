@@ -341,6 +341,11 @@ class PackedLinear(nn.Module):
         )
 
 
+def onednn_packs_bf16() -> bool:
+    """Whether oneDNN can pack bf16 weights here (AVX512-BW/VL/DQ or AVX-NE-CONVERT; not AVX2 alone)."""
+    return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
 @torch.no_grad()
 def prepack_model(model: nn.Module, include_output: bool = True, batch_hint: int | None = None) -> nn.Module:
     """Replace the bf16 or fp32 linears that quantize_model would touch by PackedLinear, in place."""
@@ -349,7 +354,7 @@ def prepack_model(model: nn.Module, include_output: bool = True, batch_hint: int
     targets = _targets(model, include_output)
     weights = [linear.weight for _, linear in targets]
     _refuse_unpackable(weights)  # before any layer is replaced, so a refused model is left whole
-    if any(w.dtype == torch.bfloat16 for w in weights) and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+    if any(w.dtype == torch.bfloat16 for w in weights) and not onednn_packs_bf16():
         # oneDNN's bf16 reorder needs AVX512-BW/VL/DQ or AVX-NE-CONVERT; on AVX2 it raises a raw RuntimeError.
         raise ConfigError(
             "prepack", "this CPU has no oneDNN bf16 kernels (AVX2 only); run without prepacking or in float32"
