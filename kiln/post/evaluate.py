@@ -1,8 +1,8 @@
 """Greedy completions and held-out task accuracy, the headline number of every post-training stage.
 
 `complete` runs the KV-cache engine (also for RL rollouts and teacher answers); `rollout_logprobs`
-scores the sampled tokens as the RL losses will; `task_accuracy` grades greedy completions of
-held-out task problems exactly, overall and per task family.
+scores the sampled tokens as the RL losses will; `task_outcomes` grades the greedy completion of
+each held-out task problem exactly, and `task_accuracy` sums them overall and per task family.
 """
 
 from __future__ import annotations
@@ -51,16 +51,23 @@ def strip_stop(tokenizer, ids: list[int]) -> list[int]:
     return ids[:-1] if ids and ids[-1] in stop else ids
 
 
-def task_accuracy(model, tokenizer, examples: list[dict], max_new_tokens: int = 16) -> dict:
-    """Greedy accuracy on `examples`, overall and per task family."""
+def task_outcomes(model, tokenizer, examples: list[dict], max_new_tokens: int = 16) -> list[float]:
+    """The grade (0 or 1) of the greedy completion of each of `examples`, in order: what paired
+    comparisons of two checkpoints on the same problems (which problems one solved and the other
+    lost) are made from."""
     was_training = model.training
     model.eval()
     prompts = [render_prompt(tokenizer, [{"role": "user", "content": ex["prompt"]}]) for ex in examples]
     completions = complete(model, tokenizer, prompts, max_new_tokens)
     model.train(was_training)
+    return [grade(ex, tokenizer.decode(strip_stop(tokenizer, ids))) for ex, ids in zip(examples, completions)]
+
+
+def task_accuracy(model, tokenizer, examples: list[dict], max_new_tokens: int = 16) -> dict:
+    """Greedy accuracy on `examples`, overall and per task family."""
     scores: dict[str, list[float]] = {}
-    for ex, ids in zip(examples, completions):
-        scores.setdefault(ex["task"], []).append(grade(ex, tokenizer.decode(strip_stop(tokenizer, ids))))
+    for ex, score in zip(examples, task_outcomes(model, tokenizer, examples, max_new_tokens)):
+        scores.setdefault(ex["task"], []).append(score)
     flat = [s for v in scores.values() for s in v]
     return {
         "accuracy": sum(flat) / len(flat),

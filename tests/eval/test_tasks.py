@@ -183,7 +183,7 @@ def test_humaneval_from_the_wheel_canonical_solutions_pass():
 
 def test_kiln_tasks_are_the_post_training_held_out_measure(tok, model):
     from kiln.post.config import TaskConfig
-    from kiln.post.evaluate import complete, strip_stop, task_accuracy
+    from kiln.post.evaluate import complete, strip_stop, task_accuracy, task_outcomes
 
     task = load_kiln_tasks(TaskConfig(families=["arithmetic", "sort"], heldout_per_family=2))
     examples = [d["example"] for d in task.docs]
@@ -202,6 +202,9 @@ def test_kiln_tasks_are_the_post_training_held_out_measure(tok, model):
     expected = task_accuracy(Scripted(model, script), tok, examples)
     assert scored.metrics["accuracy"] == expected["accuracy"] > 0
     assert {k: v["accuracy"] for k, v in scored.groups.items()} == expected["per_task"]
+    # Problem by problem, in order: the one it answers right first.
+    outcomes = task_outcomes(Scripted(model, script), tok, examples)
+    assert outcomes[0] == 1.0 and sum(outcomes) / len(examples) == expected["accuracy"]
 
 
 def test_safety_scores_continuations_with_the_toxicity_word_list(tmp_path, tok, model):

@@ -5,6 +5,7 @@ direction of the demo chain."""
 
 import dataclasses
 import json
+import math
 
 import pytest
 import torch
@@ -12,12 +13,16 @@ from kiln_testing.recipes import mini_overrides
 
 from kiln.checkpoint import save_weights
 from kiln.cli import main
+from kiln.data.tokenizer import Tokenizer
 from kiln.errors import ConfigError
 from kiln.model import build_model
 from kiln.peft.config import PeftConfig
+from kiln.peft.load import load_model
 from kiln.pipeline import run_recipe
 from kiln.post.config import DPOConfig, GRPOConfig, SFTConfig, StageTrainConfig, TaskConfig
 from kiln.post.driver import STAGES, run_stage
+from kiln.post.evaluate import task_outcomes
+from kiln.post.tasks import heldout_tasks
 from kiln.recipe import POST_STAGES, Recipe, load_recipe
 
 SHORT = StageTrainConfig(
@@ -134,10 +139,12 @@ def test_miniature_run_of_every_post_stage_with_lora(tmp_path, capsys):
 @pytest.mark.slow
 def test_sft_then_grpo_raise_heldout_task_accuracy(tmp_path):
     """The direction of the demo chain (recipes/tiny.toml: pretrain -> SFT -> GRPO) on a smaller,
-    faster configuration: SFT raises held-out accuracy on the reverse/sort tasks and GRPO keeps it.
-    Seeds are the recipe's (train.seed 1337, tasks.seed 0); with 120 GRPO steps at temperature 0.7,
-    measured 0.00 -> 0.27 -> 0.28 on Intel with AMX (~120 s on a quiet 2-core machine); 0.00 -> 0.27 -> 0.24
-    there since weights layout 3 changed the initial draw (SwiGLU's w1 and w3 drawn apart)."""
+    faster configuration: SFT raises held-out accuracy on the reverse/sort tasks and GRPO does not
+    lower it. Seeds are the recipe's (train.seed 1337, tasks.seed 0); 120 GRPO steps at temperature
+    0.7. Held-out accuracy SFT -> GRPO, measured per machine kind: 0.27 -> 0.32 (bf16) and 0.31 -> 0.35
+    (fp32) on AMD Zen 4; 0.27 -> 0.24 on Intel with AMX; four problems lost net (fp32) on the AVX2-only
+    Zen 3. The change is machine noise around zero, so "does not lower it" is a paired sign test on the
+    problems the two checkpoints disagree on (docs/benchmarks.md), not a fixed count."""
     recipe = load_recipe(
         "recipes/tiny.toml",
         [
@@ -183,11 +190,21 @@ def test_sft_then_grpo_raise_heldout_task_accuracy(tmp_path):
     sft, grpo = results["sft"], results["grpo"]
     assert sft["heldout_before"]["accuracy"] < 0.05  # never saw the chat format
     assert sft["heldout_after"]["accuracy"] >= 0.1  # measured 0.20
-    # GRPO starts from SFT's final weights (greedy evaluation is deterministic). The old 20 steps at
-    # lr 5e-5 gained +0.04 on AMD Zen 4 but lost 0.01-0.04 on Intel with AMX (bf16 kernels round
-    # differently); the gain of this setting is within one run's noise (docs/benchmarks.md), so what
-    # is asserted is that GRPO does not lose what SFT taught.
+    # GRPO starts from SFT's final weights (greedy evaluation is deterministic). Its gain is within
+    # what the machine kind moves (docs/benchmarks.md), so what is asserted is that it loses no more
+    # problems than chance would; the advantage's sign flipped loses 27 and gains 1.
     assert grpo["heldout_before"]["accuracy"] == sft["heldout_after"]["accuracy"]
-    lost = round(100 * (grpo["heldout_before"]["accuracy"] - grpo["heldout_after"]["accuracy"]))
-    assert lost <= 3, f"GRPO lost {lost} of the 100 held-out problems SFT solved"  # counted, not float-compared
+    tokenizer = Tokenizer.load(tmp_path / "direction" / "tokenizer" / "tokenizer.json")
+    heldout = heldout_tasks(recipe.tasks)
+    outcomes = {}
+    for stage, steps in (("sft", 700), ("grpo", 120)):  # the final weights, which heldout_after measured
+        model, _ = load_model(tmp_path / "direction" / stage / "checkpoints" / f"step-{steps:08d}")
+        outcomes[stage] = task_outcomes(model, tokenizer, heldout)
+        assert sum(outcomes[stage]) / len(heldout) == results[stage]["heldout_after"]["accuracy"]
+    lost = sum(1 for a, b in zip(outcomes["sft"], outcomes["grpo"]) if a > b)
+    gained = sum(1 for a, b in zip(outcomes["sft"], outcomes["grpo"]) if b > a)
+    # One-sided sign test: were GRPO no worse than SFT, each disagreement would be a loss with
+    # probability 1/2. p < 0.01 means GRPO lost significantly more problems than it gained.
+    p = sum(math.comb(lost + gained, k) for k in range(lost, lost + gained + 1)) / 2 ** (lost + gained)
+    assert p >= 0.01, f"GRPO lost {lost} held-out problems SFT solved and gained {gained} (sign test p = {p:.4f})"
     assert grpo["rollout"]["rollouts"] == 120 * 8 * 8
