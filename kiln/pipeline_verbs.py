@@ -97,7 +97,8 @@ def _plan_shape(args: argparse.Namespace):
             f'`kiln plan` lays out decoder models; [model] arch = "{arch_of(recipe.model)}" has no plan yet',
         )
     model = dataclasses.replace(recipe.model, vocab_size=recipe.model.vocab_size or recipe.tokenizer.vocab_size)
-    return model, Workload(recipe.train.seq_len, recipe.train.global_batch_tokens)
+    train = recipe.train
+    return model, Workload(train.seq_len, train.global_batch_tokens, train.optimizer, train.muon_ns_steps)
 
 
 def _check_training_layout(recipe: Recipe, stages: list[str]) -> None:

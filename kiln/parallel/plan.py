@@ -20,6 +20,7 @@ from kiln.errors import ConfigError
 from kiln.model.config import AC_MODES, ModelConfig
 from kiln.parallel.config import PP_SCHEDULES, ParallelConfig
 from kiln.parallel.hardware import GB, ClusterConfig
+from kiln.parallel.optimizer_state import optimizer_state
 
 
 # ----------------------------------------------------------------------------- model accounting
@@ -146,6 +147,8 @@ class Layout:
 class Workload:
     seq_len: int
     global_batch_tokens: int
+    optimizer: str = "adamw"  # train.optimizer: its state's bytes and its step's time
+    muon_ns_steps: int = 5  # train.muon_ns_steps: Newton-Schulz iterations of a Muon step
 
     @property
     def global_seqs(self) -> int:
@@ -188,6 +191,9 @@ def layout_problems(cfg: ModelConfig, lay: Layout, cluster: ClusterConfig, work:
         out.append("zero=0 replicates (DDP): dp_shard must be 1")
     elif lay.zero > 0 and lay.dp_shard * lay.cp == 1:
         out.append(f"zero={lay.zero} needs dp_shard*cp > 1 to shard over")
+    if work.optimizer == "muon" and (lay.zero or lay.tp > 1 or lay.pp > 1 or lay.ep > 1):
+        # kiln.train.trainer_setup refuses Muon on parameters that are DTensors.
+        out.append("optimizer=muon orthogonalises whole matrices: the trainer runs it without zero, tp, pp or ep")
     if work.global_batch_tokens % work.seq_len:
         out.append(f"global_batch_tokens={work.global_batch_tokens} is not a multiple of seq_len={work.seq_len}")
     elif work.global_seqs % lay.dp or (work.global_seqs // lay.dp) % lay.micro_batch:
@@ -336,13 +342,16 @@ def in_flight(lay: Layout, rank: int, microbatches: int) -> float:
     return float(min(p - rank, m))
 
 
-def model_state_bytes(psi: float, zero: int, shards: int, full_grads: bool = False) -> tuple[float, float, float]:
+def model_state_bytes(
+    psi: float, zero: int, shards: int, full_grads: bool = False, state_per_param: float = 8.0
+) -> tuple[float, float, float]:
     """(parameters, gradients, optimizer states) in bytes for psi parameters (ZeRO paper sec. 5):
-    fp16 weights 2, fp16 gradients 2, fp32 master weights + Adam m + v 12, partitioned by stage.
-    `full_grads`: the gradients accumulate unsharded over the step (deferred_grad_sync) whatever the stage."""
+    fp16 weights 2, fp16 gradients 2, fp32 master weights 4 + the optimizer's state (Adam's m and v:
+    8, kiln.parallel.optimizer_state for the others), partitioned by stage. `full_grads`: the
+    gradients accumulate unsharded over the step (deferred_grad_sync) whatever the stage."""
     d = max(shards, 1)
     grads = 2 * psi / (d if zero >= 2 and not full_grads else 1)
-    return 2 * psi / (d if zero >= 3 else 1), grads, 12 * psi / (d if zero >= 1 else 1)
+    return 2 * psi / (d if zero >= 3 else 1), grads, (4 + state_per_param) * psi / (d if zero >= 1 else 1)
 
 
 def deferred_grad_sync(lay: Layout) -> bool:
@@ -462,6 +471,7 @@ def memory(
     }
     per_layer.setdefault(True, 0.0)
     deferred = deferred_grad_sync(lay) and m > 1
+    state = optimizer_state(cfg, work.optimizer)
     worst = None
     for r in representative_ranks(counts):
         layers, n_moe = counts[r]
@@ -469,8 +479,10 @@ def memory(
         states = [
             a + b
             for a, b in zip(
-                model_state_bytes(dense, lay.zero, lay.shard_degree, deferred),
-                model_state_bytes(experts, lay.zero, lay.shard_degree // lay.ep, deferred),
+                model_state_bytes(dense, lay.zero, lay.shard_degree, deferred, state.dense_bytes_per_param),
+                model_state_bytes(
+                    experts, lay.zero, lay.shard_degree // lay.ep, deferred, state.expert_bytes_per_param
+                ),
             )
         ]
         acts = in_flight(lay, r, m) * ((layers - n_moe) * per_layer[False] + n_moe * per_layer[True])

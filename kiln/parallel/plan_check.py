@@ -9,6 +9,7 @@ from dataclasses import astuple, dataclass, replace
 
 from kiln.errors import ConfigError
 from kiln.model.config import ModelConfig
+from kiln.parallel.optimizer_state import optimizer_state
 from kiln.parallel.plan import (
     KILN,
     PLANNER_VALUE_BYTES,
@@ -23,10 +24,9 @@ from kiln.parallel.plan import (
 
 # Bytes per parameter of the model states, as Kiln's trainer holds them on one device (and per shard
 # under FSDP): fp32 weights and fp32 gradients (the optimizer steps the weights themselves, so they are
-# the ZeRO paper's fp32 master copy), and the optimizer's fp32 state (kiln.train.optim: AdamW's m and
-# v, Lion's m). The ZeRO split of model_state_bytes (2 + 2 + 12) totals the same 16 for AdamW.
+# the ZeRO paper's fp32 master copy), then the optimizer's own state (kiln.parallel.optimizer_state:
+# 8 for AdamW). The ZeRO split of model_state_bytes (2 + 2 + 12) totals the same 16 for AdamW.
 TRAINER_PARAM_BYTES, TRAINER_GRAD_BYTES = 4, 4
-OPTIMIZER_STATE_BYTES = {"adamw": 8, "lion": 4}
 # Bytes per value of each train.precision (kiln.train.precision.PRECISION_DTYPES): what autocast
 # computes, casts weights to and saves activations in. The residual stream stays float32 (the fp32
 # weights' dtype, KILN.residual_bytes), so it is what a checkpointed block keeps.
@@ -78,12 +78,9 @@ def trainer_memory(
     gradients into the same fp32 tensors."""
     if precision not in PRECISION_BYTES:
         raise ConfigError("precision", f"must be one of {', '.join(PRECISION_BYTES)}, got {precision!r}")
-    if optimizer not in OPTIMIZER_STATE_BYTES:
-        raise ConfigError(
-            "optimizer", f"the planner models {', '.join(OPTIMIZER_STATE_BYTES)} state, not {optimizer!r}"
-        )
     if ac not in ("none", "full"):
         raise ConfigError("activation_checkpointing", f"the trainer runs ac none or full, not {ac!r}")
+    state = optimizer_state(cfg, optimizer)  # refuses an optimizer it does not know, by key
     psi = total_params(cfg)
     value = PRECISION_BYTES[precision]
     cast = autocast_params(cfg)
@@ -111,7 +108,7 @@ def trainer_memory(
     return TrainerMemory(
         params=TRAINER_PARAM_BYTES * psi,
         grads=TRAINER_GRAD_BYTES * psi,
-        optimizer=OPTIMIZER_STATE_BYTES[optimizer] * psi,
+        optimizer=float(state.state_bytes),
         autocast=value * cast if precision != "fp32" else 0.0,
         activations=acts * scale + stats,
         logits=loss_side,

@@ -15,6 +15,7 @@ from kiln.errors import ConfigError
 from kiln.model.config import PRESETS, ModelConfig, preset
 from kiln.parallel.config import ParallelConfig
 from kiln.parallel.hardware import GB, GPUS, ClusterConfig
+from kiln.parallel.optimizer_state import OPTIMIZERS
 from kiln.parallel.plan import (
     KILN,
     MEGATRON,
@@ -73,6 +74,9 @@ def add_plan_parser(verbs) -> None:
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--seq-len", type=int, default=0, help="default: the recipe's train.seq_len, else max_seq_len")
     p.add_argument("--global-batch-tokens", type=int, default=0, help="default: the recipe's, else 4Mi tokens")
+    p.add_argument(
+        "--optimizer", default="", help=f"{' | '.join(OPTIMIZERS)} (default: the recipe's train.optimizer, else adamw)"
+    )
     p.add_argument("--tokens", type=finite_float, default=0.0, help="token budget to price, e.g. 15e12")
     p.add_argument("--top", type=int, default=10, help="rows of the ranking to print")
     p.add_argument("--layout", help="fix some choices and search the rest, e.g. tp=8,pp=16,cp=1,ac=full")
@@ -112,7 +116,7 @@ def parse_layout(text: str) -> dict:
 
 def model_and_workload(args, recipe: tuple[ModelConfig, Workload] | None = None) -> tuple[ModelConfig, Workload]:
     """What to plan: `recipe`, the model and workload of the recipe args.recipe names (read by the caller),
-    else the --preset's model; --vocab, --seq-len and --global-batch-tokens override either."""
+    else the --preset's model; --vocab, --seq-len, --global-batch-tokens and --optimizer override either."""
     if args.recipe and recipe is None:
         raise TypeError("args.recipe is read by the caller (kiln.pipeline), which passes its model and workload")
     if recipe is not None:
@@ -120,6 +124,7 @@ def model_and_workload(args, recipe: tuple[ModelConfig, Workload] | None = None)
         vocab = args.vocab or cfg.vocab_size
         seq = args.seq_len or work.seq_len
         batch = args.global_batch_tokens or work.global_batch_tokens
+        optimizer, ns_steps = args.optimizer or work.optimizer, work.muon_ns_steps
     elif args.preset:
         if args.preset not in PRESETS and args.preset not in REFERENCE_MODELS:
             known = ", ".join([*PRESETS, *REFERENCE_MODELS])
@@ -127,6 +132,7 @@ def model_and_workload(args, recipe: tuple[ModelConfig, Workload] | None = None)
         cfg = REFERENCE_MODELS.get(args.preset) or preset(args.preset)
         vocab = args.vocab or cfg.vocab_size or DEFAULT_VOCAB.get(args.preset, 0)
         seq, batch = args.seq_len or cfg.max_seq_len, args.global_batch_tokens or 4 * 1024 * 1024
+        optimizer, ns_steps = args.optimizer or "adamw", Workload(1, 1).muon_ns_steps
     else:
         raise ConfigError("recipe", "give a recipe path or --preset NAME")
     if vocab <= 0:
@@ -136,7 +142,9 @@ def model_and_workload(args, recipe: tuple[ModelConfig, Workload] | None = None)
     for key, value in (("seq_len", seq), ("global_batch_tokens", batch)):
         if value <= 0:
             raise ConfigError(key, f"must be positive, got {value}")
-    return cfg, Workload(seq, batch)
+    if optimizer not in OPTIMIZERS:
+        raise ConfigError("--optimizer", f"must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
+    return cfg, Workload(seq, batch, optimizer, ns_steps)
 
 
 def unique_layouts(ests: list[Estimate]) -> list[Estimate]:
@@ -152,10 +160,17 @@ def unique_layouts(ests: list[Estimate]) -> list[Estimate]:
 
 # The [train] keys a layout decides; Kiln's TrainConfig (kiln/train/config.py, a layer above) names them.
 TRAIN_KEYS = ("seq_len", "global_batch_tokens", "micro_batch_size", "activation_checkpointing")
+# What each optimizer keeps (kiln.parallel.optimizer_state), in the optimizer line of the memory terms.
+OPTIMIZER_STATE_NAMES = {
+    "adamw": "Adam m and v",
+    "lion": "Lion's momentum",
+    "adafactor": "Adafactor's factored second moments",
+    "muon": "Muon's momentum for the block matrices, Adam m and v for the rest",
+}
 MEMORY_TERMS = {
     "params": "weights",
     "grads": "gradients",
-    "optimizer": "optimizer states (fp32 master weights, Adam m and v)",
+    "optimizer": "optimizer states (fp32 master weights, {state})",
     "activations": "activations autograd keeps, times the micro-batches in flight",
     "logits": "logits, their fp32 copy and gradient (last pipeline rank)",
     "buffers": "FSDP working set (gathered blocks, unreduced gradients); zero=0: autocast's 16-bit weight copies",
@@ -176,6 +191,8 @@ def recipe_tables(e: Estimate, work: Workload) -> dict[str, dict]:
     }
     batch = e.layout.micro_batch * (e.microbatches if e.layout.pp > 1 else 1)
     train = dict(zip(TRAIN_KEYS, (work.seq_len, work.global_batch_tokens, batch, e.layout.ac)))
+    if work.optimizer != Workload(1, 1).optimizer:  # the plan's memory and time are this optimizer's
+        train["optimizer"] = work.optimizer
     return {"parallel": parallel, "train": train}
 
 
@@ -341,7 +358,10 @@ def report(result: Plan, top: int, cost: dict | None) -> list[str]:
             f"  memory per GPU (pipeline rank {e.memory.rank}): {total:.2f} GB "
             f"{'fits' if e.fits else 'does NOT fit'} in {cluster.usable_memory / GB:.1f} GB usable"
         )
-        out += [f"    {k:<12}{v:>8.2f} GB  {MEMORY_TERMS.get(k, '')}".rstrip() for k, v in terms.items()]
+        state = OPTIMIZER_STATE_NAMES[result.work.optimizer]
+        out += [
+            f"    {k:<12}{v:>8.2f} GB  {MEMORY_TERMS.get(k, '').format(state=state)}".rstrip() for k, v in terms.items()
+        ]
         whole, exposed = comm_seconds(e)
         out.append(
             f"  step {e.step_time:.3f} s = compute {e.compute_time:.3f} + bubble {e.bubble_time:.3f} + exposed "
@@ -392,6 +412,7 @@ def run_plan(args, recipe: tuple[ModelConfig, Workload] | None = None) -> int:
                     "world": cluster.world,
                     "seq_len": work.seq_len,
                     "global_batch_tokens": work.global_batch_tokens,
+                    "optimizer": work.optimizer,
                     "ranked": [row(e, cluster) for e in unique_layouts(result.ranked)[: args.top]],
                     "closest_not_fitting": [row(e, cluster) for e in result.too_big[:1]],
                     "rejected": result.rejected,
@@ -406,7 +427,7 @@ def run_plan(args, recipe: tuple[ModelConfig, Workload] | None = None) -> int:
         print(
             f"model: {total_params(cfg) / 1e9:.3g}B parameters ({cfg.n_layers} layers, dim {cfg.dim}, "
             f"{cfg.n_heads}/{cfg.kv_heads} heads, vocab {cfg.vocab_size}); seq_len {work.seq_len}, "
-            f"{work.global_batch_tokens:,} tokens per step"
+            f"{work.global_batch_tokens:,} tokens per step, optimizer {work.optimizer}"
         )
         print(f"cluster: {cluster.describe()}")
         print("\n".join(report(result, args.top, cost)))

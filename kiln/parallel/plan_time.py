@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from kiln.model.config import ModelConfig
 from kiln.parallel.hardware import NCCL_BASE_LATENCY, NCCL_STEP_LATENCY, ClusterConfig
+from kiln.parallel.optimizer_state import optimizer_state
 from kiln.parallel.plan import (
     KILN,
     ActivationModel,
@@ -218,8 +219,14 @@ def estimate(
     slot = compute + tp_t + cp_t + pp_t + per_mb
     # 1F1B/GPipe idle (p-1) slots per step, a (p-1)/(m+p-1) share; interleaving divides that by v.
     bubble = (p - 1) / v * slot
-    # Adam touches ~32 bytes per local parameter (fp32 weight, gradient, m and v, read and written).
-    opt = 32 * local / cluster.spec.hbm_bw
+    # The optimizer reads the fp32 weight and gradient and writes the weight (~16 bytes a parameter,
+    # with the update's temporaries), and reads and writes its state: ~32 bytes for Adam's m and v.
+    state = optimizer_state(cfg, work.optimizer)
+    local_experts = experts / max(d // lay.ep, 1) if lay.zero else experts
+    state_bytes = (local - local_experts) * state.dense_bytes_per_param + local_experts * state.expert_bytes_per_param
+    opt = (16 * local + 2 * state_bytes) / cluster.spec.hbm_bw
+    # Muon (DDP only, layout_problems) orthogonalises every matrix on every rank: bf16 matmuls.
+    opt += state.newton_schulz_flops(work.muon_ns_steps) / (cluster.peak_flops * cluster.matmul_efficiency)
     step = m * slot + bubble + per_step + opt
     tokens_step = work.global_seqs * s
     mfu = model_flops_per_token(cfg, s) * tokens_step / (cluster.world * cluster.peak_flops * step)

@@ -137,6 +137,15 @@ class MuonAdamW:
         self.adamw.step()
         return loss
 
+    @property
+    def state(self) -> dict:
+        """Each parameter's state, from whichever optimizer steps it (what readers of a torch
+        optimizer's `state` expect, e.g. kiln.train.memcheck)."""
+        return {**self.muon.state, **self.adamw.state}
+
+    def register_step_pre_hook(self, hook):
+        return self.muon.register_step_pre_hook(hook)  # Muon's step runs first: before any update
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.muon.zero_grad(set_to_none=set_to_none)
         self.adamw.zero_grad(set_to_none=set_to_none)

@@ -90,10 +90,26 @@ def test_accumulation_holds_one_micro_batch_of_activations(pack, tmp_path):
     assert one == two
 
 
-def test_lion_keeps_one_state_tensor_per_parameter(pack, tmp_path):
-    trainer = _trainer(pack, tmp_path, DENSE, global_batch_tokens=SEQ * MICRO, optimizer="lion", lr=1e-4)
+@pytest.mark.parametrize("model", ["dense", "moe"])
+@pytest.mark.parametrize("optimizer", ["lion", "adafactor", "muon"])
+def test_each_optimizers_state_is_what_the_planner_counts(optimizer, model, pack, tmp_path):
+    """Lion keeps one value per parameter; Adafactor a row and a column vector per matrix; Muon one
+    momentum per block matrix (the MoE router and shared expert included) and AdamW's two moments for
+    everything else (the 3-D expert banks included). What is left over is the step counters: one
+    float32 per tensor of AdamW's and Adafactor's, none of Lion's or Muon's."""
+    trainer = _trainer(
+        pack, tmp_path, DENSE if model == "dense" else MOE, global_batch_tokens=SEQ * MICRO, optimizer=optimizer
+    )
     measured, predicted = _measure(trainer), predicted_step(trainer)
-    assert measured.optimizer == predicted.optimizer == measured.params
+    params = list(trainer.model.parameters())
+    if optimizer == "lion":
+        assert predicted.optimizer == measured.params
+    counted = {
+        "lion": 0,
+        "adafactor": len(params),
+        "muon": len(trainer.optimizer.adamw.state) if optimizer == "muon" else 0,
+    }
+    assert measured.optimizer - predicted.optimizer == 4 * counted[optimizer]
 
 
 def test_refusals(pack, tmp_path):
@@ -102,7 +118,7 @@ def test_refusals(pack, tmp_path):
         _measure(trainer)
     cfg = ModelConfig(**DENSE)
     with pytest.raises(ConfigError, match="optimizer"):
-        trainer_memory(cfg, "bf16", 1, SEQ, optimizer="adafactor")
+        trainer_memory(cfg, "bf16", 1, SEQ, optimizer="sgd")
     with pytest.raises(ConfigError, match="precision"):
         trainer_memory(cfg, "fp8", 1, SEQ)
     with pytest.raises(ConfigError, match="activation_checkpointing"):
