@@ -29,6 +29,13 @@ from kiln.checkpoint.safety import SHARDED_DIR, WeightsOnlyLoadPlanner
 from kiln.files import publishing, reporting
 
 
+def _optimizers(optimizer):
+    """What DCP's optimizer state dict takes: a torch optimizer, or the optimizers an object joins
+    under `parts` (kiln.train.muon.MuonAdamW), whose states DCP keys by parameter name together."""
+    parts = getattr(optimizer, "parts", None)
+    return list(parts.values()) if parts is not None else optimizer
+
+
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
@@ -56,7 +63,7 @@ class ShardedSaver:
         if _rank() == 0:
             tmp = self.manager.begin(step)
         _barrier()
-        state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+        state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, _optimizers(optimizer))}
         writer = tmp / SHARDED_DIR
         if self.async_save:
             future = dcp.async_save(state, checkpoint_id=writer, process_group=self._async_group())
@@ -99,10 +106,10 @@ class ShardedSaver:
 
 def load_sharded(folder: Path, model, optimizer) -> None:
     """Load a (verified) sharded checkpoint's model and optimizer state into any layout."""
-    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, _optimizers(optimizer))}
     dcp.load(state, checkpoint_id=Path(folder) / SHARDED_DIR, planner=WeightsOnlyLoadPlanner())
     set_model_state_dict(model, state["model"])
-    set_optimizer_state_dict(model, optimizer, state["optim"])
+    set_optimizer_state_dict(model, _optimizers(optimizer), state["optim"])
 
 
 def load_sharded_weights(folder: Path) -> dict[str, torch.Tensor]:

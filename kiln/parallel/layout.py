@@ -218,6 +218,13 @@ class Layout:
         if not self.sharded:
             optimizer.load_state_dict(state)
             return
+        parts = getattr(optimizer, "parts", None)  # several optimizers joined (kiln.train.muon.MuonAdamW)
+        if parts is not None:
+            if set(state) != set(parts):
+                raise ConfigError("optimizer", f"the checkpoint's optimizer state is not one of {' + '.join(parts)}")
+            for name, part in parts.items():
+                self.load_full_optimizer_state(model, part, state[name])
+            return
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
         name_of = {id(p): n for n, p in model.named_parameters()}

@@ -13,6 +13,7 @@ docs/plan.md; in short:
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass
 
@@ -191,9 +192,6 @@ def layout_problems(cfg: ModelConfig, lay: Layout, cluster: ClusterConfig, work:
         out.append("zero=0 replicates (DDP): dp_shard must be 1")
     elif lay.zero > 0 and lay.dp_shard * lay.cp == 1:
         out.append(f"zero={lay.zero} needs dp_shard*cp > 1 to shard over")
-    if work.optimizer == "muon" and (lay.zero or lay.tp > 1 or lay.pp > 1 or lay.ep > 1):
-        # kiln.train.trainer_setup refuses Muon on parameters that are DTensors.
-        out.append("optimizer=muon orthogonalises whole matrices: the trainer runs it without zero, tp, pp or ep")
     if work.global_batch_tokens % work.seq_len:
         out.append(f"global_batch_tokens={work.global_batch_tokens} is not a multiple of seq_len={work.seq_len}")
     elif work.global_seqs % lay.dp or (work.global_seqs // lay.dp) % lay.micro_batch:
@@ -504,6 +502,9 @@ def memory(
             # bf16 logits, their fp32 copy for the loss and its fp32 gradient (vocabulary-parallel
             # under TP), plus the final norm's input and the head's gathered input.
             logits = logits_bytes(cfg, tokens, lay.tp)
+        if state.muon_shapes and (lay.zero or lay.tp > 1):
+            # Muon gathers one sharded matrix whole at a time, with its orthogonalised copy (fp32).
+            buffers += 2 * 4 * max(math.prod(shape) for shape in state.muon_shapes)
         mem = Memory(*states, acts, logits, buffers, r)
         if worst is None or mem.total > worst.total:
             worst = mem

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from kiln.model.config import ModelConfig
 from kiln.parallel.hardware import NCCL_BASE_LATENCY, NCCL_STEP_LATENCY, ClusterConfig
-from kiln.parallel.optimizer_state import optimizer_state
+from kiln.parallel.optimizer_state import OptimizerState, optimizer_state
 from kiln.parallel.plan import (
     KILN,
     ActivationModel,
@@ -68,6 +68,38 @@ def _ring(n: int, nbytes: float, link: Link, allreduce: bool = False) -> float:
 def _send(nbytes: float, link: Link) -> float:
     """One point-to-point transfer (pipeline stages, ring attention's K/V blocks)."""
     return NCCL_BASE_LATENCY + link.step_latency + nbytes / link.bw
+
+
+def muon_seconds(
+    state: OptimizerState,
+    cfg: ModelConfig,
+    lay: Layout,
+    cluster: ClusterConfig,
+    work: Workload,
+    share: float,
+    shard_link: Link,
+    tp_link: Link,
+    rep_link: Link,
+) -> float:
+    """What Muon (kiln.train.muon) adds to the optimizer step of a rank whose pipeline stage holds
+    `share` of the blocks: the Newton-Schulz iterations of its matrices (bf16 matmuls at the matmul
+    efficiency) and, where the matrices are sharded (FSDP, tensor parallelism), gathering each whole
+    and scattering its orthogonalised shards back, one matrix after another, nothing to overlap with.
+    Whole matrices (DDP) are orthogonalised on every rank; sharded ones by one owner each, turning
+    over the diagonal of their mesh (the smallest of its dimensions: HSDP's replicas, FSDP's shards,
+    tp), and HSDP's replicas also take the result by broadcast."""
+    flops = state.newton_schulz_flops(work.muon_ns_steps) * share
+    if not flops:
+        return 0.0
+    shards = lay.shard_degree if lay.zero else 1
+    replicas = lay.dp_replicate if lay.zero else 1
+    dims = [n for n in (replicas, shards, lay.tp) if n > 1]
+    if not dims:  # plain tensors: no gathers, and every rank orthogonalises every matrix
+        return flops / (cluster.peak_flops * cluster.matmul_efficiency)
+    seconds = flops / min(dims) / (cluster.peak_flops * cluster.matmul_efficiency)
+    matrix_bytes = 4.0 * share * sum(math.prod(shape) for shape in state.muon_shapes)
+    link = shard_link if shards > 1 else tp_link
+    return seconds + 2 * _ring(shards * lay.tp, matrix_bytes, link) + _ring(replicas, matrix_bytes, rep_link)
 
 
 @dataclass
@@ -225,8 +257,7 @@ def estimate(
     local_experts = experts / max(d // lay.ep, 1) if lay.zero else experts
     state_bytes = (local - local_experts) * state.dense_bytes_per_param + local_experts * state.expert_bytes_per_param
     opt = (16 * local + 2 * state_bytes) / cluster.spec.hbm_bw
-    # Muon (DDP only, layout_problems) orthogonalises every matrix on every rank: bf16 matmuls.
-    opt += state.newton_schulz_flops(work.muon_ns_steps) / (cluster.peak_flops * cluster.matmul_efficiency)
+    opt += muon_seconds(state, cfg, lay, cluster, work, counts[busiest][0] / cfg.n_layers, shard_bw, intra, rep_bw)
     step = m * slot + bubble + per_step + opt
     tokens_step = work.global_seqs * s
     mfu = model_flops_per_token(cfg, s) * tokens_step / (cluster.world * cluster.peak_flops * step)

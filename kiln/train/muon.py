@@ -19,8 +19,10 @@ import math
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from kiln.errors import ConfigError
+from kiln.parallel.pipeline import StageLayers
 from kiln.peft.adapter import adapter_modules
 from kiln.peft.lora import lora_modules
 from kiln.train.config import TrainConfig
@@ -33,12 +35,13 @@ DEFAULT_MUON_LR = 0.02
 
 def muon_split(model: nn.Module) -> tuple[list[nn.Parameter], set[int]]:
     """The trainable parameters Muon takes: the 2-D weights inside the repeated blocks (the modules
-    of any nn.ModuleList: `layers` in every Kiln model), embedding tables excepted. What lies outside
+    of any nn.ModuleList: `layers` in every Kiln model, a pipeline stage's StageLayers), embedding
+    tables excepted. What lies outside
     the blocks (token embeddings, the vocabulary head, the final norm) stays with AdamW.
     Returns them in model order and their ids."""
     embedding_ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     chosen, seen = [], set()
-    for block_list in (m for m in model.modules() if isinstance(m, nn.ModuleList)):
+    for block_list in (m for m in model.modules() if isinstance(m, (nn.ModuleList, StageLayers))):
         for p in block_list.parameters():
             if p.requires_grad and p.ndim == 2 and id(p) not in embedding_ids and id(p) not in seen:
                 seen.add(id(p))
@@ -71,18 +74,35 @@ def lr_scale(adjust_lr_fn: str | None, shape: torch.Size) -> float:
     return math.sqrt(max(1, rows / cols))
 
 
+def orthogonalised_shard(update: DTensor, index: int, orthogonalise) -> DTensor:
+    """Muon's update of one sharded (FSDP or tensor-parallel) matrix: Newton-Schulz needs the whole
+    matrix, so its shards are gathered, one rank orthogonalises it and scatters each rank its shard;
+    rank for rank the result is the single-process update of the whole matrix. distribute_tensor
+    takes the source as a group rank on every mesh dimension, so the owner is the rank at coordinate
+    (k, k, ...), with k = index mod the smallest dimension: the iterations' FLOPs turn round those
+    ranks instead of being repeated on every one."""
+    whole = update.full_tensor()
+    mesh = update.device_mesh
+    k = index % min(mesh.shape)
+    owns = all(c == k for c in mesh.get_coordinate())
+    result = orthogonalise(whole) if owns else torch.empty_like(whole)
+    return distribute_tensor(result, mesh, update.placements, src_data_rank=k)
+
+
 class Muon(torch.optim.Muon):
     """torch.optim.Muon with its Newton-Schulz matmuls in `ns_dtype`: torch's own step in bf16, and
-    `step_in_dtype` (the same update, written out) otherwise. The state (one momentum buffer per
-    matrix) and param_groups are torch's, so a checkpoint resumes under either dtype."""
+    `step_in_dtype` (the same update, written out) otherwise and for sharded matrices (DTensors,
+    orthogonalised whole by orthogonalised_shard). The state (one momentum buffer per matrix) and
+    param_groups are torch's, so a checkpoint resumes under either dtype."""
 
     def __init__(self, params, *, ns_dtype: torch.dtype, **kwargs):
         super().__init__(params, **kwargs)
         self.ns_dtype = ns_dtype
+        self.sharded = any(isinstance(p, DTensor) for g in self.param_groups for p in g["params"])
 
     @torch.no_grad()
     def step(self, closure=None):
-        if self.ns_dtype == torch.bfloat16:
+        if self.ns_dtype == torch.bfloat16 and not self.sharded:
             return super().step(closure)
         return self.step_in_dtype(closure)
 
@@ -92,8 +112,13 @@ class Muon(torch.optim.Muon):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        index = 0
         for group in self.param_groups:
             momentum = group["momentum"]
+
+            def orthogonalise(x, group=group):
+                return newton_schulz(x, group["ns_coefficients"], group["ns_steps"], group["eps"], self.ns_dtype)
+
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -103,7 +128,11 @@ class Muon(torch.optim.Muon):
                 buf = state["momentum_buffer"]
                 buf.lerp_(p.grad, 1 - momentum)
                 update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
-                update = newton_schulz(update, group["ns_coefficients"], group["ns_steps"], group["eps"], self.ns_dtype)
+                if isinstance(update, DTensor):
+                    update = orthogonalised_shard(update, index, orthogonalise)
+                    index += 1
+                else:
+                    update = orthogonalise(update)
                 p.mul_(1 - group["lr"] * group["weight_decay"])
                 p.add_(update, alpha=-group["lr"] * lr_scale(group["adjust_lr_fn"], p.shape))
         return loss
@@ -128,14 +157,25 @@ class MuonAdamW:
     def __init__(self, muon_params, adamw_groups, *, muon_kwargs: dict, adamw_kwargs: dict, lr_ratio: float):
         self.muon = Muon([{"params": muon_params, "lr_ratio": lr_ratio}], **muon_kwargs)
         self.adamw = torch.optim.AdamW(adamw_groups, **adamw_kwargs)
-        # GradScaler.unscale_/step key their per-optimizer records by id(self) and read
-        # param_groups, which is all a scaler needs from an optimizer.
-        self.param_groups = self.muon.param_groups + self.adamw.param_groups
+
+    @property
+    def param_groups(self) -> list[dict]:
+        """Both optimizers' groups, read from them on every access: loading a state (ours, or DCP's
+        set_optimizer_state_dict on each part) replaces their group dicts, and a list kept from before
+        would take the trainer's scheduled lr without the optimizers seeing it. GradScaler's
+        unscale_/step key their records by id(self) and read only param_groups."""
+        return self.muon.param_groups + self.adamw.param_groups
 
     def step(self, closure=None):
         loss = self.muon.step(closure)  # the closure (if any) is evaluated once, by Muon
         self.adamw.step()
         return loss
+
+    @property
+    def parts(self) -> dict[str, torch.optim.Optimizer]:
+        """The joined optimizers by the names state_dict() nests them under (for the sharded
+        checkpoints of kiln.checkpoint.sharded and the layouts' loading of a single-file state)."""
+        return {"muon": self.muon, "adamw": self.adamw}
 
     @property
     def state(self) -> dict:
@@ -151,14 +191,13 @@ class MuonAdamW:
         self.adamw.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self) -> dict:
-        return {"muon": self.muon.state_dict(), "adamw": self.adamw.state_dict()}
+        return {name: part.state_dict() for name, part in self.parts.items()}
 
     def load_state_dict(self, state: dict) -> None:
         if set(state) != {"muon", "adamw"}:
             raise ConfigError("optimizer", "the checkpoint's optimizer state was not written by optimizer = 'muon'")
         self.muon.load_state_dict(state["muon"])
         self.adamw.load_state_dict(state["adamw"])
-        self.param_groups = self.muon.param_groups + self.adamw.param_groups
 
 
 def build_muon(model: nn.Module, groups: list[dict], cfg: TrainConfig, foreach: bool) -> MuonAdamW:

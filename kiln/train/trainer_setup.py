@@ -72,12 +72,6 @@ class Setup:
             )
         self.rank, self.world_size = self.layout.rank, self.layout.world_size
         self.is_main = self.rank == 0
-        if cfg.optimizer == "muon" and self.layout.sharded:
-            raise ConfigError(
-                "optimizer",
-                "muon needs whole matrices: torch.optim.Muon orthogonalises each one, not its FSDP or tensor-"
-                "parallel shards (data parallelism without sharding works)",
-            )
         if cfg.optimizer_offload == "nvme" and self.layout.sharded:
             raise ConfigError(
                 "optimizer_offload",

@@ -219,6 +219,42 @@ def test_pipeline_moe_logs_and_trains_the_aux_losses(pack, tmp_path):
     assert_same_training(tmp_path / "pp", single_process(pack, tmp_path / "single", model=MOE, train=half))
 
 
+# Muon's Newton-Schulz in fp32: bf16 rounding would turn reduction-order noise into whole bf16 steps.
+MUON = {"optimizer": "muon", "muon_ns_dtype": "float32"}
+MUON_CASES = {"fsdp": False, "tp_sp": True, "pp_1f1b": True, "fsdp_tp": True}  # name: slow
+
+
+@pytest.mark.parametrize(
+    "case", [pytest.param(c, marks=pytest.mark.slow if slow else ()) for c, slow in MUON_CASES.items()]
+)
+def test_muon_under_a_layout_matches_single_process(case, pack, tmp_path):
+    """Muon orthogonalises each whole matrix; under FSDP and tensor parallelism its shards are
+    gathered, orthogonalised on one rank and scattered back, so the layout trains like one process."""
+    nproc, parallel, dp = CASES[case]
+    launch(pack, tmp_path / "layout", nproc, parallel, train=MUON)
+    assert_same_training(tmp_path / "layout", single_process(pack, tmp_path / "single", dp, train=MUON))
+
+
+def test_muon_sharded_checkpoint_resumes_in_one_process(pack, tmp_path):
+    """Muon's momentum and AdamW's moments, saved as shards by 2 FSDP ranks, continue in one plain
+    process exactly as the 2-rank run continued."""
+    train = {**MUON, "ckpt_every": 2, "keep_last": 3}
+    full = tmp_path / "two"
+    launch(pack, full, 2, {"dp_shard": 2}, train=train)
+    assert (full / "checkpoints" / "step-00000002" / "sharded" / ".metadata").is_file()
+    run = tmp_path / "resumed"
+    shutil.copytree(full, run)
+    _drop_checkpoints_after(run, 2)
+    trainer_cfg = {**TRAIN, **train, "micro_batch_size": TRAIN["micro_batch_size"] * 2}
+    Trainer(ModelConfig(**MODEL), TrainConfig(**trainer_cfg), pack, run, resume="auto").fit()
+    assert losses(run) == pytest.approx(losses(full), rel=LOSS_RTOL)
+    final, expected = load_weights(run / "checkpoints")[1], load_weights(full / "checkpoints")[1]
+    for name, tensor in expected.items():
+        torch.testing.assert_close(
+            final[name], tensor, rtol=0, atol=WEIGHT_ATOL, msg=lambda m, name=name: f"{name}: {m}"
+        )
+
+
 def _drop_checkpoints_after(run, step: int) -> None:
     for folder in (Path(run) / "checkpoints").glob("step-*"):
         if int(folder.name[len("step-") :]) > step:
