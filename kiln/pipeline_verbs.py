@@ -88,6 +88,9 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+PLANNED_PRECISIONS = ("auto", "bf16", "fp16")
+
+
 def _plan_shape(args: argparse.Namespace):
     """(model with its vocab_size, else the tokenizer's, and the [train] workload) of the plan's recipe."""
     recipe = load_recipe(args.recipe, args.overrides)
@@ -95,6 +98,13 @@ def _plan_shape(args: argparse.Namespace):
         raise ConfigError(
             "model.arch",
             f'`kiln plan` lays out decoder models; [model] arch = "{arch_of(recipe.model)}" has no plan yet',
+        )
+    if recipe.train.precision not in PLANNED_PRECISIONS:
+        # The planner's activation bytes, autocast copies and matmul peaks are 16-bit ones (docs/plan.md).
+        raise ConfigError(
+            "train.precision",
+            f"`kiln plan` models 16-bit autocast ({', '.join(PLANNED_PRECISIONS)}; auto is bf16 on a GPU), "
+            f"not {recipe.train.precision!r}; plan with train.precision=auto",
         )
     model = dataclasses.replace(recipe.model, vocab_size=recipe.model.vocab_size or recipe.tokenizer.vocab_size)
     train = recipe.train

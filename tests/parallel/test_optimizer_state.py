@@ -139,3 +139,11 @@ def test_kiln_plan_reads_the_recipes_optimizer_and_the_flag(capsys):
     assert muon["optimizer"] == "muon" and muon["recipe_tables"]["train"]["optimizer"] == "muon"
     with pytest.raises(ConfigError, match="--optimizer"):
         run_plan(_args("--preset", "tiny", "--optimizer", "sgd"))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp8"])
+def test_kiln_plan_refuses_a_precision_it_does_not_model(precision):
+    """The planner's activations, autocast copies and peaks are 16-bit: a recipe training in fp32 or
+    fp8 is refused by key rather than planned as bf16."""
+    with pytest.raises(ConfigError, match="train.precision"):
+        run_plan(_args("recipes/tiny.toml", f"train.precision={precision}"))
