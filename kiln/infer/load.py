@@ -66,6 +66,11 @@ def _auto_dtype(opts: InferenceOptions, device: torch.device) -> str:
     return "bfloat16" if opts.quant else "float32"
 
 
+def cpu_is_avx2_only() -> bool:
+    """Whether torch's CPU kernels dispatch at AVX2 here: an x86 CPU without AVX-512."""
+    return torch.backends.cpu.get_cpu_capability() == "AVX2"
+
+
 def quantize(model, opts: InferenceOptions):
     """Quantise (opts.quant) or prepack (opts.prepack) the model's linear layers in place; returns the model."""
     if opts.prepack:
@@ -76,6 +81,14 @@ def quantize(model, opts: InferenceOptions):
         return model
     if opts.quant not in QUANT_SCHEMES:
         raise ConfigError("--quant", f"must be one of {', '.join(QUANT_SCHEMES)}, got {opts.quant!r}", "<command line>")
+    if opts.quant == "int4" and next(model.parameters()).device.type == "cpu" and cpu_is_avx2_only():
+        # On the AVX2-only Zen 3 a 1024x1024 Int4Linear took 2.2 ms at one row against 0.1 ms in
+        # fp32, while int8 ran 1.4-2.4x transformers' bf16 decode there (docs/benchmarks.md).
+        print(
+            "note: --quant int4 on an AVX2-only CPU: torch's int4 kernel ran ~22x slower than a float32 "
+            "matmul on such a CPU; --quant int8 is the fast weight-only scheme here",
+            file=sys.stderr,
+        )
     try:
         return quantize_model(model, opts.quant, opts.group_size)
     except ConfigError as err:
