@@ -85,7 +85,9 @@ def orthogonalised_shard(update: DTensor, index: int, orthogonalise) -> DTensor:
     mesh = update.device_mesh
     k = index % min(mesh.shape)
     owns = all(c == k for c in mesh.get_coordinate())
-    result = orthogonalise(whole) if owns else torch.empty_like(whole)
+    # In the gradient's dtype on every rank, so the scatter's buffers agree (a bf16 iteration's
+    # result widens to fp32 exactly, as it does when added to the weight).
+    result = orthogonalise(whole).to(whole.dtype) if owns else torch.empty_like(whole)
     return distribute_tensor(result, mesh, update.placements, src_data_rank=k)
 
 

@@ -235,6 +235,16 @@ def test_muon_under_a_layout_matches_single_process(case, pack, tmp_path):
     assert_same_training(tmp_path / "layout", single_process(pack, tmp_path / "single", dp, train=MUON))
 
 
+def test_muon_in_bf16_under_fsdp_trains_like_one_process(pack, tmp_path):
+    """torch's default bf16 Newton-Schulz: the owner's bf16 result goes out in the gradient's dtype
+    (a bf16 scatter beside fp32 receive buffers would not be one collective). bf16 rounding of
+    reduction-order noise allows only a loose bound."""
+    train = {"optimizer": "muon", "muon_ns_dtype": "bfloat16"}
+    launch(pack, tmp_path / "layout", 2, {"dp_shard": 2}, train=train)
+    expected = single_process(pack, tmp_path / "single", 2, train=train)
+    assert losses(tmp_path / "layout") == pytest.approx(expected[0], rel=1e-3)
+
+
 def test_muon_sharded_checkpoint_resumes_in_one_process(pack, tmp_path):
     """Muon's momentum and AdamW's moments, saved as shards by 2 FSDP ranks, continue in one plain
     process exactly as the 2-rank run continued."""
