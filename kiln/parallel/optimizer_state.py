@@ -32,33 +32,38 @@ class ParamShape:
         return math.prod(self.shape)
 
 
-def param_shapes(cfg: ModelConfig) -> list[ParamShape]:
-    """Every parameter tensor of the decoder kiln.model.transformer builds for `cfg`, in no
-    particular order (tests/parallel/test_optimizer_state.py checks it against the module)."""
+def param_shapes(cfg: ModelConfig) -> list[tuple[ParamShape, int]]:
+    """Every parameter tensor of the decoder kiln.model.transformer builds for `cfg`, as (shape, how
+    many tensors have it), in no particular order (tests/parallel/test_optimizer_state.py checks it
+    against the module). One entry per kind of block, not per layer: the planner asks for it for
+    every layout it searches."""
     h, hd = cfg.dim, cfg.head_dim
     qkv = (cfg.n_heads + 2 * cfg.kv_heads) * hd
-    out = [ParamShape((cfg.vocab_size, h), False)]
-    if cfg.pos == "learned":
-        out.append(ParamShape((cfg.max_seq_len, h), False))
-    norm = [ParamShape((h,), False)] * (1 if cfg.norm == "rmsnorm" else 2)  # gain, and LayerNorm's bias
-    for layer in range(cfg.n_layers):
-        out += norm * 2  # attention and FFN norms
-        out += [ParamShape((qkv, h), True), ParamShape((h, cfg.n_heads * hd), True)]
-        out += [ParamShape((qkv,), False)] if cfg.qkv_bias else []
-        out += [ParamShape((hd,), False)] * (2 if cfg.qk_norm else 0)
-        if cfg.is_moe_layer(layer):
-            e, f = cfg.n_experts, cfg.moe_hidden_size
-            out.append(ParamShape((e, h), True))  # the router
-            out += [ParamShape((e, f, h), False, True)] * 2 + [ParamShape((e, h, f), False, True)]  # 3-D banks
-            if cfg.moe_shared_expert:
-                out += [ParamShape((f, h), True)] * 2 + [ParamShape((h, f), True)]
-        else:
-            f = cfg.ffn_hidden_size
-            out += [ParamShape((f, h), True)] * (2 if cfg.ffn == "swiglu" else 1) + [ParamShape((h, f), True)]
-    out += norm
-    if not cfg.tie_embeddings:
-        out.append(ParamShape((cfg.vocab_size, h), False))
-    return out
+    norms = 1 if cfg.norm == "rmsnorm" else 2  # gain, and LayerNorm's bias
+    n_moe = sum(cfg.is_moe_layer(layer) for layer in range(cfg.n_layers))
+    block = [  # what every block has: its two norms and attention
+        (ParamShape((h,), False), 2 * norms),
+        (ParamShape((qkv, h), True), 1),
+        (ParamShape((h, cfg.n_heads * hd), True), 1),
+        (ParamShape((qkv,), False), 1 if cfg.qkv_bias else 0),
+        (ParamShape((hd,), False), 2 if cfg.qk_norm else 0),
+    ]
+    f = cfg.ffn_hidden_size
+    dense = [(ParamShape((f, h), True), 2 if cfg.ffn == "swiglu" else 1), (ParamShape((h, f), True), 1)]
+    e, g = cfg.n_experts, cfg.moe_hidden_size
+    moe = [
+        (ParamShape((e, h), True), 1),  # the router
+        (ParamShape((e, g, h), False, True), 2),  # 3-D expert banks: w1, w3
+        (ParamShape((e, h, g), False, True), 1),  # w2
+        (ParamShape((g, h), True), 2 if cfg.moe_shared_expert else 0),
+        (ParamShape((h, g), True), 1 if cfg.moe_shared_expert else 0),
+    ]
+    out = [(ParamShape((cfg.vocab_size, h), False), 2 if not cfg.tie_embeddings else 1)]  # embedding, head
+    out.append((ParamShape((cfg.max_seq_len, h), False), 1 if cfg.pos == "learned" else 0))
+    out.append((ParamShape((h,), False), norms))  # the final norm
+    out += [(p, n * cfg.n_layers) for p, n in block]
+    out += [(p, n * (cfg.n_layers - n_moe)) for p, n in dense] + [(p, n * n_moe) for p, n in moe]
+    return [(p, n) for p, n in out if n]
 
 
 @dataclass(frozen=True)
@@ -71,7 +76,7 @@ class OptimizerState:
     params: int
     expert_state_bytes: int = 0
     expert_params: int = 0
-    muon_shapes: tuple[tuple[int, ...], ...] = ()
+    muon_shapes: tuple[tuple[tuple[int, ...], int], ...] = ()  # (matrix shape, how many)
 
     @property
     def bytes_per_param(self) -> float:
@@ -91,10 +96,15 @@ class OptimizerState:
         iteration on an m x n matrix (m the short side) the Gram matrix X X^T (2 m^2 n), the product
         of that with itself (2 m^3) and with X (2 m^2 n)."""
         total = 0.0
-        for rows, cols in self.muon_shapes:
+        for (rows, cols), count in self.muon_shapes:
             m, n = min(rows, cols), max(rows, cols)
-            total += steps * (4.0 * m * m * n + 2.0 * m**3)
+            total += count * steps * (4.0 * m * m * n + 2.0 * m**3)
         return total
+
+    @property
+    def muon_params(self) -> int:
+        """Elements of the matrices Muon orthogonalises."""
+        return sum(count * math.prod(shape) for shape, count in self.muon_shapes)
 
 
 def state_values(p: ParamShape, optimizer: str) -> int:
@@ -114,11 +124,11 @@ def optimizer_state(cfg: ModelConfig, optimizer: str) -> OptimizerState:
     if optimizer not in OPTIMIZERS:
         raise ConfigError("optimizer", f"must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
     shapes = param_shapes(cfg)
-    experts = [p for p in shapes if p.expert]
+    experts = [(p, n) for p, n in shapes if p.expert]
     return OptimizerState(
-        state_bytes=STATE_BYTES * sum(state_values(p, optimizer) for p in shapes),
-        params=sum(p.numel for p in shapes),
-        expert_state_bytes=STATE_BYTES * sum(state_values(p, optimizer) for p in experts),
-        expert_params=sum(p.numel for p in experts),
-        muon_shapes=tuple(p.shape for p in shapes if p.block_matrix) if optimizer == "muon" else (),
+        state_bytes=STATE_BYTES * sum(n * state_values(p, optimizer) for p, n in shapes),
+        params=sum(n * p.numel for p, n in shapes),
+        expert_state_bytes=STATE_BYTES * sum(n * state_values(p, optimizer) for p, n in experts),
+        expert_params=sum(n * p.numel for p, n in experts),
+        muon_shapes=tuple((p.shape, n) for p, n in shapes if p.block_matrix) if optimizer == "muon" else (),
     )

@@ -21,7 +21,7 @@ from kiln.errors import ConfigError
 from kiln.model.config import AC_MODES, ModelConfig
 from kiln.parallel.config import PP_SCHEDULES, ParallelConfig
 from kiln.parallel.hardware import GB, ClusterConfig
-from kiln.parallel.optimizer_state import optimizer_state
+from kiln.parallel.optimizer_state import OptimizerState, optimizer_state
 
 
 # ----------------------------------------------------------------------------- model accounting
@@ -456,9 +456,12 @@ def memory(
     work: Workload,
     act: ActivationModel = KILN,
     counts: list[tuple[int, int]] | None = None,
+    state: OptimizerState | None = None,
 ) -> Memory:
-    """Peak bytes per GPU: the largest over the pipeline ranks."""
+    """Peak bytes per GPU: the largest over the pipeline ranks. `counts` and `state` (the layout's
+    stage_counts, the workload's optimizer_state) are passed by a search that has them already."""
     counts = counts or stage_counts(cfg, lay)
+    state = state or optimizer_state(cfg, work.optimizer)
     m = work.global_seqs // lay.dp // lay.micro_batch
     tokens = lay.micro_batch * work.seq_len // lay.cp
     kinds = (False, True) if any(n_moe for _, n_moe in counts) else (False,)
@@ -469,7 +472,6 @@ def memory(
     }
     per_layer.setdefault(True, 0.0)
     deferred = deferred_grad_sync(lay) and m > 1
-    state = optimizer_state(cfg, work.optimizer)
     worst = None
     for r in representative_ranks(counts):
         layers, n_moe = counts[r]
@@ -504,7 +506,7 @@ def memory(
             logits = logits_bytes(cfg, tokens, lay.tp)
         if state.muon_shapes and (lay.zero or lay.tp > 1):
             # Muon gathers one sharded matrix whole at a time, with its orthogonalised copy (fp32).
-            buffers += 2 * 4 * max(math.prod(shape) for shape in state.muon_shapes)
+            buffers += 2 * 4 * max(math.prod(shape) for shape, _ in state.muon_shapes)
         mem = Memory(*states, acts, logits, buffers, r)
         if worst is None or mem.total > worst.total:
             worst = mem

@@ -132,7 +132,7 @@ def model_and_workload(args, recipe: tuple[ModelConfig, Workload] | None = None)
         cfg = REFERENCE_MODELS.get(args.preset) or preset(args.preset)
         vocab = args.vocab or cfg.vocab_size or DEFAULT_VOCAB.get(args.preset, 0)
         seq, batch = args.seq_len or cfg.max_seq_len, args.global_batch_tokens or 4 * 1024 * 1024
-        optimizer, ns_steps = args.optimizer or "adamw", Workload(1, 1).muon_ns_steps
+        optimizer, ns_steps = args.optimizer or "adamw", Workload.muon_ns_steps
     else:
         raise ConfigError("recipe", "give a recipe path or --preset NAME")
     if vocab <= 0:
@@ -191,7 +191,7 @@ def recipe_tables(e: Estimate, work: Workload) -> dict[str, dict]:
     }
     batch = e.layout.micro_batch * (e.microbatches if e.layout.pp > 1 else 1)
     train = dict(zip(TRAIN_KEYS, (work.seq_len, work.global_batch_tokens, batch, e.layout.ac)))
-    if work.optimizer != Workload(1, 1).optimizer:  # the plan's memory and time are this optimizer's
+    if work.optimizer != Workload.optimizer:  # the plan's memory and time are this optimizer's
         train["optimizer"] = work.optimizer
     return {"parallel": parallel, "train": train}
 

@@ -72,7 +72,6 @@ def _send(nbytes: float, link: Link) -> float:
 
 def muon_seconds(
     state: OptimizerState,
-    cfg: ModelConfig,
     lay: Layout,
     cluster: ClusterConfig,
     work: Workload,
@@ -97,7 +96,7 @@ def muon_seconds(
     if not dims:  # plain tensors: no gathers, and every rank orthogonalises every matrix
         return flops / (cluster.peak_flops * cluster.matmul_efficiency)
     seconds = flops / min(dims) / (cluster.peak_flops * cluster.matmul_efficiency)
-    matrix_bytes = 4.0 * share * sum(math.prod(shape) for shape in state.muon_shapes)
+    matrix_bytes = 4.0 * share * state.muon_params
     link = shard_link if shards > 1 else tp_link
     return seconds + 2 * _ring(shards * lay.tp, matrix_bytes, link) + _ring(replicas, matrix_bytes, rep_link)
 
@@ -164,11 +163,18 @@ def layer_seconds_per_token(
 
 
 def estimate(
-    cfg: ModelConfig, lay: Layout, cluster: ClusterConfig, work: Workload, act: ActivationModel = KILN
+    cfg: ModelConfig,
+    lay: Layout,
+    cluster: ClusterConfig,
+    work: Workload,
+    act: ActivationModel = KILN,
+    state: OptimizerState | None = None,
 ) -> Estimate:
-    """Memory and step time of a layout that layout_problems accepts."""
+    """Memory and step time of a layout that layout_problems accepts; `state`, the workload's
+    optimizer_state, is passed by plan(), which counts it once for the whole search."""
     counts = stage_counts(cfg, lay)
-    mem = memory(cfg, lay, work, act, counts)
+    state = state or optimizer_state(cfg, work.optimizer)
+    mem = memory(cfg, lay, work, act, counts, state)
     m = work.global_seqs // lay.dp // lay.micro_batch
     p, v, s, h = lay.pp, lay.pp_stages_per_rank, work.seq_len, cfg.dim
     tokens = lay.micro_batch * s // lay.cp
@@ -253,11 +259,10 @@ def estimate(
     bubble = (p - 1) / v * slot
     # The optimizer reads the fp32 weight and gradient and writes the weight (~16 bytes a parameter,
     # with the update's temporaries), and reads and writes its state: ~32 bytes for Adam's m and v.
-    state = optimizer_state(cfg, work.optimizer)
     local_experts = experts / max(d // lay.ep, 1) if lay.zero else experts
     state_bytes = (local - local_experts) * state.dense_bytes_per_param + local_experts * state.expert_bytes_per_param
     opt = (16 * local + 2 * state_bytes) / cluster.spec.hbm_bw
-    opt += muon_seconds(state, cfg, lay, cluster, work, counts[busiest][0] / cfg.n_layers, shard_bw, intra, rep_bw)
+    opt += muon_seconds(state, lay, cluster, work, counts[busiest][0] / cfg.n_layers, shard_bw, intra, rep_bw)
     step = m * slot + bubble + per_step + opt
     tokens_step = work.global_seqs * s
     mfu = model_flops_per_token(cfg, s) * tokens_step / (cluster.world * cluster.peak_flops * step)
@@ -305,6 +310,7 @@ def plan(
         chosen = [lay for lay in pool if all(getattr(lay, k) == v for k, v in fixed.items())]
         pool = chosen or list(dict.fromkeys(dataclasses.replace(lay, **fixed) for lay in pool))
     ranked, too_big, rejected, invalid = [], [], {}, {}
+    state = optimizer_state(cfg, work.optimizer)
     for lay in pool:
         problems = layout_problems(cfg, lay, cluster, work)
         for i, reason in enumerate(problems):
@@ -313,7 +319,7 @@ def plan(
             if i == 0:
                 invalid[key] = invalid.get(key, 0) + 1
         if not problems:
-            est = estimate(cfg, lay, cluster, work, act)
+            est = estimate(cfg, lay, cluster, work, act, state)
             (ranked if est.fits else too_big).append(est)
     # Estimates within 0.5% tie; fewer parallel dimensions win, then the larger micro-batch (bigger
     # matmuls run closer to peak, which the model does not credit), then less memory.

@@ -36,9 +36,8 @@ DEFAULT_MUON_LR = 0.02
 def muon_split(model: nn.Module) -> tuple[list[nn.Parameter], set[int]]:
     """The trainable parameters Muon takes: the 2-D weights inside the repeated blocks (the modules
     of any nn.ModuleList: `layers` in every Kiln model, a pipeline stage's StageLayers), embedding
-    tables excepted. What lies outside
-    the blocks (token embeddings, the vocabulary head, the final norm) stays with AdamW.
-    Returns them in model order and their ids."""
+    tables excepted. What lies outside the blocks (token embeddings, the vocabulary head, the final
+    norm) stays with AdamW. Returns them in model order and their ids."""
     embedding_ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     chosen, seen = [], set()
     for block_list in (m for m in model.modules() if isinstance(m, (nn.ModuleList, StageLayers))):

@@ -36,9 +36,11 @@ def test_param_shapes_are_the_models_and_the_muon_split_the_trainers(name):
         model = Transformer(cfg)
     _, muon_ids = muon_split(model)
     theirs = collections.Counter((tuple(p.shape), id(p) in muon_ids) for p in model.parameters())
-    ours = collections.Counter((p.shape, p.block_matrix) for p in param_shapes(cfg))
+    ours = collections.Counter()
+    for p, count in param_shapes(cfg):
+        ours[(p.shape, p.block_matrix)] += count
     assert ours == theirs
-    assert sum(p.numel for p in param_shapes(cfg)) == total_params(cfg)
+    assert sum(count * p.numel for p, count in param_shapes(cfg)) == total_params(cfg)
 
 
 def test_state_per_parameter():
@@ -54,9 +56,18 @@ def test_state_per_parameter():
         optimizer_state(cfg, "sgd")
 
 
+def test_the_planner_models_every_optimizer_the_trainer_builds():
+    """kiln.train.config.OPTIMIZERS lives a layer above the planner, so the planner keeps its own
+    list; a trainer optimizer without a planner model fails here rather than in `kiln plan`."""
+    from kiln.parallel.optimizer_state import OPTIMIZERS as PLANNED
+    from kiln.train.config import OPTIMIZERS as TRAINED
+
+    assert PLANNED == TRAINED
+
+
 def test_newton_schulz_flops_worked_number():
     # A 3 x 5 matrix (and its transpose), 5 iterations: 5 x (4 * 3^2 * 5 + 2 * 3^3) = 1170 each.
-    state = OptimizerState(0, 1, muon_shapes=((3, 5), (5, 3)))
+    state = OptimizerState(0, 1, muon_shapes=(((3, 5), 1), ((5, 3), 1)))
     assert state.newton_schulz_flops(5) == 2 * 1170
     assert state.newton_schulz_flops(1) == 2 * 234
 
@@ -102,7 +113,7 @@ def test_sharded_muon_spreads_newton_schulz_and_pays_the_gathers():
     memory_bound = estimate(cfg, fsdp, cluster, Workload(8192, 8 * 8192, "muon", muon_ns_steps=1)).optimizer_time
     assert sharded.optimizer_time - memory_bound == pytest.approx(4 / 5 * newton_schulz / 8)
     gathers = sharded.optimizer_time - newton_schulz / 8
-    matrices = 4 * sum(r * c for r, c in state.muon_shapes)
+    matrices = 4 * state.muon_params
     assert gathers > 2 * 7 / 8 * matrices / cluster.intra
     assert estimate(cfg, ddp, cluster, work).optimizer_time > sharded.optimizer_time  # every rank does all
     # The largest matrix (a 14336 x 4096 FFN weight) gathered whole, and its orthogonalised copy.
