@@ -221,7 +221,10 @@ class Layout:
         parts = getattr(optimizer, "parts", None)  # several optimizers joined (kiln.train.muon.MuonAdamW)
         if parts is not None:
             if set(state) != set(parts):
-                raise ConfigError("optimizer", f"the checkpoint's optimizer state is not one of {' + '.join(parts)}")
+                raise ConfigError(
+                    "optimizer",
+                    f"the checkpoint's optimizer state was not written by this optimizer ({' + '.join(parts)})",
+                )
             for name, part in parts.items():
                 self.load_full_optimizer_state(model, part, state[name])
             return

@@ -265,6 +265,20 @@ def test_muon_sharded_checkpoint_resumes_in_one_process(pack, tmp_path):
         )
 
 
+@pytest.mark.slow
+def test_a_single_file_adamw_checkpoint_is_refused_by_a_sharded_muon_run(pack, tmp_path):
+    """Resuming a one-process AdamW checkpoint under FSDP with optimizer = "muon": refused by key,
+    not loaded into the wrong optimizer."""
+    Trainer(ModelConfig(**MODEL), TrainConfig(**{**TRAIN, "max_steps": 2}), pack, tmp_path, resume="none").fit()
+    spec = {"parallel": {"dp_shard": 2}, "model": MODEL, "train": {**TRAIN, **MUON}, "resume": "auto"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    cmd += [str(WORKER), str(pack), str(tmp_path), json.dumps(spec)]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+    assert result.returncode != 0
+    assert "ConfigError: optimizer: the checkpoint's optimizer state was not written by this optimizer" in result.stderr
+
+
 def _drop_checkpoints_after(run, step: int) -> None:
     for folder in (Path(run) / "checkpoints").glob("step-*"):
         if int(folder.name[len("step-") :]) > step:
