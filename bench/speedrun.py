@@ -8,7 +8,10 @@ The data is prepared once with recipes/tiny.toml's corpus, tokenizer and pack st
   once --budget-s have passed since fit() was called (the trainer then saves its checkpoint and
   summary as it does at any early stop). Every --snapshot-every steps the weights are copied aside
   (a few ms), with the wall time they were reached at.
-- transformers: `transformers.Trainer` training a `LlamaForCausalLM` of the same dims (GQA, rope
+- transformers: `transformers.Trainer` (with its default optimizer, torch's AdamW, whatever
+  optimizer Kiln's recipe names: the recipe pretrains with Muon, and `--variant
+  adamw:train.optimizer=adamw,train.muon_adjust_lr=original` is Kiln with AdamW like for like)
+  training a `LlamaForCausalLM` of the same dims (GQA, rope
   theta, norm eps, tied/untied as Kiln, built by bench/train_step.py's `hf_llama`) with the same
   hyperparameters: lr, warmup, cosine decay to the same floor (`cosine_with_min_lr`), weight decay,
   betas, eps, grad clip, micro batch, accumulation, seq len, max_steps (the schedule's length), bf16,
@@ -33,7 +36,7 @@ same budget against the same transformers run: a method measured on its own at e
 
     python bench/speedrun.py                       # 180 s each
     python bench/speedrun.py --budget-s 120 --no-init-variant
-    python bench/speedrun.py --variant muon:train.optimizer=muon,train.muon_adjust_lr=match_rms_adamw
+    python bench/speedrun.py --variant adamw:train.optimizer=adamw,train.muon_adjust_lr=original
 """
 
 from __future__ import annotations
@@ -298,7 +301,8 @@ def main() -> None:
     print(
         f"model: {count_params(model_cfg) / 1e6:.2f}M params, dim {model_cfg.dim}, {model_cfg.n_layers} layers, "
         f"{model_cfg.n_heads} heads / {model_cfg.kv_heads} kv, vocab {model_cfg.vocab_size}; "
-        f"train: {tokens_per_step} tokens/step, seq {train_cfg.seq_len}, lr {train_cfg.lr}, "
+        f"train: {train_cfg.optimizer} (transformers: adamw), {tokens_per_step} tokens/step, seq {train_cfg.seq_len}, "
+        f"lr {train_cfg.lr}, "
         f"max_steps {train_cfg.max_steps}, {train_cfg.precision}, compile {train_cfg.compile}; "
         f"budget {args.budget_s:.0f} s each",
         flush=True,

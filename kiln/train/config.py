@@ -285,7 +285,11 @@ class TrainConfig:
         if self.optimizer != "muon":
             for key in MUON_DEFAULTS:
                 if getattr(self, key) != MUON_DEFAULTS[key]:
-                    raise ConfigError(key, f"is set but optimizer is {self.optimizer!r} (set optimizer = 'muon')")
+                    raise ConfigError(
+                        key,
+                        f"is set but optimizer is {self.optimizer!r} (set optimizer = 'muon', "
+                        f"or {key} = {MUON_DEFAULTS[key]!r}, its default)",
+                    )
             return
         if not 0 <= self.muon_lr < math.inf:
             raise ConfigError("muon_lr", f"must be a finite number >= 0 (0: the default), got {self.muon_lr}")

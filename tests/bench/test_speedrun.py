@@ -83,18 +83,20 @@ def test_first_reaching_and_steady_rate():
 def test_variant_keys_change_only_kilns_train_config():
     args = speedrun.argparse.Namespace(threads=1, max_steps=50, no_compile=True, precision="fp32")
     base = speedrun.kiln_train_config([], args)
-    name, keys = speedrun.parse_variant("muon:train.optimizer=muon, train.max_steps=20")
+    name, keys = speedrun.parse_variant(
+        "adamw:train.optimizer=adamw, train.muon_adjust_lr=original, train.max_steps=20"
+    )
     variant = speedrun.kiln_train_config([], args, keys)
-    assert name == "muon" and keys == ["train.optimizer=muon", "train.max_steps=20"]
+    assert name == "adamw" and keys == ["train.optimizer=adamw", "train.muon_adjust_lr=original", "train.max_steps=20"]
     assert (base.optimizer, base.max_steps, base.compile, base.precision, base.threads) == (
-        "adamw",
+        "muon",  # the shipped recipe's
         50,
         False,
         "fp32",
         1,
     )
     # The variant's keys win over the bench's flags; no evaluation or checkpoint inside the budget.
-    assert (variant.optimizer, variant.max_steps, variant.compile) == ("muon", 20, False)
+    assert (variant.optimizer, variant.max_steps, variant.compile) == ("adamw", 20, False)
     assert (variant.eval_every, variant.ckpt_every) == (20, 20)
 
 

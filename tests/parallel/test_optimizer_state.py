@@ -137,15 +137,24 @@ def _plan_json(capsys, *argv) -> dict:
 
 
 def test_kiln_plan_reads_the_recipes_optimizer_and_the_flag(capsys):
-    adamw = _plan_json(capsys, "recipes/tiny.toml")
-    lion = _plan_json(capsys, "recipes/tiny.toml", "train.optimizer=lion", "train.optimizer_impl=foreach")
-    assert (adamw["optimizer"], lion["optimizer"]) == ("adamw", "lion")
+    shipped = _plan_json(capsys, "recipes/tiny.toml")  # pretrains with Muon
+    not_muon = "train.muon_adjust_lr=original"
+    adamw = _plan_json(capsys, "recipes/tiny.toml", "train.optimizer=adamw", not_muon)
+    lion = _plan_json(capsys, "recipes/tiny.toml", "train.optimizer=lion", "train.optimizer_impl=foreach", not_muon)
+    assert (shipped["optimizer"], adamw["optimizer"], lion["optimizer"]) == ("muon", "adamw", "lion")
     best = {d["optimizer"]: d["ranked"][0] for d in (adamw, lion)}
     assert best["lion"]["memory_gb"]["optimizer"] < best["adamw"]["memory_gb"]["optimizer"]
     assert lion["recipe_tables"]["train"]["optimizer"] == "lion" and "optimizer" not in adamw["recipe_tables"]["train"]
+    assert shipped["recipe_tables"]["train"]["optimizer"] == "muon"
     # The flag overrides the recipe.
     muon = _plan_json(
-        capsys, "recipes/tiny.toml", "train.optimizer=lion", "train.optimizer_impl=foreach", "--optimizer", "muon"
+        capsys,
+        "recipes/tiny.toml",
+        "train.optimizer=lion",
+        "train.optimizer_impl=foreach",
+        not_muon,
+        "--optimizer",
+        "muon",
     )
     assert muon["optimizer"] == "muon" and muon["recipe_tables"]["train"]["optimizer"] == "muon"
     with pytest.raises(ConfigError, match="--optimizer"):

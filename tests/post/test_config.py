@@ -33,8 +33,9 @@ def test_stage_compile_inherits_train_compile_unless_the_stage_sets_it():
 
 
 def test_stage_optimizer_inherits_train_optimizer_unless_the_stage_sets_it():
+    # post-demo.toml names no stage optimizer (tiny.toml names AdamW for each post stage).
     muon = ["train.optimizer=muon", "train.muon_adjust_lr=match_rms_adamw", "train.muon_ns_dtype=float32"]
-    recipe = load_recipe("recipes/tiny.toml", [*muon, "sft.train.optimizer=adamw", "dpo.train.optimizer=muon"])
+    recipe = load_recipe("recipes/post-demo.toml", [*muon, "sft.train.optimizer=adamw", "dpo.train.optimizer=muon"])
     kept = recipe.grpo.train.train_config(recipe.train)
     assert recipe.grpo.train.optimizer is None and kept.optimizer == "muon"
     assert kept.muon_adjust_lr == "match_rms_adamw" and kept.muon_ns_dtype == "float32"
@@ -43,10 +44,27 @@ def test_stage_optimizer_inherits_train_optimizer_unless_the_stage_sets_it():
     sft = recipe.sft.train.train_config(recipe.train)
     assert sft.optimizer == "adamw" and sft.muon_adjust_lr == "original" and sft.muon_ns_dtype == "auto"
     sft.validate()  # [train]'s muon_* keys tune pretraining's Muon; they do not reach the AdamW stage
-    adamw = load_recipe("recipes/tiny.toml", ["train.optimizer=adamw", "train.optimizer_impl=fused"])
+    adamw = load_recipe("recipes/post-demo.toml", ["train.optimizer=adamw", "train.optimizer_impl=fused"])
     assert adamw.sft.train.train_config(adamw.train).optimizer == "adamw"
     with pytest.raises(ConfigError, match="sft.train.optimizer"):
         load_recipe("recipes/tiny.toml", ["sft.train.optimizer=sgd"])
+
+
+def test_tiny_recipe_pretrains_with_muon_and_post_trains_with_adamw():
+    """The chain measured over three seeds (docs/benchmarks.md, "The tiny recipe")."""
+    recipe = load_recipe("recipes/tiny.toml")
+    assert (recipe.train.optimizer, recipe.train.muon_adjust_lr) == ("muon", "match_rms_adamw")
+    for stage in (recipe.sft, recipe.dpo, recipe.grpo):
+        cfg = stage.train.train_config(recipe.train)
+        assert cfg.optimizer == "adamw" and cfg.muon_adjust_lr == "original"
+    # Another pretraining optimizer on the command line: the recipe's Muon key is refused by name,
+    # with the value that clears it.
+    with pytest.raises(ConfigError, match=r"train.muon_adjust_lr: .*muon_adjust_lr = 'original', its default"):
+        load_recipe("recipes/tiny.toml", ["train.optimizer=adamw"])
+    assert (
+        load_recipe("recipes/tiny.toml", ["train.optimizer=adamw", "train.muon_adjust_lr=original"]).train.optimizer
+        == "adamw"
+    )
 
 
 def test_post_stages_do_not_inherit_the_pretraining_batch_ramp():
