@@ -39,6 +39,9 @@ SMALL = [
     'train.precision="fp32"',
     "train.compile=false",
     "train.micro_batch_size=8",
+    # AdamW, as measured in docs/benchmarks.md (the tiny recipe pretrains with Muon since 2026-12-07).
+    "train.optimizer=adamw",
+    "train.muon_adjust_lr=original",
 ]
 
 

@@ -50,6 +50,10 @@ def main() -> None:
     run_recipe(recipe, stages=["corpus", "tokenizer", "pack"])
     train = dataclasses.replace(
         recipe.train,
+        # The baseline is AdamW: the tiny recipe pretrains with Muon (since 2026-12-07), and each
+        # variant below switches on one method over this baseline.
+        optimizer="adamw",
+        muon_adjust_lr="original",
         seq_len=128,
         micro_batch_size=8,
         global_batch_tokens=1024,
