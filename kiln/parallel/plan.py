@@ -224,19 +224,18 @@ def stage_layer_ids(cfg: ModelConfig, pp: int, v: int = 1) -> list[list[int]]:
     """Layer ids held by each pipeline rank (virtual stage c lives on rank c % pp): the split the
     trainer makes (kiln.parallel.pipeline.split_layers, with the output head weighed by its FLOPs),
     so the memory predicted per rank is that of the layers the rank will really hold."""
-    from kiln.parallel.pipeline import head_weight_from_flops  # torch, only when pp > 1
+    from kiln.parallel.pipeline import head_weight_from_flops, split_layers  # torch, only when pp > 1
 
     if pp * v == 1:
         return [list(range(cfg.n_layers))]
-    return [list(ids) for ids in _rank_layer_ids(cfg.n_layers, pp, v, head_weight_from_flops(cfg))]
+    return [list(ids) for ids in _rank_layer_ids(split_layers, cfg.n_layers, pp, v, head_weight_from_flops(cfg))]
 
 
 @functools.lru_cache(maxsize=1024)
-def _rank_layer_ids(n_layers: int, pp: int, v: int, head_weight: float) -> tuple[tuple[int, ...], ...]:
+def _rank_layer_ids(split_layers, n_layers: int, pp: int, v: int, head_weight: float) -> tuple[tuple[int, ...], ...]:
     """Cached: a search asks for the same few splits once per candidate layout (thousands of times
-    for a 405B model, where the split alone was half of `kiln plan`'s search time)."""
-    from kiln.parallel.pipeline import split_layers  # torch, only when pp > 1
-
+    for a 405B model, where the split alone was half of `kiln plan`'s search time). `split_layers`
+    comes from the caller's one torch-importing import."""
     ids = [[] for _ in range(pp)]
     for c, layers in enumerate(split_layers(n_layers, pp * v, 0.0, head_weight)):
         ids[c % pp].extend(layers)
