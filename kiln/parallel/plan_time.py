@@ -82,21 +82,32 @@ def muon_seconds(
 ) -> float:
     """What Muon (kiln.train.muon) adds to the optimizer step of a rank whose pipeline stage holds
     `share` of the blocks: the Newton-Schulz iterations of its matrices (bf16 matmuls at the matmul
-    efficiency) and, where the matrices are sharded (FSDP, tensor parallelism), gathering each whole
-    and scattering its orthogonalised shards back, one matrix after another, nothing to overlap with.
-    Whole matrices (DDP) are orthogonalised on every rank; sharded ones by one owner each, turning
-    over the diagonal of their mesh (the smallest of its dimensions: HSDP's replicas, FSDP's shards,
-    tp), and HSDP's replicas also take the result by broadcast."""
+    efficiency) and, where the matrices are sharded, moving each whole to the rank that
+    orthogonalises it and its result back, with nothing to overlap. Whole matrices (DDP) are
+    orthogonalised on every rank. FSDP's and HSDP's row shards (no tensor parallelism) go in rounds
+    of as many matrices as there are shard ranks, two all-to-alls a round in which each rank sends
+    its own shards once; every shard rank orthogonalises one matrix a round, and HSDP's replicas
+    each do the same. Under tensor parallelism each matrix is gathered whole to every rank and
+    scattered from one owner, turning over the diagonal of its mesh (the smallest of its dimensions:
+    HSDP's replicas, FSDP's shards, tp), and HSDP's replicas also take the result by broadcast."""
     flops = state.newton_schulz_flops(work.muon_ns_steps) * share
     if not flops:
         return 0.0
     shards = lay.shard_degree if lay.zero else 1
     replicas = lay.dp_replicate if lay.zero else 1
     dims = [n for n in (replicas, shards, lay.tp) if n > 1]
+    rate = cluster.peak_flops * cluster.matmul_efficiency
     if not dims:  # plain tensors: no gathers, and every rank orthogonalises every matrix
-        return flops / (cluster.peak_flops * cluster.matmul_efficiency)
-    seconds = flops / min(dims) / (cluster.peak_flops * cluster.matmul_efficiency)
+        return flops / rate
     matrix_bytes = 4.0 * share * state.muon_params
+    matrices = share * sum(count for _, count in state.muon_shapes)
+    if lay.tp == 1 and shards > 1:
+        rounds = math.ceil(matrices / shards)
+        # Per all-to-all its launch and n - 1 steps; over all rounds (n - 1)/n of a rank's shards.
+        latency = NCCL_BASE_LATENCY + (shards - 1) * shard_link.step_latency
+        wire = (shards - 1) / shards * matrix_bytes / shards / shard_link.bw
+        return flops / shards / rate + 2 * (rounds * latency + wire)
+    seconds = flops / min(dims) / rate
     link = shard_link if shards > 1 else tp_link
     return seconds + 2 * _ring(shards * lay.tp, matrix_bytes, link) + _ring(replicas, matrix_bytes, rep_link)
 

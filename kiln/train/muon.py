@@ -18,8 +18,9 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from kiln.errors import ConfigError
 from kiln.parallel.pipeline import StageLayers
@@ -74,8 +75,9 @@ def lr_scale(adjust_lr_fn: str | None, shape: torch.Size) -> float:
 
 
 def orthogonalised_shard(update: DTensor, index: int, orthogonalise) -> DTensor:
-    """Muon's update of one sharded (FSDP or tensor-parallel) matrix: Newton-Schulz needs the whole
-    matrix, so its shards are gathered, one rank orthogonalises it and scatters each rank its shard;
+    """Muon's update of one sharded matrix in a layout that orthogonalised_row_shards does not take
+    (tensor parallelism, alone or under FSDP): Newton-Schulz needs the whole matrix, so its shards
+    are gathered, one rank orthogonalises it and scatters each rank its shard;
     rank for rank the result is the single-process update of the whole matrix. distribute_tensor
     takes the source as a group rank on every mesh dimension, so the owner is the rank at coordinate
     (k, k, ...), with k = index mod the smallest dimension: the iterations' FLOPs turn round those
@@ -90,10 +92,67 @@ def orthogonalised_shard(update: DTensor, index: int, orthogonalise) -> DTensor:
     return distribute_tensor(result, mesh, update.placements, src_data_rank=k)
 
 
+def row_sharded_dim(update: DTensor) -> int | None:
+    """The mesh dimension over which `update` is split by rows, when that is its only split: FSDP's
+    Shard(0), alone or beside HSDP's Replicate(). None for any other layout (tensor parallelism)."""
+    shards = [i for i, p in enumerate(update.placements) if p == Shard(0)]
+    rest_replicated = all(isinstance(p, Replicate) for i, p in enumerate(update.placements) if i not in shards)
+    return shards[0] if len(shards) == 1 and rest_replicated else None
+
+
+def _rows_per_rank(rows: int, world: int) -> list[int]:
+    # Shard(0) splits rows as torch.chunk does: ceil(rows / world) each, the last ones short or empty.
+    size = -(-rows // world)
+    return [max(0, min(size, rows - r * size)) for r in range(world)]
+
+
+def orthogonalised_row_shards(updates: list[DTensor], mesh_dim: int, orthogonalise) -> list[DTensor]:
+    """Muon's updates of matrices split by rows over one mesh dimension (FSDP, HSDP), in rounds of
+    as many matrices as that dimension has ranks: one all-to-all gives rank j the whole of the
+    round's j-th matrix, rank j orthogonalises it, and a second all-to-all returns each rank its rows
+    of every result. Two collectives per round, each moving a rank's own shards once, against a
+    gather of every whole matrix to every rank and a scatter per matrix in orthogonalised_shard;
+    the iterations' FLOPs are spread over all the shard ranks. HSDP's replicas (which hold the same
+    gradients) each do the same in their own shard group, so no broadcast is needed. Rank for rank
+    the result is the single-process update of each whole matrix."""
+    mesh = updates[0].device_mesh
+    group, world, rank = mesh.get_group(mesh_dim), mesh.size(mesh_dim), mesh.get_local_rank(mesh_dim)
+    results = []
+    for start in range(0, len(updates), world):
+        batch = updates[start : start + world]
+        locals_ = [u.to_local() for u in batch]
+        row_numel = [math.prod(u.shape[1:]) for u in batch]
+        splits = [_rows_per_rank(u.shape[0], world) for u in batch]
+        for local, rows in zip(locals_, splits):
+            if local.shape[0] != rows[rank]:  # a Shard(0) that did not split rows as torch.chunk does
+                raise RuntimeError(f"muon: a shard of {local.shape[0]} rows where {rows[rank]} were expected")
+        sent = [local.numel() for local in locals_] + [0] * (world - len(batch))
+        owned = [r * row_numel[rank] for r in splits[rank]] if rank < len(batch) else [0] * world
+        dtype, device = locals_[0].dtype, locals_[0].device
+        whole = torch.empty(sum(owned), dtype=dtype, device=device)
+        outgoing = torch.cat([local.reshape(-1) for local in locals_])
+        dist.all_to_all_single(whole, outgoing, owned, sent, group=group)
+        del outgoing  # at most a whole matrix and its result are held at once, as in orthogonalised_shard
+        if rank < len(batch):
+            # In the gradient's dtype, as in orthogonalised_shard (a bf16 result widens exactly).
+            result = orthogonalise(whole.view(batch[rank].shape)).to(dtype).reshape(-1)
+            del whole
+        else:
+            result = whole  # empty: this rank owns no matrix in a short last round
+        incoming = torch.empty(sum(sent), dtype=dtype, device=device)
+        dist.all_to_all_single(incoming, result.contiguous(), sent, owned, group=group)
+        for update, local, piece in zip(batch, locals_, incoming.split(sent[: len(batch)])):
+            shard = piece.view(local.shape)
+            results.append(
+                DTensor.from_local(shard, mesh, update.placements, shape=update.shape, stride=update.stride())
+            )
+    return results
+
+
 class Muon(torch.optim.Muon):
     """torch.optim.Muon with its Newton-Schulz matmuls in `ns_dtype`: torch's own step in bf16, and
     `step_in_dtype` (the same update, written out) otherwise and for sharded matrices (DTensors,
-    orthogonalised whole by orthogonalised_shard). The state (one momentum buffer per matrix) and
+    orthogonalised whole by orthogonalised_row_shards or orthogonalised_shard). The state (one momentum buffer per matrix) and
     param_groups are torch's, so a checkpoint resumes under either dtype."""
 
     def __init__(self, params, *, ns_dtype: torch.dtype, **kwargs):
@@ -120,6 +179,13 @@ class Muon(torch.optim.Muon):
             def orthogonalise(x, group=group):
                 return newton_schulz(x, group["ns_coefficients"], group["ns_steps"], group["eps"], self.ns_dtype)
 
+            def apply(p, update, group=group):
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+                p.add_(update, alpha=-group["lr"] * lr_scale(group["adjust_lr_fn"], p.shape))
+
+            # Row-sharded matrices wait for one batched exchange per (mesh, dim, dtype); each
+            # matrix's update is independent of the others', so the order they land in is free.
+            row_sharded: dict[tuple, list] = {}
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -130,12 +196,19 @@ class Muon(torch.optim.Muon):
                 buf.lerp_(p.grad, 1 - momentum)
                 update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
                 if isinstance(update, DTensor):
+                    mesh_dim = row_sharded_dim(update)
+                    if mesh_dim is not None:
+                        row_sharded.setdefault((update.device_mesh, mesh_dim, update.dtype), []).append((p, update))
+                        continue
                     update = orthogonalised_shard(update, index, orthogonalise)
                     index += 1
                 else:
                     update = orthogonalise(update)
-                p.mul_(1 - group["lr"] * group["weight_decay"])
-                p.add_(update, alpha=-group["lr"] * lr_scale(group["adjust_lr_fn"], p.shape))
+                apply(p, update)
+            for (_, mesh_dim, _), pairs in row_sharded.items():
+                params, updates = zip(*pairs)
+                for p, update in zip(params, orthogonalised_row_shards(list(updates), mesh_dim, orthogonalise)):
+                    apply(p, update)
         return loss
 
 

@@ -13,6 +13,7 @@ import pytest
 from kiln.errors import ConfigError
 from kiln.model.config import PRESETS, preset
 from kiln.parallel.hardware import GB, NCCL_BASE_LATENCY, ClusterConfig
+from kiln.parallel.optimizer_state import optimizer_state
 from kiln.parallel.plan import (
     AC_MODES,
     KILN,
@@ -38,6 +39,7 @@ from kiln.parallel.plan_time import (
     budget,
     estimate,
     layer_seconds_per_token,
+    muon_seconds,
     plan,
 )
 from kiln.pipeline_verbs import run as run_plan  # the plan verb: its recipe is read in the top layer
@@ -385,3 +387,31 @@ def test_kiln_selective_reruns_the_output_projection_and_the_memory_bound_ops():
     assert per["selective"] == pytest.approx(per["none"] + wo + t_mem / 3)
     # The search tries it for Kiln's model (and Megatron's only where attention is not flash).
     assert {lay.ac for lay in candidates(cfg, cluster, Workload(8192, 2**22))} == set(AC_MODES)
+
+
+def test_muon_row_shards_are_priced_as_batched_all_to_alls():
+    """FSDP's and HSDP's row shards (kiln.train.muon.orthogonalised_row_shards): the FLOPs over the
+    shard ranks and two all-to-alls per round of that many matrices, with no broadcast over HSDP's
+    replicas; tensor parallelism keeps the per-matrix gather and scatter, which costs more."""
+    cfg = preset("8b")
+    state = optimizer_state(cfg, "muon")
+    cluster, work = ClusterConfig("h100", 8, 1), Workload(8192, 8 * 8192, optimizer="muon")
+    link = Link(cluster.intra, 2e-6)
+    matrices = sum(count for _, count in state.muon_shapes)
+    rate = cluster.peak_flops * cluster.matmul_efficiency
+    flops = state.newton_schulz_flops(work.muon_ns_steps)
+
+    def expected(shards):
+        latency = NCCL_BASE_LATENCY + (shards - 1) * link.step_latency
+        wire = (shards - 1) / shards * 4 * state.muon_params / shards / link.bw
+        return flops / shards / rate + 2 * (-(-matrices // shards) * latency + wire)
+
+    fsdp = muon_seconds(state, Layout(dp_shard=8, zero=3), cluster, work, 1.0, link, link, link)
+    assert fsdp == pytest.approx(expected(8))
+    slow_replicas = Link(1.0, 1.0)  # a broadcast over the replicas would dominate
+    hsdp = muon_seconds(
+        state, Layout(dp_replicate=2, dp_shard=4, zero=3), cluster, work, 1.0, link, link, slow_replicas
+    )
+    assert hsdp == pytest.approx(expected(4))
+    tp = muon_seconds(state, Layout(dp_shard=4, tp=2, zero=3), cluster, work, 1.0, link, link, link)
+    assert tp > fsdp
