@@ -2,12 +2,14 @@
 all-to-alls per round of matrices, other layouts through a gather and scatter per matrix; either way
 each rank ends with its shard of the single-process update of the whole matrix."""
 
+import copy
 from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from kiln.train import muon as muon_module
@@ -80,6 +82,28 @@ def check_optimizer_step(mesh, placements, shard_ranks: int) -> None:
         assert torch.equal(q.full_tensor(), p.detach())
 
 
+def check_fsdp2_shards(mesh) -> None:
+    """FSDP2's own gradients (rows 5, 9 and 1 over 4 ranks: uneven and empty shards) take the
+    batched exchange, and the step is the one-process step."""
+    kwargs = dict(lr=0.02, momentum=0.95, ns_dtype=torch.float32)
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(*(torch.nn.Linear(i, o, bias=False) for i, o in ((3, 5), (5, 9), (9, 1))))
+    sharded = copy.deepcopy(plain)
+    for layer in sharded:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(sharded, mesh=mesh)
+    x = torch.randn(4, 3, generator=torch.Generator().manual_seed(2))
+    plain(x).square().sum().backward()
+    sharded(x).square().sum().backward()
+    reference, under_test = Muon(list(plain.parameters()), **kwargs), Muon(list(sharded.parameters()), **kwargs)
+    reference.step()
+    with _Counted(muon_module.dist, "all_to_all_single") as a2a:
+        under_test.step()
+    assert a2a.calls == 2  # three matrices, one round of four
+    for p, q in zip(plain.parameters(), sharded.parameters()):
+        torch.testing.assert_close(q.full_tensor(), p.detach(), rtol=0, atol=1e-6)
+
+
 def worker(rank: int, init_file: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     torch.set_num_threads(1)
@@ -87,6 +111,7 @@ def worker(rank: int, init_file: str) -> None:
         fsdp = init_device_mesh("cpu", (WORLD,))
         check_row_shards(fsdp, (Shard(0),), 0)
         check_optimizer_step(fsdp, (Shard(0),), WORLD)
+        check_fsdp2_shards(fsdp)
         # HSDP: 2 replicas of 2 shards. A round holds 2 matrices, so 6 make 3 rounds.
         hsdp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
         whole = _matrices(0)
