@@ -146,3 +146,17 @@ def test_nested_table_keeps_the_enclosing_defaults():
     assert recipe.dpo.train.max_steps == 40
     # DPO's own fine-tuning defaults survive a partial [dpo.train] override.
     assert recipe.dpo.train.lr == load_recipe(None).dpo.train.lr != load_recipe(None).sft.train.lr
+
+
+# Where Muon was measured against AdamW on the recipe's own model and data (docs/benchmarks.md):
+# tiny and chat over three seeds with their post stages, data-demo on one seed (tiny's model).
+MUON_RECIPES = {"tiny", "data-demo", "chat"}
+
+
+@pytest.mark.parametrize("name", ["tiny", "data-demo", "chat", "post-demo", "continual", "context-extension"])
+def test_recipes_pretrain_with_the_optimizer_measured_for_them(name):
+    train = load_recipe(f"recipes/{name}.toml").train
+    if name in MUON_RECIPES:
+        assert (train.optimizer, train.muon_adjust_lr) == ("muon", "match_rms_adamw")
+    else:
+        assert train.optimizer == "adamw"

@@ -67,6 +67,17 @@ def test_tiny_recipe_pretrains_with_muon_and_post_trains_with_adamw():
     )
 
 
+def test_chat_recipe_pretrains_with_muon_fine_tunes_with_adamw_and_ships_no_grpo():
+    """The chat chain measured over seeds (docs/benchmarks.md, "The chat recipe"): GRPO did not
+    raise held-out accuracy over SFT, so it is not in run.stages; its measured setting stays."""
+    recipe = load_recipe("recipes/chat.toml")
+    assert (recipe.train.optimizer, recipe.train.muon_adjust_lr) == ("muon", "match_rms_adamw")
+    assert recipe.run.stages == ["corpus", "data", "tokenizer", "pack", "pretrain", "sft", "export"]
+    for stage in (recipe.sft, recipe.grpo):
+        assert stage.train.train_config(recipe.train).optimizer == "adamw"
+    assert (recipe.grpo.prompt_seed, recipe.grpo.train.max_steps, recipe.grpo.train.lr) == (1, 200, 5e-5)
+
+
 def test_post_stages_do_not_inherit_the_pretraining_batch_ramp():
     recipe = load_recipe("recipes/tiny.toml", ["train.batch_ramp_steps=30", "train.batch_ramp_start_tokens=2048"])
     cfg = recipe.sft.train.train_config(recipe.train)
