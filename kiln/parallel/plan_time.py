@@ -101,7 +101,9 @@ def muon_seconds(
         return flops / rate
     matrix_bytes = 4.0 * share * state.muon_params
     matrices = share * sum(count for _, count in state.muon_shapes)
-    if lay.tp == 1 and shards > 1:
+    if lay.tp == 1 and lay.zero:
+        if shards == 1:  # replicas of one shard each: every rank orthogonalises every matrix, alone
+            return flops / rate
         rounds = math.ceil(matrices / shards)
         # Per all-to-all its launch and n - 1 steps; over all rounds (n - 1)/n of a rank's shards.
         latency = NCCL_BASE_LATENCY + (shards - 1) * shard_link.step_latency

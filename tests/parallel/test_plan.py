@@ -415,3 +415,8 @@ def test_muon_row_shards_are_priced_as_batched_all_to_alls():
     assert hsdp == pytest.approx(expected(4))
     tp = muon_seconds(state, Layout(dp_shard=4, tp=2, zero=3), cluster, work, 1.0, link, link, link)
     assert tp > fsdp
+    # HSDP with one shard per group: each replica orthogonalises everything itself, with no exchange.
+    alone = muon_seconds(
+        state, Layout(dp_replicate=8, dp_shard=1, zero=3), cluster, work, 1.0, link, link, slow_replicas
+    )
+    assert alone == pytest.approx(flops / rate)
