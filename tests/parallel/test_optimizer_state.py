@@ -101,8 +101,9 @@ def test_cluster_memory_and_time_follow_the_optimizer():
 
 
 def test_sharded_muon_spreads_newton_schulz_and_pays_the_gathers():
-    """Under FSDP each matrix is gathered whole, orthogonalised by one of the shards and scattered
-    back: a rank does 1/8 of the iterations and two fp32 rings of every matrix."""
+    """Under FSDP the matrices go in rounds of 8, two all-to-alls a round (kiln.train.muon's
+    orthogonalised_row_shards): a rank does 1/8 of the iterations and puts 7/8 of its own shards on
+    the wire twice, far less than gathering every whole matrix to every rank."""
     cfg, cluster = _8b(), ClusterConfig(gpu="h100", gpus_per_node=8, n_nodes=1)
     work = Workload(8192, 8 * 8192, "muon")
     fsdp, ddp = Layout(dp_shard=8, zero=3, ac="full"), Layout(dp_replicate=8, ac="full")
@@ -114,7 +115,7 @@ def test_sharded_muon_spreads_newton_schulz_and_pays_the_gathers():
     assert sharded.optimizer_time - memory_bound == pytest.approx(4 / 5 * newton_schulz / 8)
     gathers = sharded.optimizer_time - newton_schulz / 8
     matrices = 4 * state.muon_params
-    assert gathers > 2 * 7 / 8 * matrices / cluster.intra
+    assert 2 * 7 / 8 * matrices / 8 / cluster.intra < gathers < 2 * 7 / 8 * matrices / cluster.intra
     assert estimate(cfg, ddp, cluster, work).optimizer_time > sharded.optimizer_time  # every rank does all
     # The largest matrix (a 14336 x 4096 FFN weight) gathered whole, and its orthogonalised copy.
     adamw = memory(cfg, fsdp, Workload(8192, 8 * 8192))
