@@ -63,13 +63,15 @@ class StageTrainConfig:
     # changes from step to step and a compiled model recompiles; a recipe that compiles pretraining
     # (recipes/tiny.toml) turns it off here.
     compile: bool | None = None
-    # None keeps [train].optimizer. A stage that names another optimizer starts that optimizer's own
-    # keys (muon_*) from their defaults: [train]'s tune the pretraining optimizer, not this one.
-    optimizer: str | None = None
+    # A fine-tuning default like lr, not [train]'s: the chains measured over seeds pretrain with Muon
+    # or AdamW and fine-tune with AdamW (docs/benchmarks.md), and LoRA and adapters train with AdamW
+    # only. A stage that names [train]'s optimizer keeps [train]'s keys for it (muon_*); any other
+    # starts that optimizer's own keys from their defaults.
+    optimizer: str = "adamw"
 
     def validate(self) -> None:
-        if self.optimizer is not None and self.optimizer not in OPTIMIZERS:
-            raise ConfigError("optimizer", f"must be one of {', '.join(OPTIMIZERS)} (or unset), got {self.optimizer!r}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError("optimizer", f"must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
         if not 0 < self.lr < math.inf:  # also refuses NaN, which a config built in Python can hold
             raise ConfigError("lr", f"must be a positive finite number, got {self.lr}")
         if not 0 <= self.min_lr_ratio <= 1:
@@ -89,13 +91,13 @@ class StageTrainConfig:
             raise ConfigError("warmup_steps", f"must be in [0, max_steps={self.max_steps}), got {self.warmup_steps}")
 
     def train_config(self, base: TrainConfig) -> TrainConfig:
-        """`base` ([train]: precision, optimizer, compile, ...) with this stage's keys. The loop counts
+        """`base` ([train]: precision, compile, ...) with this stage's keys. The loop counts
         a micro-batch as micro_batch_size examples of seq_len (a preference pair is one example)."""
         values = dataclasses.asdict(self)
         tokens = values.pop("global_batch_tokens") or self.seq_len * self.micro_batch_size
         if values["compile"] is None:
             values.pop("compile")
-        if values["optimizer"] in (None, base.optimizer):
+        if values["optimizer"] == base.optimizer:
             values.pop("optimizer")
         else:
             values.update(MUON_DEFAULTS)

@@ -32,20 +32,19 @@ def test_stage_compile_inherits_train_compile_unless_the_stage_sets_it():
     assert again.dpo.train.train_config(again.train).compile is False
 
 
-def test_stage_optimizer_inherits_train_optimizer_unless_the_stage_sets_it():
-    # post-demo.toml names no stage optimizer (tiny.toml names AdamW for each post stage).
+def test_stage_optimizer_is_adamw_unless_the_stage_names_one():
+    # post-demo.toml names no stage optimizer.
     muon = ["train.optimizer=muon", "train.muon_adjust_lr=match_rms_adamw", "train.muon_ns_dtype=float32"]
-    recipe = load_recipe("recipes/post-demo.toml", [*muon, "sft.train.optimizer=adamw", "dpo.train.optimizer=muon"])
-    kept = recipe.grpo.train.train_config(recipe.train)
-    assert recipe.grpo.train.optimizer is None and kept.optimizer == "muon"
-    assert kept.muon_adjust_lr == "match_rms_adamw" and kept.muon_ns_dtype == "float32"
+    recipe = load_recipe("recipes/post-demo.toml", [*muon, "dpo.train.optimizer=muon", "rm.train.optimizer=lion"])
+    for stage in (recipe.sft, recipe.grpo, recipe.ppo, recipe.distill):
+        cfg = stage.train.train_config(recipe.train)
+        assert cfg.optimizer == "adamw" and cfg.muon_adjust_lr == "original" and cfg.muon_ns_dtype == "auto"
+        cfg.validate()  # [train]'s muon_* keys tune pretraining's Muon; they do not reach the AdamW stage
     same = recipe.dpo.train.train_config(recipe.train)  # naming [train]'s optimizer keeps its keys
-    assert same.optimizer == "muon" and same.muon_adjust_lr == "match_rms_adamw"
-    sft = recipe.sft.train.train_config(recipe.train)
-    assert sft.optimizer == "adamw" and sft.muon_adjust_lr == "original" and sft.muon_ns_dtype == "auto"
-    sft.validate()  # [train]'s muon_* keys tune pretraining's Muon; they do not reach the AdamW stage
-    adamw = load_recipe("recipes/post-demo.toml", ["train.optimizer=adamw", "train.optimizer_impl=fused"])
-    assert adamw.sft.train.train_config(adamw.train).optimizer == "adamw"
+    assert same.optimizer == "muon" and same.muon_adjust_lr == "match_rms_adamw" and same.muon_ns_dtype == "float32"
+    assert recipe.rm.train.train_config(recipe.train).optimizer == "lion"
+    lion = load_recipe("recipes/post-demo.toml", ["train.optimizer=lion", "train.optimizer_impl=foreach"])  # nor Lion
+    assert lion.sft.train.train_config(lion.train).optimizer == "adamw"
     with pytest.raises(ConfigError, match="sft.train.optimizer"):
         load_recipe("recipes/tiny.toml", ["sft.train.optimizer=sgd"])
 
@@ -54,7 +53,7 @@ def test_tiny_recipe_pretrains_with_muon_and_post_trains_with_adamw():
     """The chain measured over three seeds (docs/benchmarks.md, "The tiny recipe")."""
     recipe = load_recipe("recipes/tiny.toml")
     assert (recipe.train.optimizer, recipe.train.muon_adjust_lr) == ("muon", "match_rms_adamw")
-    for stage in (recipe.sft, recipe.dpo, recipe.grpo):
+    for stage in (recipe.sft, recipe.dpo, recipe.grpo, recipe.rm, recipe.ppo, recipe.distill):
         cfg = stage.train.train_config(recipe.train)
         assert cfg.optimizer == "adamw" and cfg.muon_adjust_lr == "original"
     # Another pretraining optimizer on the command line: the recipe's Muon key is refused by name,
