@@ -105,10 +105,8 @@ def muon_seconds(
         if shards == 1:  # replicas of one shard each: every rank orthogonalises every matrix, alone
             return flops / rate
         rounds = math.ceil(matrices / shards)
-        # Per all-to-all its launch and n - 1 steps; over all rounds (n - 1)/n of a rank's shards.
-        latency = NCCL_BASE_LATENCY + (shards - 1) * shard_link.step_latency
-        wire = (shards - 1) / shards * matrix_bytes / shards / shard_link.bw
-        return flops / shards / rate + 2 * (rounds * latency + wire)
+        # Two all-to-alls a round; a round's buffer is a rank's shards of that round's matrices.
+        return flops / shards / rate + 2 * rounds * _ring(shards, matrix_bytes / shards / rounds, shard_link)
     seconds = flops / min(dims) / rate
     link = shard_link if shards > 1 else tp_link
     return seconds + 2 * _ring(shards * lay.tp, matrix_bytes, link) + _ring(replicas, matrix_bytes, rep_link)
