@@ -29,9 +29,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from kiln.model import ModelConfig, build_model
-from kiln.train.muon import muon_split, newton_schulz, orthogonalised_row_shards, orthogonalised_shard
-
-COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's defaults (Keller Jordan's)
+from kiln.train.muon import Muon, lr_scale, muon_split, orthogonalised_row_shards, orthogonalised_shard
 
 
 def timed(fn, repeats: int) -> list[float]:
@@ -53,10 +51,9 @@ def worker(rank: int, world: int, init_file: str, args) -> None:
     torch.manual_seed(0)
     matrices, _ = muon_split(build_model(cfg))
     grads = [distribute_tensor(torch.randn_like(p) * 1e-3, mesh, (Shard(0),)) for p in matrices]
-    dtype = getattr(torch, args.ns_dtype)
-
-    def orthogonalise(x):
-        return newton_schulz(x, COEFFICIENTS, 5, 1e-7, dtype)
+    # The iteration Kiln's Muon steps with, torch's default coefficients, steps and eps.
+    kiln_muon = Muon([torch.nn.Parameter(torch.zeros(2, 2))], ns_dtype=getattr(torch, args.ns_dtype))
+    orthogonalise = kiln_muon.orthogonaliser(kiln_muon.param_groups[0])
 
     def per_matrix():
         return [orthogonalised_shard(g, i, orthogonalise) for i, g in enumerate(grads)]
@@ -77,7 +74,7 @@ def worker(rank: int, world: int, init_file: str, args) -> None:
     before = [p.detach().to_local().clone() for p in params]
     torch_muon.step()
     torch_error = max(
-        ((b - p.detach().to_local()) / (lr * max(1, p.shape[0] / p.shape[1]) ** 0.5) - e.to_local()).abs().max().item()
+        ((b - p.detach().to_local()) / (lr * lr_scale(None, p.shape)) - e.to_local()).abs().max().item()
         for b, p, e in zip(before, params, expected)
     )
     results = {

@@ -166,6 +166,15 @@ class Muon(torch.optim.Muon):
             return super().step(closure)
         return self.step_in_dtype(closure)
 
+    def orthogonaliser(self, group: dict):
+        """The Newton-Schulz iteration a step applies to `group`'s matrices (its coefficients, steps
+        and eps, torch's defaults unless set), in ns_dtype."""
+
+        def orthogonalise(x: torch.Tensor) -> torch.Tensor:
+            return newton_schulz(x, group["ns_coefficients"], group["ns_steps"], group["eps"], self.ns_dtype)
+
+        return orthogonalise
+
     @torch.no_grad()
     def step_in_dtype(self, closure=None):
         loss = None
@@ -175,9 +184,7 @@ class Muon(torch.optim.Muon):
         index = 0
         for group in self.param_groups:
             momentum = group["momentum"]
-
-            def orthogonalise(x, group=group):
-                return newton_schulz(x, group["ns_coefficients"], group["ns_steps"], group["eps"], self.ns_dtype)
+            orthogonalise = self.orthogonaliser(group)
 
             def apply(p, update, group=group):
                 p.mul_(1 - group["lr"] * group["weight_decay"])

@@ -13,7 +13,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from kiln.train import muon as muon_module
-from kiln.train.muon import Muon, newton_schulz, orthogonalised_row_shards, row_sharded_dim
+from kiln.train.muon import Muon, orthogonalised_row_shards, row_sharded_dim
 
 WORLD = 4
 # Rows that 4 ranks cannot split evenly (5 -> 2, 2, 1, 0; 1 -> 1, 0, 0, 0), tall and wide matrices,
@@ -27,7 +27,9 @@ def _matrices(seed: int) -> list[torch.Tensor]:
 
 
 def _orthogonalise(x: torch.Tensor) -> torch.Tensor:
-    return newton_schulz(x, (3.4445, -4.7750, 2.0315), 5, 1e-7, torch.float32)
+    """The float32 iteration Muon's step applies (torch's default coefficients, steps and eps)."""
+    muon = Muon([torch.nn.Parameter(torch.zeros(2, 2))], lr=0.02, ns_dtype=torch.float32)
+    return muon.orthogonaliser(muon.param_groups[0])(x)
 
 
 class _Counted:
