@@ -149,6 +149,11 @@ class Recipe:
                     f"{', '.join(generative)} need a decoder; model.arch = {arch_of(self.model)!r} runs "
                     f"corpus, data, tokenizer, pack and pretrain",
                 )
+        for name in (s for s in self.run.stages if s in POST_STAGES):
+            try:  # the stage's keys over [train]'s: a combination neither section can judge alone
+                getattr(self, name).train.train_config(self.train).validate()
+            except ConfigError as err:
+                raise ConfigError(f"{name}.train", f"with [train]'s other keys, {err.key}: {err.message}") from None
         if isinstance(self.model, T5Config):
             self._validate_t5()
         if "export" in self.run.stages:

@@ -49,6 +49,17 @@ def test_stage_optimizer_is_adamw_unless_the_stage_names_one():
         load_recipe("recipes/tiny.toml", ["sft.train.optimizer=sgd"])
 
 
+def test_a_stage_optimizer_that_contradicts_train_is_refused_at_load_under_the_stage():
+    """[train] optimizer_impl = "fused" and [sft.train] optimizer = "lion": each table is valid on
+    its own, so the stage's derived config is judged before any stage starts, named by stage."""
+    with pytest.raises(ConfigError, match=r"sft\.train: with \[train\]'s other keys, optimizer_impl: fused"):
+        load_recipe("recipes/tiny.toml", ["sft.train.optimizer=lion"])
+    recipe = load_recipe("recipes/tiny.toml", ["sft.train.optimizer=lion", "train.optimizer_impl=foreach"])
+    assert recipe.sft.train.train_config(recipe.train).optimizer == "lion"
+    # A stage the run does not list is not judged: dpo is not in tiny's run.stages.
+    load_recipe("recipes/tiny.toml", ["dpo.train.optimizer=lion"])
+
+
 def test_tiny_recipe_pretrains_with_muon_and_post_trains_with_adamw():
     """The chain measured over three seeds (docs/benchmarks.md, "The tiny recipe")."""
     recipe = load_recipe("recipes/tiny.toml")
