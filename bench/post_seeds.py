@@ -1,4 +1,6 @@
-"""Held-out task accuracy after each post-training stage of a recipe, over several training seeds.
+"""Held-out task accuracy after each post-training stage of a recipe, over several training seeds,
+and the pretrain stage's final validation loss (for recipes that stop at pretraining, such as
+tiny-bert and tiny-t5, that is the whole table).
 
 For each seed the script runs the recipe (default `recipes/post-demo.toml`) with `train.seed = SEED`
 (it seeds the model's initial weights, the SFT and DPO example order and the GRPO rollouts; the
@@ -54,7 +56,12 @@ def run_chain(recipe_path: str, seed: int, out: Path, overrides: list[str], with
                 "preferences": stats.get("heldout_preferences"),
             }
         )
-    return {"seconds": round(time.time() - started, 1), "chain": chain}
+    pretrain = results.get("pretrain") or {}
+    return {
+        "seconds": round(time.time() - started, 1),
+        "pretrain": {k: pretrain.get(k) for k in ("final_val_loss", "final_val_bpb", "train_s", "steps")},
+        "chain": chain,
+    }
 
 
 def print_table(rows: list[dict]) -> None:
@@ -77,7 +84,7 @@ def print_table(rows: list[dict]) -> None:
                 + "   "
                 + " ".join(f"{s['stage']} {s['after'] - s['before']:+.2f}" for s in r["chain"])
             )
-        for name, values in (("accuracy", afters), ("gain", gains)):
+        for name, values in (("accuracy", afters), ("gain", gains)) if stages else ():
             for stat, fn in (
                 ("mean", statistics.mean),
                 ("min", min),
@@ -89,6 +96,23 @@ def print_table(rows: list[dict]) -> None:
         for s in stages:
             raised = sum(g > 0 for g in gains[s])
             print(f"  {s}: raised accuracy over the stage before it in {raised} of {len(gains[s])} seeds")
+        print_pretraining(runs)
+
+
+def print_pretraining(runs: list[dict]) -> None:
+    """The pretrain stage's final validation loss (and bits per byte where the objective has them) and
+    training seconds, per seed; rows written before the bench recorded them are left out."""
+    runs = [r for r in runs if (r.get("pretrain") or {}).get("final_val_loss") is not None]
+    if not runs:
+        return
+    print(f"{'seed':>6} {'val loss':>9} {'val bpb':>8} {'train s':>8}   (pretrain stage)")
+    for r in runs:
+        p = r["pretrain"]
+        bpb = f"{p['final_val_bpb']:8.3f}" if p.get("final_val_bpb") is not None else f"{'-':>8}"
+        print(f"{r['seed']:>6} {p['final_val_loss']:9.3f} {bpb} {p['train_s']:8.0f}")
+    losses = [r["pretrain"]["final_val_loss"] for r in runs]
+    spread = statistics.stdev(losses) if len(losses) > 1 else 0.0
+    print(f"{'mean':>6} {statistics.mean(losses):9.3f}   min {min(losses):.3f} max {max(losses):.3f} std {spread:.3f}")
 
 
 def main() -> None:
@@ -120,7 +144,7 @@ def main() -> None:
             with open(results, "a") as f:
                 f.write(json.dumps(row) + "\n")
             print(
-                f"seed {seed} ({label}) {row['seconds']} s: "
+                f"seed {seed} ({label}) {row['seconds']} s: pretrain val loss {row['pretrain']['final_val_loss']}; "
                 + ", ".join(f"{s['stage']} {s['before']:.2f} -> {s['after']:.2f}" for s in row["chain"])
             )
     if args.table or args.seeds:

@@ -17,6 +17,11 @@ from kiln.recipe import POST_STAGES
 MODEL_STAGES = ("pretrain", *POST_STAGES)
 
 
+def _finite(value) -> bool:
+    """A number to print: summaries written before 2026-12-07 hold NaN where bits per byte is undefined."""
+    return isinstance(value, float) and math.isfinite(value)
+
+
 def _num(value) -> str:
     """A count with thousands separators; a float with 3 significant digits; '?' when absent."""
     if value is None or (isinstance(value, float) and not math.isfinite(value)):
@@ -41,7 +46,7 @@ def _headline(stage: str, stats: dict) -> str | None:
         )
     if stage == "pretrain":
         loss, bpb = stats.get("final_val_loss"), stats.get("final_val_bpb")
-        line = f"val loss {_num(loss)}" + (f" ({bpb:.2f} bits/byte)" if isinstance(bpb, float) else "")
+        line = f"val loss {_num(loss)}" + (f" ({bpb:.2f} bits/byte)" if _finite(bpb) else "")
         best = stats.get("best_val_loss")
         if isinstance(best, float) and best != loss:
             line += f", best {_num(best)}"

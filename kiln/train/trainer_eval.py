@@ -63,8 +63,11 @@ class Validation:
             )
         val_loss = total.item() / tokens
         # Bits per byte divides out the tokenizer: loss in nats per token -> bits per token -> per byte.
+        # Sources that count no text bytes (conversations, preference pairs, masked-token and
+        # span-corruption targets) have none: None, which metrics.jsonl and summary.json write as
+        # null (NaN is not JSON, and strict parsers refuse it).
         bytes_per_token = getattr(loader, "bytes_per_token", None)
-        val_bpb = val_loss / math.log(2) / bytes_per_token if bytes_per_token else float("nan")
+        val_bpb = val_loss / math.log(2) / bytes_per_token if bytes_per_token else None
         return {
             "val_loss": val_loss,
             "val_bpb": val_bpb,
@@ -153,11 +156,11 @@ class Validation:
 
 def validation_line(step: int, result: dict, stopped_early: bool = False) -> str:
     """The line an evaluation prints. Bits per byte only where it is defined: post-training sources
-    (conversations, preference pairs) count no text bytes, so their val_bpb is NaN and left out."""
+    (conversations, preference pairs) count no text bytes, so their val_bpb is None and left out."""
     bpb = result["val_bpb"]
     return (
         f"step {step} | val loss {result['val_loss']:.4f}"
-        + ("" if math.isnan(bpb) else f" | val bpb {bpb:.4f}")
+        + ("" if bpb is None else f" | val bpb {bpb:.4f}")
         + f" | on {result['val_tokens']} tokens, {result['val_sequences']} sequences"
         + (f" | replay val loss {result['val_loss/replay']:.4f}" if "val_loss/replay" in result else "")
         + (" | early stop" if stopped_early else "")

@@ -44,6 +44,15 @@ def short_recipe(stage: str, peft: str = "lora") -> Recipe:
     return recipe
 
 
+def strict_json(text: str):
+    """json.loads as a strict parser reads it: NaN and Infinity are errors, not numbers."""
+
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
 def test_every_post_stage_has_a_stage_module():
     assert set(STAGES) == set(POST_STAGES)
     assert all(STAGES[name].__module__ == f"kiln.post.{name}" for name in STAGES)
@@ -61,6 +70,13 @@ def test_driver_trains_measures_and_exports_a_lora_stage(tok, model_cfg, tmp_pat
     assert (tmp_path / stage / "adapter" / "adapter_config.json").is_file()
     assert (tmp_path / stage / "merged" / "model.safetensors").is_file()
     assert json.loads((tmp_path / stage / "stats.json").read_text())["peft"] == stats["peft"]
+    # Chat data counts no text bytes, so bits per byte is null there: never NaN, which is not JSON.
+    summary = strict_json((tmp_path / stage / "summary.json").read_text())
+    assert summary["final_val_bpb"] is None and summary["final_val_loss"] > 0
+    val = [
+        r for r in map(strict_json, (tmp_path / stage / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "val"
+    ]
+    assert val and all(r["val_bpb"] is None for r in val)
     assert f"[{stage}] held-out task accuracy" in capsys.readouterr().out
     if stage == "dpo":
         assert 0.0 <= stats["heldout_preferences"]["reward_accuracy"] <= 1.0

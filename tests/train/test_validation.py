@@ -89,8 +89,8 @@ def test_budgeted_validation_is_the_same_sample_at_every_evaluation_and_after_re
 
 
 def test_validation_line_leaves_out_an_undefined_bits_per_byte():
-    """Post-training sources count no text bytes (val_bpb is NaN): the line says loss and size only."""
-    result = {"val_loss": 0.41953, "val_bpb": float("nan"), "val_tokens": 802, "val_sequences": 43}
+    """Post-training sources count no text bytes (val_bpb is None): the line says loss and size only."""
+    result = {"val_loss": 0.41953, "val_bpb": None, "val_tokens": 802, "val_sequences": 43}
     assert validation_line(800, result) == "step 800 | val loss 0.4195 | on 802 tokens, 43 sequences"
     result = {**result, "val_bpb": 1.36891, "val_loss/replay": 3.5}
     assert validation_line(600, result, stopped_early=True) == (
