@@ -108,6 +108,6 @@ def test_data_stage_headlines_use_thousands_separators(tmp_path):
 
 @pytest.mark.parametrize("bpb", [None, float("nan")])  # null since 2026-12-07; NaN in older summaries
 def test_pretrain_headline_leaves_out_bits_per_byte_where_the_objective_has_none(tmp_path, bpb):
-    """A BERT or T5 pretrain (masked tokens, spans) counts no text bytes: loss and size only."""
+    """A BERT pretrain (masked tokens) counts no text bytes: loss and size only."""
     stats = {"final_val_loss": 7.5916, "final_val_bpb": bpb, "best_val_loss": 7.5916, "steps": 20, "tokens_seen": 6004}
     assert stage_lines("pretrain", tmp_path, stats)[0] == "[pretrain] val loss 7.59 after 20 steps, 6,004 tokens"

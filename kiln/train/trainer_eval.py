@@ -63,8 +63,8 @@ class Validation:
             )
         val_loss = total.item() / tokens
         # Bits per byte divides out the tokenizer: loss in nats per token -> bits per token -> per byte.
-        # Sources that count no text bytes (conversations, preference pairs, masked-token and
-        # span-corruption targets) have none: None, which metrics.jsonl and summary.json write as
+        # Sources that count no text bytes (conversations, preference pairs, BERT's masked
+        # tokens) have none: None, which metrics.jsonl and summary.json write as
         # null (NaN is not JSON, and strict parsers refuse it).
         bytes_per_token = getattr(loader, "bytes_per_token", None)
         val_bpb = val_loss / math.log(2) / bytes_per_token if bytes_per_token else None
