@@ -2,7 +2,9 @@
 from A's weights with A's tokenizer, replay fraction 0 and 0.25, and print each run's loss on A's
 validation split (val_loss/replay) and on B's. Runs recipes/continual.toml through `kiln run`'s stages.
 
-    python bench/continual.py [--out runs] [--steps-b 80] [--fractions 0,0.25]
+    python bench/continual.py [--out runs] [--steps-b 80] [--fractions 0,0.25] [--set KEY=VALUE ...]
+
+--set applies the same dotted overrides to A and to every B (train.seed=1338, train.optimizer=muon).
 """
 
 from __future__ import annotations
@@ -25,10 +27,11 @@ def main() -> None:
     p.add_argument("--out", default="runs")
     p.add_argument("--steps-b", type=int, default=80, help="train.max_steps of the continued runs")
     p.add_argument("--fractions", default="0,0.25")
+    p.add_argument("--set", dest="overrides", nargs="*", default=[], help="dotted overrides for A and B")
     args = p.parse_args()
     print(cpu_line(), flush=True)
     started = time.time()
-    a = load_recipe(RECIPE, [f"run.out_dir={args.out}"])
+    a = load_recipe(RECIPE, [f"run.out_dir={args.out}", *args.overrides])
     a_summary = run_recipe(a)["pretrain"]
     rows = [{"run": a.run.name, "fraction": None, "val_loss_A": a_summary["final_val_loss"], "val_loss_B": None}]
     for fraction in (float(f) for f in args.fractions.split(",")):
@@ -42,6 +45,7 @@ def main() -> None:
                 f"train.replay.pack={a.run_dir / 'pack'}",
                 f"train.replay.fraction={fraction}",
                 f"train.max_steps={args.steps_b}",
+                *args.overrides,
             ],
         )
         s = run_recipe(b, init_from=str(a.run_dir / "pretrain"))["pretrain"]

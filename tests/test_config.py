@@ -149,11 +149,15 @@ def test_nested_table_keeps_the_enclosing_defaults():
 
 
 # Where Muon was measured against AdamW on the recipe's own model and data (docs/benchmarks.md):
-# tiny and chat over three seeds with their post stages, data-demo on one seed (tiny's model).
-MUON_RECIPES = {"tiny", "data-demo", "chat"}
+# tiny and chat over three seeds with their post stages, data-demo on one seed (tiny's model),
+# tiny-t5, tiny-bert (lr tuned for each optimizer), crawl-demo and continual (A and B) over three seeds.
+MUON_RECIPES = {"tiny", "data-demo", "chat", "tiny-t5", "tiny-bert", "crawl-demo", "continual"}
 
 
-@pytest.mark.parametrize("name", ["tiny", "data-demo", "chat", "post-demo", "continual", "context-extension"])
+@pytest.mark.parametrize(
+    "name",
+    ["tiny", "data-demo", "chat", "tiny-t5", "tiny-bert", "crawl-demo", "post-demo", "continual", "context-extension"],
+)
 def test_recipes_pretrain_with_the_optimizer_measured_for_them(name):
     train = load_recipe(f"recipes/{name}.toml").train
     if name in MUON_RECIPES:
