@@ -59,7 +59,7 @@ def run_chain(recipe_path: str, seed: int, out: Path, overrides: list[str], with
     pretrain = results.get("pretrain") or {}
     return {
         "seconds": round(time.time() - started, 1),
-        "pretrain": {k: pretrain.get(k) for k in ("final_val_loss", "final_val_bpb", "train_s", "steps")},
+        "pretrain": {k: pretrain.get(k) for k in ("final_val_loss", "final_val_bpb", "train_s")},
         "chain": chain,
     }
 
@@ -97,6 +97,11 @@ def print_table(rows: list[dict]) -> None:
             raised = sum(g > 0 for g in gains[s])
             print(f"  {s}: raised accuracy over the stage before it in {raised} of {len(gains[s])} seeds")
         print_pretraining(runs)
+
+
+def loss_text(pretrain: dict) -> str:
+    loss = pretrain.get("final_val_loss")
+    return "-" if loss is None else f"{loss:.3f}"  # None: a chain without a pretrain stage
 
 
 def print_pretraining(runs: list[dict]) -> None:
@@ -144,7 +149,7 @@ def main() -> None:
             with open(results, "a") as f:
                 f.write(json.dumps(row) + "\n")
             print(
-                f"seed {seed} ({label}) {row['seconds']} s: pretrain val loss {row['pretrain']['final_val_loss']}; "
+                f"seed {seed} ({label}) {row['seconds']} s: pretrain val loss {loss_text(row['pretrain'])}; "
                 + ", ".join(f"{s['stage']} {s['before']:.2f} -> {s['after']:.2f}" for s in row["chain"])
             )
     if args.table or args.seeds:
