@@ -289,6 +289,12 @@ def _packed_linear_shape(x, key):
     return x.new_empty(*x.shape[:-1], layer.out_features, dtype=layer.dtype)
 
 
+def frozen_trace() -> bool:
+    """Whether a trace now turns module weights into graph constants (inductor's freezing, which
+    dynamo applies only with gradients off)."""
+    return bool(torch._inductor.config.freezing) and not torch.is_grad_enabled()
+
+
 PACKABLE_DTYPES = (torch.bfloat16, torch.float32)
 
 
@@ -330,8 +336,12 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x.to(self.dtype), self.packed, self.bias, "none", [], "")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling():  # Engine(compile_decode=True): one opaque op in the graph
+        if torch.compiler.is_compiling() and not frozen_trace():
+            # The opaque weight cannot be a graph input of oneDNN's op in inductor, so the layer is one
+            # custom op that reads it from _PACKED_LAYERS: a call back into Python per layer and step.
             return packed_linear(x, self.key)
+        # Eager, or traced under freezing (CompiledDecoder on a prepacked model): there the packed
+        # weight becomes a graph constant and inductor calls oneDNN from its C++ wrapper directly.
         return self.linear(x)
 
     def extra_repr(self) -> str:

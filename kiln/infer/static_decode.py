@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from kiln.errors import ConfigError
+from kiln.infer.quant import PackedLinear
 
 # torch.compile keeps at most this many graphs per code object; one per (batch, cache length, dtype).
 _RECOMPILE_LIMIT = 32
@@ -95,18 +96,33 @@ class CompiledDecoder:
     function; torch.compile caches a graph per input shape, and the bucketed cache lengths keep those
     few. Inductor's C++ wrapper (cpp_wrapper) calls the kernels from C++ instead of a Python function:
     at one token per step the Python wrapper's per-kernel overhead is a measurable part of the step
-    (docs/benchmarks.md). The weights are read as graph inputs, not folded in (no freezing), so the
-    graph stays right if they change in place; guards recompile if they are replaced."""
+    (docs/benchmarks.md).
+
+    The weights of a plain model are read as graph inputs, not folded in, so the graph stays right if
+    they change in place (RL rollouts); guards recompile if they are replaced. A prepacked model
+    (PackedLinear layers, which cannot change in place anyway) is traced under inductor's freezing:
+    its weights become graph constants, so each packed linear is a direct oneDNN call from C++
+    instead of a custom op that calls back into Python (one per layer and step)."""
 
     def __init__(self, model, backend: str = "inductor"):
         check_compilable(model)
         self.model = model
+        prepacked = any(isinstance(m, PackedLinear) for m in model.modules())
+        self._freezing = torch._inductor.config.patch(freezing=True) if prepacked else None
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, _RECOMPILE_LIMIT)
         options = {"cpp_wrapper": True} if backend == "inductor" else None
         self._step = torch.compile(self._forward, backend=backend, dynamic=False, fullgraph=True, options=options)
 
     def _forward(self, tokens: torch.Tensor, lengths: torch.Tensor, k: list[torch.Tensor], v: list[torch.Tensor]):
         return self.model(tokens, kv_cache=StaticStepCache(k, v, lengths))[:, -1].float()
+
+    def step(self, tokens: torch.Tensor, lengths: torch.Tensor, k: list[torch.Tensor], v: list[torch.Tensor]):
+        if self._freezing is None:
+            return self._step(tokens, lengths, k, v)
+        # Every call, not only the first: dynamo reads the flag while it traces and guards on it, so a
+        # call without it would retrace the graph unfrozen. The patch costs ~5-10 us of a ~4 ms step.
+        with self._freezing:
+            return self._step(tokens, lengths, k, v)
 
     def start(self, cache) -> "StaticDecode":
         """Decode from a prefilled KVCache (its keys and values are copied, once, into per-layer tensors)."""
@@ -127,4 +143,4 @@ class StaticDecode:
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [B, 1] (one per row, finished rows included) -> float32 logits [B, vocab]."""
-        return self.decoder._step(tokens, self.lengths, self.k, self.v)
+        return self.decoder.step(tokens, self.lengths, self.k, self.v)

@@ -13,6 +13,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from kiln.errors import ConfigError
+from kiln.infer import quant
 from kiln.infer.engine import Engine
 from kiln.infer.quant import prepack_model
 from kiln.infer.static_decode import CompiledDecoder, cache_length
@@ -48,6 +49,14 @@ def assert_same(eager, static):
         assert b.ids == a.ids
         assert b.finish_reason == a.finish_reason
         torch.testing.assert_close(b.logprobs, a.logprobs, rtol=0, atol=1e-4)
+
+
+def assert_same_bf16(reference, static):
+    """The same tokens, log-probabilities within bf16's rounding (inductor folds the frozen weights
+    into its kernels in another order)."""
+    for a, b in zip(reference, static):
+        assert b.ids == a.ids
+        torch.testing.assert_close(b.logprobs, a.logprobs, rtol=0.02, atol=0.02)
 
 
 def test_cache_length_buckets():
@@ -143,3 +152,38 @@ def test_prepacked_fp32_weights_compile_and_give_the_eager_tokens():
     assert graphs_and_recompiles() == (1, 0)
     one = PROMPTS[1:2]
     assert_same(Engine(packed).generate(one, **kwargs), compiled_engine(packed).generate(one, **kwargs))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_inductor_calls_prepacked_weights_without_python(dtype, monkeypatch):
+    """A prepacked model is traced under freezing: the packed weights become graph constants and
+    inductor calls oneDNN itself, so no step calls back into PackedLinear (the custom op would, once
+    per layer and step), and the tokens do not change."""
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("oneDNN has no bf16 kernels on this CPU (AVX2 only)")
+    packed = prepack_model(tiny_model().to(dtype))
+    kwargs = dict(max_new_tokens=20, temperature=0)
+    torch._dynamo.reset()
+    unfrozen = Engine(packed, compile_decode=True)
+    unfrozen.decoder._freezing = None  # every packed linear through the custom op
+    # fp32: eager decode's tokens; bf16: the compiled step keeps its cache and attention in fp32,
+    # so the reference is the same step traced without freezing.
+    reference = (Engine(packed) if dtype == torch.float32 else unfrozen).generate(PROMPTS, **kwargs)
+    compiled = Engine(packed, compile_decode=True)
+    check = assert_same if dtype == torch.float32 else assert_same_bf16
+    check(reference, compiled.generate(PROMPTS, **kwargs))  # the first call traces and compiles
+    looked_up = []  # what kiln::packed_linear's Python kernel reads its layer from, at every call
+    layers = quant._PACKED_LAYERS
+    monkeypatch.setattr(quant, "_PACKED_LAYERS", _Recording(layers, looked_up))
+    check(reference, compiled.generate(PROMPTS, **kwargs))
+    assert looked_up == []
+
+
+class _Recording:
+    def __init__(self, layers, keys: list):
+        self.layers, self.keys = layers, keys
+
+    def __getitem__(self, key):
+        self.keys.append(key)
+        return self.layers[key]
