@@ -150,8 +150,9 @@ def test_nested_table_keeps_the_enclosing_defaults():
 
 # Where Muon was measured against AdamW on the recipe's own model and data (docs/benchmarks.md):
 # tiny and chat over three seeds with their post stages, data-demo on one seed (tiny's model),
-# tiny-t5, tiny-bert (lr tuned for each optimizer), crawl-demo and continual (A and B) over three seeds.
-MUON_RECIPES = {"tiny", "data-demo", "chat", "tiny-t5", "tiny-bert", "crawl-demo", "continual"}
+# tiny-t5, tiny-bert (lr tuned for each optimizer), crawl-demo and continual (A and B) over three seeds,
+# post-demo over three seeds of its SFT.
+MUON_RECIPES = {"tiny", "data-demo", "chat", "tiny-t5", "tiny-bert", "crawl-demo", "continual", "post-demo"}
 
 
 @pytest.mark.parametrize(

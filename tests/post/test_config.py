@@ -43,7 +43,10 @@ def test_stage_optimizer_is_adamw_unless_the_stage_names_one():
     same = recipe.dpo.train.train_config(recipe.train)  # naming [train]'s optimizer keeps its keys
     assert same.optimizer == "muon" and same.muon_adjust_lr == "match_rms_adamw" and same.muon_ns_dtype == "float32"
     assert recipe.rm.train.train_config(recipe.train).optimizer == "lion"
-    lion = load_recipe("recipes/post-demo.toml", ["train.optimizer=lion", "train.optimizer_impl=foreach"])  # nor Lion
+    lion = load_recipe(  # nor Lion
+        "recipes/post-demo.toml",
+        ["train.optimizer=lion", "train.muon_adjust_lr=original", "train.optimizer_impl=foreach"],
+    )
     assert lion.sft.train.train_config(lion.train).optimizer == "adamw"
     with pytest.raises(ConfigError, match="sft.train.optimizer"):
         load_recipe("recipes/tiny.toml", ["sft.train.optimizer=sgd"])
