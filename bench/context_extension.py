@@ -8,6 +8,11 @@ positions past its context are unseen), with the scaled RoPE before any training
 
     python bench/context_extension.py
     python bench/context_extension.py --type linear --long-steps 200
+    python bench/context_extension.py --set train.optimizer=muon train.muon_adjust_lr=match_rms_adamw \
+        --extend-set train.optimizer=adamw train.muon_adjust_lr=original
+
+--set applies dotted overrides to every run (the base, the extension and the control; after SMALL, so
+they win over it); --extend-set only to the extension and the control that matches it.
 """
 
 from __future__ import annotations
@@ -58,6 +63,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--base-steps", type=int, default=300)
     p.add_argument("--long-steps", type=int, default=100)
     p.add_argument("--out", default=None, help="run folder (default: a temporary one)")
+    p.add_argument("--set", dest="overrides", nargs="*", default=[], help="dotted overrides for every run")
+    p.add_argument("--extend-set", nargs="*", default=[], help="dotted overrides for the extension and its control")
     return p.parse_args(argv)
 
 
@@ -66,7 +73,7 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
     out = Path(args.out or tempfile.mkdtemp(prefix="kiln-ctx-"))
     short, long = args.short, 4 * args.short
     started = time.time()
-    common = [*SMALL, f'run.out_dir="{out}"']
+    common = [*SMALL, *args.overrides, f'run.out_dir="{out}"']
     base = load_recipe(
         "recipes/tiny.toml",
         [
@@ -99,6 +106,7 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
             f"train.eval_every={args.long_steps}",
             f"train.ckpt_every={args.long_steps}",
             "train.warmup_steps=10",
+            *args.extend_set,
         ],
     )
     run_recipe(extended, ["corpus", "tokenizer", "pack"])
