@@ -16,6 +16,7 @@ input, and sampling draws from per-row generators outside the graph.
 from __future__ import annotations
 
 import torch
+import torch._inductor.config  # the freezing flag CompiledDecoder sets; not imported by `import torch`
 
 from kiln.errors import ConfigError
 from kiln.infer.quant import PackedLinear
