@@ -291,7 +291,8 @@ def _packed_linear_shape(x, key):
 
 def frozen_trace() -> bool:
     """Whether a trace now turns module weights into graph constants (inductor's freezing, which
-    dynamo applies only with gradients off)."""
+    dynamo applies only with gradients off). The same test as torch._dynamo.utils.is_parameter_freezing,
+    which dynamo refuses to trace (a graph break inside the compiled step), so it is written out here."""
     return bool(torch._inductor.config.freezing) and not torch.is_grad_enabled()
 
 

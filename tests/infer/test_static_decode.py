@@ -133,8 +133,9 @@ def test_inductor_greedy_equals_eager():
     not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="oneDNN has no bf16 kernels on this CPU (AVX2 only)"
 )
 def test_prepacked_bf16_weights_compile_and_give_the_unpacked_tokens():
-    """PackedLinear's opaque oneDNN weight reaches the graph through the kiln::packed_linear op;
-    prepacking is bit-identical to F.linear, so the tokens are those of the plain bf16 model."""
+    """PackedLinear's opaque oneDNN weight reaches the graph (as a constant: the step of a prepacked
+    model is traced under freezing); prepacking is bit-identical to F.linear, so the tokens are those
+    of the plain bf16 model."""
     model = tiny_model().to(torch.bfloat16)
     kwargs = dict(max_new_tokens=20, temperature=0)
     plain = compiled_engine(model).generate(PROMPTS, **kwargs)
@@ -144,8 +145,8 @@ def test_prepacked_bf16_weights_compile_and_give_the_unpacked_tokens():
 
 
 def test_prepacked_fp32_weights_compile_and_give_the_eager_tokens():
-    """fp32 packed weights reach the graph through the kiln::packed_linear op as bf16 ones do, at a
-    step of four streams and of one, with the tokens of eager decode on the same packed model."""
+    """fp32 packed weights reach the graph as bf16 ones do, at a step of four streams and of one, with
+    the tokens of eager decode on the same packed model."""
     packed = prepack_model(copy.deepcopy(tiny_model()))
     kwargs = dict(max_new_tokens=20, temperature=0)
     assert_same(Engine(packed).generate(PROMPTS, **kwargs), compiled_engine(packed).generate(PROMPTS, **kwargs))
