@@ -68,11 +68,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def measure(args: argparse.Namespace) -> dict[str, float]:
-    """Row name -> val loss, in the order printed."""
-    out = Path(args.out or tempfile.mkdtemp(prefix="kiln-ctx-"))
+def recipes(args: argparse.Namespace, out: Path):
+    """(base, extension) recipes: the base at --short tokens, the extension at 4x with --type scaling;
+    --set over both, --extend-set over the extension (and so over the control built from it)."""
     short, long = args.short, 4 * args.short
-    started = time.time()
     common = [*SMALL, *args.overrides, f'run.out_dir="{out}"']
     base = load_recipe(
         "recipes/tiny.toml",
@@ -87,8 +86,6 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
             f"train.ckpt_every={args.base_steps}",
         ],
     )
-    base_stats = run_recipe(base)["pretrain"]
-    checkpoint = stage_dir(base, "pretrain") / "checkpoints"
     scaling = {"type": args.type, "factor": 4.0}
     if args.type != "linear":
         scaling["original_max_seq_len"] = short
@@ -109,6 +106,17 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
             *args.extend_set,
         ],
     )
+    return base, extended
+
+
+def measure(args: argparse.Namespace) -> dict[str, float]:
+    """Row name -> val loss, in the order printed."""
+    out = Path(args.out or tempfile.mkdtemp(prefix="kiln-ctx-"))
+    short, long = args.short, 4 * args.short
+    started = time.time()
+    base, extended = recipes(args, out)
+    base_stats = run_recipe(base)["pretrain"]
+    checkpoint = stage_dir(base, "pretrain") / "checkpoints"
     run_recipe(extended, ["corpus", "tokenizer", "pack"])
     model_cfg = resolved_model_config(extended)
     plain = dataclasses.replace(model_cfg, rope_scaling=None)
